@@ -1,0 +1,101 @@
+"""The exception tree of chaos-flwr.
+
+Every error raised on purpose by chaos-flwr is a :class:`ChaosError`, so a caller can catch the
+whole family in one place. Each subclass names one kind of failure and carries a message that
+says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChaosError",
+    "CharterError",
+    "ConfigError",
+    "DecodeError",
+    "EquivocationError",
+    "KeyFileError",
+    "OversizeError",
+    "PlanError",
+    "PolicyError",
+    "ProfileError",
+    "ReplayError",
+    "ShardIntegrityError",
+    "SignatureError",
+    "StaleIncarnationError",
+    "StoreError",
+    "TransferError",
+    "TransportError",
+    "UnknownPartyError",
+]
+
+
+class ChaosError(Exception):
+    """Base class of every error chaos-flwr raises on purpose."""
+
+
+class PlanError(ChaosError, ValueError):
+    """The shard planner was given input it cannot plan for (the message names the field)."""
+
+
+class DecodeError(ChaosError, ValueError):
+    """Bytes from the network or disk are truncated, malformed or not canonical."""
+
+
+class OversizeError(DecodeError):
+    """Input is larger than the configured limit and was refused before it was parsed."""
+
+
+class SignatureError(ChaosError):
+    """A signature is missing, malformed, or does not verify under the claimed key."""
+
+
+class UnknownPartyError(SignatureError):
+    """A message claims a sender whose public key this party does not know."""
+
+
+class ReplayError(ChaosError):
+    """An envelope was already seen (same sender, incarnation and sequence number) or is too old."""
+
+
+class StaleIncarnationError(ReplayError):
+    """An envelope or record carries an incarnation older than the one already known."""
+
+
+class PolicyError(ChaosError):
+    """A record or request does not carry what the federation's charter demands."""
+
+
+class CharterError(ChaosError, ValueError):
+    """A charter file is malformed, has unknown or bad fields, or is not signed by its founders."""
+
+
+class KeyFileError(ChaosError, OSError):
+    """A key file is missing, unreadable, has the wrong type, or is not an Ed25519 key."""
+
+
+class ShardIntegrityError(ChaosError):
+    """A shard, manifest or state does not match the digest it was certified with."""
+
+
+class EquivocationError(ChaosError):
+    """The relay (or a party) presented different content for the same round to different parties."""
+
+
+class StoreError(ChaosError, OSError):
+    """A replica file is missing, corrupt, foreign, or could not be written safely."""
+
+
+class TransferError(ChaosError):
+    """A state transfer cannot finish: no live donor holds the missing shards."""
+
+
+class TransportError(ChaosError, OSError):
+    """A carrier could not deliver bytes (peer unreachable, link closed)."""
+
+
+class ProfileError(ChaosError, ValueError):
+    """A strategy profile is missing, malformed, or names an unknown strategy or field."""
+
+
+class ConfigError(ChaosError, ValueError):
+    """A party setting (Flower ``node_config``, scenario, WAN profile) is missing or wrong."""
