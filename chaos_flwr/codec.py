@@ -152,7 +152,8 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
 
 def _need(view: memoryview, pos: int, n: int) -> None:
     if pos + n > len(view):
-        raise DecodeError(f"truncated input: need {n} bytes at offset {pos}, have {len(view) - pos}")
+        have = len(view) - pos
+        raise DecodeError(f"truncated input: need {n} bytes at offset {pos}, have {have}")
 
 
 def _decode_at(view: memoryview, pos: int, depth: int) -> tuple[Any, int]:

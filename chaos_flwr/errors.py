@@ -78,7 +78,7 @@ class ShardIntegrityError(ChaosError):
 
 
 class EquivocationError(ChaosError):
-    """The relay (or a party) presented different content for the same round to different parties."""
+    """The relay (or a party) showed different content for one round to different parties."""
 
 
 class StoreError(ChaosError, OSError):
