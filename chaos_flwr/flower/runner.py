@@ -1,0 +1,336 @@
+"""Launch Flower runs from Python, bounded in time, and stop every process they started.
+
+``flwr run`` on a local simulation federation starts a detached background SuperLink (on port
+39091 by default) and leaves it running. This runner starts the SuperLink itself instead, on free
+loopback ports chosen per run and with a private ``FLWR_HOME``, so that ``flwr run`` finds it and
+starts none of its own; when the run ends (or times out) the runner stops the SuperLink and every
+process below it (SuperExec, the simulation process, Ray's workers) by process id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos_flwr.defaults import (
+    FLOWER_RUN_TIMEOUT_S,
+    FLOWER_STOP_GRACE_S,
+    FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+)
+from chaos_flwr.errors import ConfigError, TransportError
+
+__all__ = [
+    "FLOWER_ENV",
+    "SimulationRun",
+    "descendants",
+    "flower_env",
+    "free_port",
+    "run_simulation_app",
+    "stop_process_tree",
+]
+
+#: Environment every Flower process started by chaos-flwr gets.
+FLOWER_ENV: dict[str, str] = {
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+}
+
+
+@dataclass
+class SimulationRun:
+    """What one simulation run left behind.
+
+    Attributes
+    ----------
+    returncode:
+        Exit code of ``flwr run`` (0 on success).
+    results:
+        The JSON the example's ServerApp wrote to ``results-path`` (empty if none).
+    wall_s:
+        Wall time of ``flwr run``, SuperLink start excluded.
+    log:
+        Combined stdout/stderr of ``flwr run --stream``.
+    pids:
+        Every process id the runner saw under its SuperLink (all stopped on return).
+    """
+
+    returncode: int
+    results: dict[str, Any]
+    wall_s: float
+    log: str
+    pids: list[int] = field(default_factory=list)
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def flower_env(flwr_home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a Flower process: quiet, offline, with its own ``FLWR_HOME``."""
+    env = dict(os.environ)
+    env.update(FLOWER_ENV)
+    env["FLWR_HOME"] = str(flwr_home)
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # the command name (field 2) may hold spaces; fields after the last ')' are fixed
+        fields = stat[stat.rfind(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (children, grandchildren, ...), read from ``/proc``."""
+    children = _children_map()
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :].split()[0] != "Z"
+
+
+def stop_process_tree(
+    proc: subprocess.Popen[Any], grace_s: float = FLOWER_STOP_GRACE_S
+) -> list[int]:
+    """Stop ``proc`` and all its descendants by pid: SIGTERM, then SIGKILL after ``grace_s``.
+
+    Returns the pids that were signalled. Descendants are collected before the first signal
+    (and again before SIGKILL), so processes re-parented to init on their parent's death are
+    still found.
+    """
+    seen = [proc.pid, *descendants(proc.pid)]
+    for pid in seen:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in seen):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+    for pid in seen:
+        if _alive(pid):
+            for child in descendants(pid):
+                if child not in seen:
+                    seen.append(child)
+    for pid in seen:
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    return seen
+
+
+def _wait_health(port: int, proc: subprocess.Popen[Any], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise TransportError(
+                f"flower-superlink exited with code {proc.returncode} before it was ready; "
+                f"see {log}"
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+                if 200 <= r.status < 300:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TransportError(
+        f"flower-superlink did not answer on 127.0.0.1:{port}/health within {timeout_s:.0f} s; "
+        f"see {log}"
+    )
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    raise ConfigError(
+        f"run_config values must be bool, int, float or str, got {type(value).__name__} {value!r}"
+    )
+
+
+def _federation_options(app_dir: Path, num_supernodes: int | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    fed_file = app_dir / "federation.toml"
+    if fed_file.exists():
+        try:
+            options.update(tomllib.loads(fed_file.read_text("utf-8")).get("simulation", {}))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{fed_file} is not valid TOML: {exc}") from exc
+    if num_supernodes is not None:
+        options["num-supernodes"] = num_supernodes
+    if "num-supernodes" not in options:
+        raise ConfigError(
+            f"num_supernodes: not given and {fed_file} has no [simulation] num-supernodes"
+        )
+    return options
+
+
+@contextlib.contextmanager
+def _local_superlink(flwr_home: Path, env: dict[str, str], startup_s: float) -> Iterator[int]:
+    port, control = free_port(), free_port()
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(port)
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control)
+    (flwr_home / "config.toml").write_text(
+        '[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n',
+        encoding="utf-8",
+    )
+    runtime = flwr_home / "local-superlink"
+    runtime.mkdir(parents=True, exist_ok=True)
+    log = runtime / "superlink.log"
+    cmd = [
+        str(Path(sys.executable).parent / "flower-superlink"),
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--control-api-address",
+        f"127.0.0.1:{control}",
+        "--log-file",
+        str(log),
+        "--database",
+        str(runtime / "state.db"),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        _wait_health(port, proc, startup_s, log)
+        yield proc.pid
+    finally:
+        stop_process_tree(proc)
+
+
+def run_simulation_app(
+    app_dir: Path | str,
+    *,
+    run_config: Mapping[str, object] | None = None,
+    num_supernodes: int | None = None,
+    timeout_s: float = FLOWER_RUN_TIMEOUT_S,
+    startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+    keep_home: Path | None = None,
+) -> SimulationRun:
+    """Run a Flower app with ``flwr run`` on the simulation engine, bounded and cleaned up.
+
+    Parameters
+    ----------
+    app_dir:
+        Directory holding the app's ``pyproject.toml`` (and optionally ``federation.toml``
+        with a ``[simulation]`` table of ``--federation-config`` keys).
+    run_config:
+        Overrides of ``[tool.flwr.app.config]``. ``results-path`` is set by the runner unless
+        given, and the JSON the ServerApp writes there is returned.
+    num_supernodes:
+        Virtual SuperNodes; overrides ``federation.toml``.
+    timeout_s:
+        Wall-time bound of ``flwr run``; on expiry every process is stopped and
+        :class:`~chaos_flwr.errors.TransportError` is raised.
+    startup_timeout_s:
+        How long to wait for the SuperLink to be ready.
+    keep_home:
+        Use this directory as ``FLWR_HOME`` and keep it (logs); default: a temporary one,
+        removed afterwards.
+
+    Returns
+    -------
+    SimulationRun
+    """
+    app = Path(app_dir).resolve()
+    if not (app / "pyproject.toml").is_file():
+        raise ConfigError(f"app_dir: {app} has no pyproject.toml; pass the Flower app's folder")
+    options = _federation_options(app, num_supernodes)
+    home = keep_home if keep_home is not None else Path(tempfile.mkdtemp(prefix="chaos-flwr-"))
+    home.mkdir(parents=True, exist_ok=True)
+    env = flower_env(home)
+    config = dict(run_config or {})
+    results_path = Path(str(config.get("results-path") or home / "results.json"))
+    config["results-path"] = str(results_path)
+    cmd = [
+        str(Path(sys.executable).parent / "flwr"),
+        "run",
+        str(app),
+        "--stream",
+        "--federation-config",
+        " ".join(f"{k}={_toml_value(v)}" for k, v in options.items()),
+        "--run-config",
+        " ".join(f"{k}={_toml_value(v)}" for k, v in config.items()),
+    ]
+    pids: list[int] = []
+    try:
+        with _local_superlink(home, env, startup_timeout_s) as link_pid:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pids = [link_pid, *descendants(link_pid), *stop_process_tree(proc)]
+                raise TransportError(
+                    f"timeout_s: flwr run did not finish within {timeout_s:.0f} s; all its "
+                    f"processes were stopped (logs in {home} if keep_home was set)"
+                ) from None
+            wall = time.monotonic() - t0
+            pids = [link_pid, *descendants(link_pid)]
+        results: dict[str, Any] = {}
+        if results_path.is_file():
+            results = json.loads(results_path.read_text("utf-8"))
+        return SimulationRun(proc.returncode, results, wall, out, pids)
+    finally:
+        if keep_home is None:
+            shutil.rmtree(home, ignore_errors=True)

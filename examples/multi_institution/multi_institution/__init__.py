@@ -1,0 +1,1 @@
+"""The multi-institution Flower example of chaos-flwr."""
