@@ -425,18 +425,17 @@ def _plan_one_k(
         value, counts = chooser.counts(k_total, shard)
         members = tuple(range(len(info)))
         return _Choice(value, k_total, shard, members, tuple(counts), tuple(chooser.rate))
+    # Fixed point: grants for the current donor set, exact assignment, drop unused donors.
+    # The set only shrinks, so this ends within m rounds; the last round's grants are the
+    # max-min fair share of the ingress among exactly the donors that carry shards.
     members = tuple(range(len(info)))
-    best: _Choice | None = None
     while True:
-        bws = [info[i][1] for i in members]
-        grants = _fair_grants(bws, ingress)
+        grants = _fair_grants([info[i][1] for i in members], ingress)
         sub = _Chooser([info[i][2] for i in members], grants, [info[i][3] for i in members])
         value, counts = sub.counts(k_total, shard)
         used = tuple(members[j] for j in range(len(members)) if counts[j])
-        if best is None or value <= best.makespan:
-            best = _Choice(value, k_total, shard, members, tuple(counts), tuple(grants))
         if len(used) == len(members):
-            return best
+            return _Choice(value, k_total, shard, members, tuple(counts), tuple(grants))
         members = used
 
 
