@@ -33,6 +33,30 @@ CODEC_MAX_DEPTH: int = 32
 #: Largest envelope (bytes on the wire) a party accepts; bigger input is refused unparsed.
 WIRE_MAX_ENVELOPE_BYTES: int = 64 * 1024 * 1024
 
+# --- membership / monitor / peer -------------------------------------------------------------
+#: Weight of the newest sample in the monitor's bandwidth and latency moving averages.
+MONITOR_EWMA_ALPHA: float = 0.3
+#: Bandwidth assumed for a link with no observed transfer yet, in bytes/s (100 Mbit/s).
+MONITOR_DEFAULT_BANDWIDTH_BPS: float = 12.5e6
+#: Unanswered probes older than this are forgotten, in seconds.
+MONITOR_PROBE_TIMEOUT_S: float = 30.0
+#: How often a peer probes each watched party for its round-trip time, in heartbeat intervals.
+PEER_PROBE_EVERY_HEARTBEATS: int = 5
+#: Pause before a pending join, link request or suspicion vote is sent again, in seconds.
+PEER_RETRY_INTERVAL_S: float = 1.0
+#: Shortest pause between two anti-entropy inventories sent to the same party, in seconds.
+PEER_ANTI_ENTROPY_INTERVAL_S: float = 0.5
+#: Most records one anti-entropy reply carries (the rest follow on the next exchange).
+PEER_MAX_RECORDS_PER_MESSAGE: int = 2048
+#: Most rejections a peer keeps in its log (oldest dropped first).
+PEER_MAX_REJECTIONS_LOGGED: int = 10000
+#: Seed of ``chaos-flwr bench events`` (which peers leave, link and fail).
+EVENTS_BENCH_SEED: int = 20250513
+#: Events of each type ``chaos-flwr bench events`` triggers by default.
+EVENTS_BENCH_REPEATS: int = 50
+#: Longest ``chaos-flwr bench events`` waits for one event to be applied everywhere, in seconds.
+EVENTS_BENCH_EVENT_TIMEOUT_S: float = 10.0
+
 # --- flower ----------------------------------------------------------------------------------
 #: Longest a Chaos relay phase (one send_and_receive of ``query.chaos``) waits for replies.
 FLOWER_PHASE_TIMEOUT_S: float = 30.0

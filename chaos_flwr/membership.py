@@ -1,0 +1,726 @@
+"""Membership as a convergent set of signed records.
+
+A federation's membership is not held by anyone: it is the *view* every party computes from the
+signed records it holds. Five kinds of record exist:
+
+``join``
+    ``subject`` (at ``incarnation``) becomes a member at time ``at``. Signed by the joiner; a
+    founder needs nothing else (that is the genesis: founders bootstrap by signing their own
+    join), an allowlisted party also needs ``admission.sponsors_required`` signatures of other
+    charter parties (its sponsors).
+``leave``
+    ``subject`` leaves (ends ``incarnation``). Signed by the leaver.
+``fail``
+    ``subject`` is declared failed (ends ``incarnation``). Signed by ``failure_quorum`` parties
+    other than the subject (the neighbours that suspect it). The body carries no timestamp, so
+    independent suspicion votes sign identical bytes and any party holding ``k`` of them can
+    assemble the same record.
+``link_up`` / ``link_down``
+    The link ``a``-``b`` (``a < b``, between incarnations ``inc_a``/``inc_b``) is up or down at
+    ``epoch``. Up is signed by both ends, down by either end.
+
+Validation is *stateless*: a record is valid or not from its own bytes and the charter policy
+alone, never from the records already held. That is what makes the view a pure function of the
+record set. The view then folds the records deterministically:
+
+- a member's incarnation is the highest incarnation any of its join records carries; its join
+  time is the smallest ``at`` among the join records of that incarnation;
+- it is ``left`` if a leave record for that incarnation exists, else ``failed`` if a fail record
+  for it exists, else ``active``. Records about an older incarnation can therefore neither kill
+  nor resurrect a newer one, and a failed or departed party rejoins with a higher incarnation;
+- a link's *version* is ``(epoch, inc_a, inc_b)``; the highest version held wins, and it is
+  ``down`` if any link_down of that version exists, else ``up``. A flap is a sequence of
+  versions, each ended by its own down record. A link is *live* (an edge of the neighbour graph)
+  when it is up and both ends are active at exactly the incarnations it names.
+
+Small clusters: a fail record always needs ``failure_quorum`` signatures. While fewer than
+``failure_quorum`` live members other than the suspect remain, no fail record can be formed: the
+suspect stays ``active`` in the view (its suspicion is only local, see
+:class:`chaos_flwr.monitor.Monitor`). That is deliberate: two halves of a partition must not be
+able to expel each other.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import codec
+from .errors import DecodeError, PolicyError, SignatureError, UnknownPartyError
+
+__all__ = [
+    "KINDS",
+    "LinkInfo",
+    "MemberInfo",
+    "Policy",
+    "Record",
+    "RecordSet",
+    "SignatureCache",
+    "View",
+    "fail_body",
+    "join_body",
+    "leave_body",
+    "link_body",
+    "record_id_of",
+    "signing_bytes",
+    "validate_record",
+]
+
+#: Domain separation of record signatures (never confused with envelopes or charters).
+_RECORD_DOMAIN = b"chaos-flwr/record/v1\x00"
+_VIEW_DOMAIN = b"chaos-flwr/view/v1\x00"
+
+KINDS = ("join", "leave", "fail", "link_up", "link_down")
+_MEMBER_KINDS = ("join", "leave", "fail")
+_LINK_KINDS = ("link_up", "link_down")
+
+ACTIVE = "active"
+LEFT = "left"
+FAILED = "failed"
+UP = "up"
+DOWN = "down"
+
+_FIELDS: dict[str, frozenset[str]] = {
+    "join": frozenset({"kind", "federation", "subject", "incarnation", "at"}),
+    "leave": frozenset({"kind", "federation", "subject", "incarnation"}),
+    "fail": frozenset({"kind", "federation", "subject", "incarnation"}),
+    "link_up": frozenset({"kind", "federation", "a", "b", "inc_a", "inc_b", "epoch"}),
+    "link_down": frozenset({"kind", "federation", "a", "b", "inc_a", "inc_b", "epoch"}),
+}
+
+
+# --- policy ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the charter demands of records, in the form membership checks it.
+
+    Parameters
+    ----------
+    federation : str
+        Name of the federation; records of another federation are refused.
+    keyring : Mapping[str, bytes]
+        Party id -> raw 32-byte Ed25519 public key of every charter party.
+    founders : frozenset[str]
+        Party ids that join on their own signature (genesis).
+    sponsors_required : int
+        Signatures of other charter parties a non-founder's join needs.
+    failure_quorum : int
+        Signatures of parties other than the subject a fail record needs.
+    """
+
+    federation: str
+    keyring: Mapping[str, bytes]
+    founders: frozenset[str]
+    sponsors_required: int
+    failure_quorum: int
+
+    @classmethod
+    def from_charter(cls, charter: Any, keyring: Mapping[str, bytes] | None = None) -> Policy:
+        """Build the policy of a :class:`chaos_flwr.charter.Charter`.
+
+        Parameters
+        ----------
+        charter
+            A verified charter.
+        keyring
+            Extra keys merged over ``charter.keyring()`` (tests, simulations).
+        """
+        keys = dict(charter.keyring())
+        if keyring:
+            keys.update(keyring)
+        founders = frozenset(m.party_id for m in charter.founders)
+        return cls(
+            federation=str(charter.federation),
+            keyring=keys,
+            founders=founders,
+            sponsors_required=int(charter.admission.sponsors_required),
+            failure_quorum=int(charter.failure_quorum),
+        )
+
+
+class SignatureCache:
+    """Remembers signatures that verified, so one signature is checked once per cache.
+
+    Signature verification is deterministic, so a positive cache is sound. Each
+    :class:`RecordSet` owns one unless it is given a shared one (several peers hosted in one
+    process then verify each record signature once instead of once per peer).
+
+    Parameters
+    ----------
+    max_entries : int
+        Entries kept; the cache is cleared when it grows past this.
+    """
+
+    def __init__(self, max_entries: int = 1 << 16) -> None:
+        self._seen: set[tuple[bytes, bytes, bytes]] = set()
+        self._max = max_entries
+        self._keys: dict[bytes, Any] = {}
+
+    def verify(self, public_key: bytes, signature: bytes, data: bytes) -> None:
+        """Verify ``signature`` over ``data`` under ``public_key``.
+
+        Raises
+        ------
+        SignatureError
+            If the key or signature is malformed or the signature does not verify.
+        """
+        digest = hashlib.sha256(data).digest()
+        entry = (public_key, signature, digest)
+        if entry in self._seen:
+            return
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+        key = self._keys.get(public_key)
+        if key is None:
+            try:
+                key = Ed25519PublicKey.from_public_bytes(public_key)
+            except ValueError as exc:
+                raise SignatureError("public key is not a raw 32-byte Ed25519 key") from exc
+            self._keys[public_key] = key
+        if len(signature) != 64:
+            raise SignatureError(f"signature is {len(signature)} bytes, an Ed25519 one is 64")
+        try:
+            key.verify(signature, data)
+        except InvalidSignature as exc:
+            raise SignatureError("signature does not verify under the signer's key") from exc
+        if len(self._seen) >= self._max:
+            self._seen.clear()
+        self._seen.add(entry)
+
+
+# --- record bodies -----------------------------------------------------------------------------
+
+
+def join_body(federation: str, subject: str, incarnation: int, at: float) -> dict[str, Any]:
+    """Body of a join record (``at`` is the join time every party will agree on)."""
+    return {
+        "kind": "join",
+        "federation": federation,
+        "subject": subject,
+        "incarnation": int(incarnation),
+        "at": float(at),
+    }
+
+
+def leave_body(federation: str, subject: str, incarnation: int) -> dict[str, Any]:
+    """Body of a leave record."""
+    return {
+        "kind": "leave",
+        "federation": federation,
+        "subject": subject,
+        "incarnation": int(incarnation),
+    }
+
+
+def fail_body(federation: str, subject: str, incarnation: int) -> dict[str, Any]:
+    """Body of a fail record (no timestamp: every suspecting party signs the same bytes)."""
+    return {
+        "kind": "fail",
+        "federation": federation,
+        "subject": subject,
+        "incarnation": int(incarnation),
+    }
+
+
+def link_body(
+    kind: str,
+    federation: str,
+    end1: tuple[str, int],
+    end2: tuple[str, int],
+    epoch: int,
+) -> dict[str, Any]:
+    """Body of a link_up or link_down record; the ends are ``(party id, incarnation)``.
+
+    The ends are put in canonical order (``a < b``) whatever order they are given in.
+    """
+    if kind not in _LINK_KINDS:
+        raise PolicyError(f"kind must be link_up or link_down, got {kind!r}")
+    (a, inc_a), (b, inc_b) = sorted([end1, end2])
+    return {
+        "kind": kind,
+        "federation": federation,
+        "a": a,
+        "b": b,
+        "inc_a": int(inc_a),
+        "inc_b": int(inc_b),
+        "epoch": int(epoch),
+    }
+
+
+def signing_bytes(body: Mapping[str, Any]) -> bytes:
+    """The exact bytes a record signature covers (domain tag + canonical body)."""
+    return _RECORD_DOMAIN + codec.encode(dict(body))
+
+
+def record_id_of(body: Mapping[str, Any]) -> str:
+    """The record id: hex of the first 16 bytes of sha256 over :func:`signing_bytes`."""
+    return hashlib.sha256(signing_bytes(body)).hexdigest()[:32]
+
+
+def _check_body(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise DecodeError("record field 'body' must be a map")
+    kind = body.get("kind")
+    if kind not in _FIELDS:
+        raise DecodeError(f"record field 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
+    fields = _FIELDS[kind]
+    keys = set(body)
+    if keys != fields:
+        extra = sorted(keys - fields)
+        missing = sorted(fields - keys)
+        raise DecodeError(f"{kind} record has unknown fields {extra} / missing fields {missing}")
+    if not isinstance(body["federation"], str):
+        raise DecodeError("record field 'federation' must be a string")
+    if kind in _MEMBER_KINDS:
+        if not isinstance(body["subject"], str) or not body["subject"]:
+            raise DecodeError("record field 'subject' must be a non-empty party id")
+        _check_int(body, "incarnation")
+        if kind == "join":
+            at = body["at"]
+            if not isinstance(at, float) or not math.isfinite(at):
+                raise DecodeError("join record field 'at' must be a finite float")
+    else:
+        a, b = body["a"], body["b"]
+        if not isinstance(a, str) or not isinstance(b, str) or not a or not b:
+            raise DecodeError("link record fields 'a' and 'b' must be party ids")
+        if not a < b:
+            raise DecodeError("link record fields 'a' and 'b' must be distinct and a < b")
+        _check_int(body, "inc_a")
+        _check_int(body, "inc_b")
+        _check_int(body, "epoch")
+    return body
+
+
+def _check_int(body: Mapping[str, Any], name: str) -> None:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DecodeError(f"record field {name!r} must be an integer >= 0")
+
+
+# --- records -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """A membership record: a canonical body and the signatures over it.
+
+    Attributes
+    ----------
+    body : dict
+        The signed fields (see the module docstring).
+    signatures : dict[str, bytes]
+        Signer party id -> Ed25519 signature over :func:`signing_bytes` of the body.
+    record_id : str
+        :func:`record_id_of` the body. Two records with the same body are the same record,
+        whichever (sufficient) set of signatures each carries.
+    """
+
+    body: dict[str, Any]
+    signatures: dict[str, bytes]
+    record_id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.record_id:
+            object.__setattr__(self, "record_id", record_id_of(self.body))
+
+    @property
+    def kind(self) -> str:
+        """The record kind."""
+        return str(self.body["kind"])
+
+    @property
+    def subject(self) -> str:
+        """The party the record is about (``"a|b"`` for a link record)."""
+        if self.kind in _LINK_KINDS:
+            return f"{self.body['a']}|{self.body['b']}"
+        return str(self.body["subject"])
+
+    def to_wire(self) -> dict[str, Any]:
+        """The record as a codec value (``{"body": ..., "sigs": ...}``)."""
+        return {"body": self.body, "sigs": dict(self.signatures)}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Record:
+        """Parse a record from a decoded codec value (shape only; see :func:`validate_record`).
+
+        Raises
+        ------
+        DecodeError
+            If the value is not a well-formed record.
+        """
+        if not isinstance(value, dict) or set(value) != {"body", "sigs"}:
+            raise DecodeError("a record must be a map with exactly the fields 'body' and 'sigs'")
+        body = _check_body(value["body"])
+        sigs = value["sigs"]
+        if not isinstance(sigs, dict) or not sigs:
+            raise DecodeError("record field 'sigs' must be a non-empty map party id -> bytes")
+        for signer, sig in sigs.items():
+            if not isinstance(sig, bytes):
+                raise DecodeError(f"record signature of {signer!r} must be bytes")
+        return cls(body=body, signatures=dict(sigs))
+
+    @classmethod
+    def sign(cls, body: Mapping[str, Any], signers: Iterable[Any]) -> Record:
+        """Make a record signed by each of ``signers`` (objects with ``party_id`` and ``sign``)."""
+        body_d = _check_body(dict(body))
+        data = signing_bytes(body_d)
+        return cls(body=body_d, signatures={s.party_id: s.sign(data) for s in signers})
+
+
+def validate_record(record: Record, policy: Policy, cache: SignatureCache | None = None) -> None:
+    """Check that ``record`` carries what the charter demands; stateless.
+
+    Parameters
+    ----------
+    record
+        The record to check.
+    policy
+        The federation's policy.
+    cache
+        Signature cache to use (a fresh one if ``None``).
+
+    Raises
+    ------
+    DecodeError
+        If the body is malformed.
+    UnknownPartyError
+        If a signer (or the subject of a join) is not a charter party.
+    SignatureError
+        If any signature does not verify.
+    PolicyError
+        If the record is of another federation or lacks required signatures.
+    """
+    body = _check_body(record.body)
+    if body["federation"] != policy.federation:
+        raise PolicyError(
+            f"record field 'federation' is {body['federation']!r}, this federation is "
+            f"{policy.federation!r}"
+        )
+    checker = cache if cache is not None else SignatureCache()
+    data = signing_bytes(body)
+    for signer, sig in record.signatures.items():
+        key = policy.keyring.get(signer)
+        if key is None:
+            raise UnknownPartyError(
+                f"record signer {signer!r} is not a party of the charter; add its key to the "
+                "charter allowlist or drop the signature"
+            )
+        checker.verify(key, sig, data)
+    signers = set(record.signatures)
+    kind = body["kind"]
+    if kind in _MEMBER_KINDS:
+        subject = body["subject"]
+        if kind == "join":
+            if subject not in policy.keyring:
+                raise UnknownPartyError(
+                    f"join record field 'subject' {subject!r} is neither a founder nor on the "
+                    "charter allowlist"
+                )
+            if subject not in signers:
+                raise PolicyError("join record lacks the joiner's own signature ('subject')")
+            if subject not in policy.founders:
+                sponsors = len(signers - {subject})
+                if sponsors < policy.sponsors_required:
+                    raise PolicyError(
+                        f"join record has {sponsors} sponsor signatures, the charter's "
+                        f"admission.sponsors_required is {policy.sponsors_required}"
+                    )
+        elif kind == "leave":
+            if subject not in signers:
+                raise PolicyError("leave record lacks the leaver's own signature ('subject')")
+        else:
+            voters = len(signers - {subject})
+            if voters < policy.failure_quorum:
+                raise PolicyError(
+                    f"fail record has {voters} suspecting signatures, the charter's "
+                    f"failure_quorum is {policy.failure_quorum}"
+                )
+    else:
+        ends = {body["a"], body["b"]}
+        if kind == "link_up" and not ends <= signers:
+            raise PolicyError("link_up record needs the signatures of both ends 'a' and 'b'")
+        if kind == "link_down" and not ends & signers:
+            raise PolicyError("link_down record needs the signature of end 'a' or end 'b'")
+
+
+# --- the view ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One party as the view sees it.
+
+    Attributes
+    ----------
+    party_id : str
+    status : str
+        ``"active"``, ``"left"`` or ``"failed"``.
+    incarnation : int
+        The highest incarnation the party joined with.
+    joined_at : float
+        Join time of that incarnation (from its join record, so every party agrees).
+    """
+
+    party_id: str
+    status: str
+    incarnation: int
+    joined_at: float
+
+
+@dataclass(frozen=True)
+class LinkInfo:
+    """One link as the view sees it (the highest version held).
+
+    Attributes
+    ----------
+    a, b : str
+        The ends, ``a < b``.
+    state : str
+        ``"up"`` or ``"down"``.
+    epoch, inc_a, inc_b : int
+        The version of the link.
+    live : bool
+        Up, and both ends active at exactly ``inc_a`` / ``inc_b``.
+    """
+
+    a: str
+    b: str
+    state: str
+    epoch: int
+    inc_a: int
+    inc_b: int
+    live: bool
+
+
+class View:
+    """Members, neighbour graph and link states: a pure function of a record set.
+
+    Built by :meth:`RecordSet.view`; never mutated.
+    """
+
+    def __init__(
+        self,
+        members: Mapping[str, MemberInfo],
+        links: Mapping[tuple[str, str], LinkInfo],
+    ) -> None:
+        self.members: Mapping[str, MemberInfo] = dict(sorted(members.items()))
+        self.links: Mapping[tuple[str, str], LinkInfo] = dict(sorted(links.items()))
+        nbrs: dict[str, set[str]] = {pid: set() for pid in self.members}
+        for (a, b), link in self.links.items():
+            if link.live:
+                nbrs[a].add(b)
+                nbrs[b].add(a)
+        self._neighbours = {pid: tuple(sorted(s)) for pid, s in nbrs.items()}
+        self._digest: bytes | None = None
+
+    def active(self) -> list[str]:
+        """Party ids of the active members, sorted."""
+        return [pid for pid, m in self.members.items() if m.status == ACTIVE]
+
+    def is_active(self, party_id: str) -> bool:
+        """Whether ``party_id`` is an active member."""
+        m = self.members.get(party_id)
+        return m is not None and m.status == ACTIVE
+
+    def neighbours(self, party_id: str) -> tuple[str, ...]:
+        """Live neighbours of ``party_id`` (sorted; empty for an unknown party)."""
+        return self._neighbours.get(party_id, ())
+
+    def graph(self) -> dict[str, tuple[str, ...]]:
+        """The neighbour graph of the active members: party id -> live neighbours."""
+        return {pid: self._neighbours[pid] for pid in self.active()}
+
+    def watchers(
+        self, party_id: str, quorum: int, *, ring: list[str] | None = None
+    ) -> tuple[str, ...]:
+        """Who watches ``party_id`` for failure: its live neighbours, topped up to ``quorum``.
+
+        When the party has fewer than ``quorum`` live neighbours, the next active members after
+        it in sorted-id ring order are added until ``quorum`` watchers exist (or none is left),
+        so a sparse graph can still form a fail quorum. Every party computes the same set.
+        ``ring`` may pass :meth:`active` when it is already at hand.
+        """
+        chosen = list(self.neighbours(party_id))
+        if len(chosen) < quorum:
+            if ring is None:
+                ring = self.active()
+            have = set(chosen) | {party_id}
+            start = bisect.bisect_right(ring, party_id) if ring else 0
+            for j in range(len(ring)):
+                if len(chosen) >= quorum:
+                    break
+                pid = ring[(start + j) % len(ring)]
+                if pid not in have:
+                    chosen.append(pid)
+                    have.add(pid)
+        return tuple(sorted(chosen))
+
+    def to_value(self) -> dict[str, Any]:
+        """The view as a codec value (what :attr:`digest` hashes)."""
+        return {
+            "members": [
+                [m.party_id, m.status, m.incarnation, m.joined_at] for m in self.members.values()
+            ],
+            "links": [
+                [ln.a, ln.b, ln.state, ln.epoch, ln.inc_a, ln.inc_b, ln.live]
+                for ln in self.links.values()
+            ],
+        }
+
+    @property
+    def digest(self) -> bytes:
+        """sha256 over the canonical encoding of the view (32 bytes)."""
+        if self._digest is None:
+            self._digest = hashlib.sha256(_VIEW_DOMAIN + codec.encode(self.to_value())).digest()
+        return self._digest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, View) and self.digest == other.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __repr__(self) -> str:
+        return f"View(active={self.active()}, digest={self.digest.hex()[:12]})"
+
+
+# --- the record set ----------------------------------------------------------------------------
+
+
+class RecordSet:
+    """The records a party holds, validated and folded into a :class:`View` incrementally.
+
+    Parameters
+    ----------
+    policy : Policy
+        The federation's policy; every record is checked against it before it is held.
+    cache : SignatureCache, optional
+        Signature cache (shared between peers of one process, or a fresh one).
+    """
+
+    def __init__(self, policy: Policy, cache: SignatureCache | None = None) -> None:
+        self.policy = policy
+        self.cache = cache if cache is not None else SignatureCache()
+        self._records: dict[str, Record] = {}
+        self._by_subject: dict[str, list[Record]] = {}
+        self._by_link: dict[tuple[str, str], list[Record]] = {}
+        self._links_of: dict[str, set[tuple[str, str]]] = {}
+        self._members: dict[str, MemberInfo] = {}
+        self._links: dict[tuple[str, str], LinkInfo] = {}
+        self._xor = 0
+        self._view: View | None = None
+
+    def __contains__(self, record_id: object) -> bool:
+        return record_id in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self._records.values())
+
+    def get(self, record_id: str) -> Record | None:
+        """The record with ``record_id``, or ``None``."""
+        return self._records.get(record_id)
+
+    def ids(self) -> frozenset[str]:
+        """Ids of all records held."""
+        return frozenset(self._records)
+
+    def digest(self) -> bytes:
+        """A 32-byte digest of the set of record ids (for anti-entropy; order-free)."""
+        return hashlib.sha256(
+            self._xor.to_bytes(16, "big") + len(self._records).to_bytes(8, "big")
+        ).digest()
+
+    def add(self, record: Record) -> bool:
+        """Validate ``record`` and hold it.
+
+        Returns
+        -------
+        bool
+            ``True`` if the record was new, ``False`` if a record with its id was already held
+            (nothing changes then, and its signatures are not checked again).
+
+        Raises
+        ------
+        ChaosError
+            As :func:`validate_record`; the set is unchanged then.
+        """
+        rid = record.record_id
+        if rid in self._records:
+            return False
+        if record_id_of(record.body) != rid:
+            raise DecodeError("record_id does not match the record body")
+        validate_record(record, self.policy, self.cache)
+        self._records[rid] = record
+        self._xor ^= int(rid, 16)
+        self._view = None
+        if record.kind in _MEMBER_KINDS:
+            subject = record.body["subject"]
+            self._by_subject.setdefault(subject, []).append(record)
+            self._refold_member(subject)
+        else:
+            key = (record.body["a"], record.body["b"])
+            self._by_link.setdefault(key, []).append(record)
+            self._links_of.setdefault(key[0], set()).add(key)
+            self._links_of.setdefault(key[1], set()).add(key)
+            self._refold_link(key)
+        return True
+
+    def _refold_member(self, subject: str) -> None:
+        records = self._by_subject[subject]
+        joins = [r.body for r in records if r.kind == "join"]
+        if not joins:
+            self._members.pop(subject, None)
+        else:
+            inc = max(b["incarnation"] for b in joins)
+            joined_at = min(b["at"] for b in joins if b["incarnation"] == inc)
+            ended = {r.kind for r in records if r.kind != "join" and r.body["incarnation"] == inc}
+            status = LEFT if "leave" in ended else FAILED if "fail" in ended else ACTIVE
+            self._members[subject] = MemberInfo(subject, status, inc, joined_at)
+        # Liveness of the subject's links depends on its status.
+        for key in sorted(self._links_of.get(subject, ())):
+            self._refold_link(key)
+
+    def _refold_link(self, key: tuple[str, str]) -> None:
+        records = self._by_link[key]
+        best = max((r.body["epoch"], r.body["inc_a"], r.body["inc_b"]) for r in records)
+        down = any(
+            r.kind == "link_down" and (r.body["epoch"], r.body["inc_a"], r.body["inc_b"]) == best
+            for r in records
+        )
+        epoch, inc_a, inc_b = best
+        a, b = key
+        ma, mb = self._members.get(a), self._members.get(b)
+        live = (
+            not down
+            and ma is not None
+            and mb is not None
+            and ma.status == ACTIVE
+            and mb.status == ACTIVE
+            and ma.incarnation == inc_a
+            and mb.incarnation == inc_b
+        )
+        self._links[key] = LinkInfo(a, b, DOWN if down else UP, epoch, inc_a, inc_b, live)
+
+    def member(self, party_id: str) -> MemberInfo | None:
+        """The view's entry for ``party_id`` (cheap; no full view built)."""
+        return self._members.get(party_id)
+
+    def link(self, a: str, b: str) -> LinkInfo | None:
+        """The view's entry for the link between ``a`` and ``b`` (either order)."""
+        return self._links.get((a, b) if a < b else (b, a))
+
+    def view(self) -> View:
+        """The current view (cached until the next new record)."""
+        if self._view is None:
+            self._view = View(self._members, self._links)
+        return self._view

@@ -1,0 +1,314 @@
+"""Membership records, their validation, and the view they fold into."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chaos_flwr.errors import DecodeError, PolicyError, SignatureError, UnknownPartyError
+from chaos_flwr.membership import (
+    Policy,
+    Record,
+    RecordSet,
+    SignatureCache,
+    fail_body,
+    join_body,
+    leave_body,
+    link_body,
+    record_id_of,
+    signing_bytes,
+    validate_record,
+)
+
+FED = "fed-test"
+
+
+class Signer:
+    """A minimal signer (membership only needs ``party_id`` and ``sign``)."""
+
+    def __init__(self, seed: str) -> None:
+        self._key = Ed25519PrivateKey.from_private_bytes(hashlib.sha256(seed.encode()).digest())
+        self.public_key = self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.party_id = "p" + hashlib.sha256(self.public_key).hexdigest()[:16]
+
+    def sign(self, data: bytes) -> bytes:
+        return self._key.sign(data)
+
+
+FOUNDERS = [Signer(f"founder-{i}") for i in range(3)]
+JOINERS = [Signer(f"joiner-{i}") for i in range(3)]
+OUTSIDER = Signer("outsider")
+
+
+def make_policy(sponsors: int = 1, quorum: int = 2) -> Policy:
+    return Policy(
+        federation=FED,
+        keyring={s.party_id: s.public_key for s in FOUNDERS + JOINERS},
+        founders=frozenset(s.party_id for s in FOUNDERS),
+        sponsors_required=sponsors,
+        failure_quorum=quorum,
+    )
+
+
+def genesis(s: Signer, inc: int = 0, at: float = 1.0) -> Record:
+    return Record.sign(join_body(FED, s.party_id, inc, at), [s])
+
+
+def link(kind: str, x: Signer, y: Signer, epoch: int, signers: list[Signer]) -> Record:
+    return Record.sign(link_body(kind, FED, (x.party_id, 0), (y.party_id, 0), epoch), signers)
+
+
+def test_founders_bootstrap_with_their_own_signature() -> None:
+    rs = RecordSet(make_policy())
+    for i, f in enumerate(FOUNDERS):
+        assert rs.add(genesis(f, at=float(i)))
+    view = rs.view()
+    assert view.active() == sorted(f.party_id for f in FOUNDERS)
+    assert view.members[FOUNDERS[2].party_id].joined_at == 2.0
+    assert view.members[FOUNDERS[2].party_id].incarnation == 0
+
+
+def test_joiner_needs_sponsors_and_its_own_signature() -> None:
+    policy = make_policy(sponsors=2)
+    j = JOINERS[0]
+    body = join_body(FED, j.party_id, 0, 5.0)
+    with pytest.raises(PolicyError, match="sponsors_required"):
+        validate_record(Record.sign(body, [j, FOUNDERS[0]]), policy)
+    with pytest.raises(PolicyError, match="joiner's own signature"):
+        validate_record(Record.sign(body, [FOUNDERS[0], FOUNDERS[1]]), policy)
+    validate_record(Record.sign(body, [j, FOUNDERS[0], FOUNDERS[1]]), policy)
+
+
+def test_outsider_cannot_join_or_sign() -> None:
+    policy = make_policy()
+    with pytest.raises(UnknownPartyError, match="not a party of the charter"):
+        validate_record(genesis(OUTSIDER), policy)
+    body = join_body(FED, JOINERS[0].party_id, 0, 1.0)
+    with pytest.raises(UnknownPartyError):
+        validate_record(Record.sign(body, [JOINERS[0], OUTSIDER]), policy)
+
+
+def test_altered_body_or_signature_is_refused_and_changes_nothing() -> None:
+    rs = RecordSet(make_policy())
+    good = genesis(FOUNDERS[0])
+    altered = Record(body={**good.body, "at": 99.0}, signatures=good.signatures)
+    before = rs.view().digest
+    with pytest.raises(SignatureError):
+        rs.add(altered)
+    sig = bytearray(good.signatures[FOUNDERS[0].party_id])
+    sig[0] ^= 1
+    with pytest.raises(SignatureError):
+        rs.add(Record(body=good.body, signatures={FOUNDERS[0].party_id: bytes(sig)}))
+    assert len(rs) == 0
+    assert rs.view().digest == before
+
+
+def test_other_federation_is_refused() -> None:
+    record = Record.sign(join_body("other", FOUNDERS[0].party_id, 0, 1.0), [FOUNDERS[0]])
+    with pytest.raises(PolicyError, match="federation"):
+        validate_record(record, make_policy())
+
+
+def test_required_signatures_per_kind() -> None:
+    policy = make_policy(quorum=2)
+    a, b, c = FOUNDERS
+    with pytest.raises(PolicyError, match="leaver"):
+        validate_record(Record.sign(leave_body(FED, a.party_id, 0), [b]), policy)
+    validate_record(Record.sign(leave_body(FED, a.party_id, 0), [a]), policy)
+    with pytest.raises(PolicyError, match="failure_quorum"):
+        validate_record(Record.sign(fail_body(FED, a.party_id, 0), [a, b]), policy)
+    validate_record(Record.sign(fail_body(FED, a.party_id, 0), [b, c]), policy)
+    with pytest.raises(PolicyError, match="both ends"):
+        validate_record(link("link_up", a, b, 1, [a, c]), policy)
+    validate_record(link("link_up", a, b, 1, [a, b]), policy)
+    with pytest.raises(PolicyError, match="end 'a' or end 'b'"):
+        validate_record(link("link_down", a, b, 1, [c]), policy)
+    validate_record(link("link_down", a, b, 1, [b]), policy)
+
+
+def test_malformed_records_raise_decode_error() -> None:
+    good = genesis(FOUNDERS[0]).to_wire()
+    with pytest.raises(DecodeError, match="unknown fields"):
+        Record.from_wire({"body": {**good["body"], "extra": 1}, "sigs": good["sigs"]})
+    with pytest.raises(DecodeError, match="sigs"):
+        Record.from_wire({"body": good["body"], "sigs": {}})
+    with pytest.raises(DecodeError, match="kind"):
+        Record.from_wire({"body": {**good["body"], "kind": "promote"}, "sigs": good["sigs"]})
+    with pytest.raises(DecodeError, match="a < b"):
+        body = link_body("link_up", FED, ("pa", 0), ("pb", 0), 1)
+        Record.from_wire({"body": {**body, "a": "pb", "b": "pa"}, "sigs": {"pa": b"x"}})
+    with pytest.raises(DecodeError):
+        Record.from_wire([1, 2])
+
+
+def test_fail_and_rejoin_with_higher_incarnation() -> None:
+    a, b, c = FOUNDERS
+    rs = RecordSet(make_policy(quorum=2))
+    for f in FOUNDERS:
+        rs.add(genesis(f))
+    rs.add(Record.sign(fail_body(FED, a.party_id, 0), [b, c]))
+    assert rs.view().members[a.party_id].status == "failed"
+    assert not rs.view().is_active(a.party_id)
+    rs.add(genesis(a, inc=1, at=7.0))
+    m = rs.view().members[a.party_id]
+    assert (m.status, m.incarnation, m.joined_at) == ("active", 1, 7.0)
+    # Records about the old incarnation cannot kill the new one...
+    rs.add(Record.sign(leave_body(FED, a.party_id, 0), [a]))
+    assert rs.view().members[a.party_id].status == "active"
+    # ...nor can an old join resurrect a left one.
+    rs.add(Record.sign(leave_body(FED, a.party_id, 1), [a]))
+    rs.add(genesis(a, inc=0, at=0.5))
+    assert rs.view().members[a.party_id].status == "left"
+
+
+def test_link_flaps_follow_the_highest_version() -> None:
+    a, b, _ = FOUNDERS
+    rs = RecordSet(make_policy())
+    rs.add(genesis(a))
+    rs.add(genesis(b))
+    rs.add(link("link_up", a, b, 1, [a, b]))
+    assert rs.view().neighbours(a.party_id) == (b.party_id,)
+    rs.add(link("link_down", a, b, 1, [a]))
+    assert rs.view().neighbours(a.party_id) == ()
+    rs.add(link("link_up", a, b, 2, [a, b]))
+    assert rs.view().neighbours(b.party_id) == (a.party_id,)
+    # A stale down (epoch 1) arriving again changes nothing; the epoch-2 down does.
+    assert not rs.add(link("link_down", a, b, 1, [a]))
+    rs.add(link("link_down", a, b, 2, [b]))
+    info = rs.view().links[tuple(sorted([a.party_id, b.party_id]))]  # type: ignore[index]
+    assert (info.state, info.epoch, info.live) == ("down", 2, False)
+
+
+def test_link_dies_with_an_end_and_does_not_revive_on_rejoin() -> None:
+    a, b, c = FOUNDERS
+    rs = RecordSet(make_policy(quorum=1))
+    for f in FOUNDERS:
+        rs.add(genesis(f))
+    rs.add(link("link_up", a, b, 1, [a, b]))
+    rs.add(Record.sign(fail_body(FED, a.party_id, 0), [c]))
+    assert rs.view().neighbours(b.party_id) == ()
+    rs.add(genesis(a, inc=1, at=3.0))
+    assert rs.view().neighbours(b.party_id) == ()  # the link named incarnation 0
+
+
+def test_duplicate_body_is_one_record_whatever_its_signatures() -> None:
+    a, b, c = FOUNDERS
+    rs = RecordSet(make_policy(quorum=1))
+    assert rs.add(Record.sign(fail_body(FED, a.party_id, 0), [b]))
+    assert not rs.add(Record.sign(fail_body(FED, a.party_id, 0), [c]))
+    assert len(rs) == 1
+
+
+def test_watchers_top_up_sparse_graphs_in_ring_order() -> None:
+    rs = RecordSet(make_policy(quorum=2))
+    for f in FOUNDERS:
+        rs.add(genesis(f))
+    view = rs.view()
+    ids = view.active()
+    # No links: each party is watched by the next two in ring order.
+    assert view.watchers(ids[0], 2) == (ids[1], ids[2])
+    assert view.watchers(ids[2], 2) == (ids[0], ids[1])
+    assert view.watchers(ids[1], 5) == (ids[0], ids[2])  # fewer members than the quorum
+
+
+def test_signature_cache_verifies_once_and_still_refuses_bad() -> None:
+    cache = SignatureCache()
+    r = genesis(FOUNDERS[0])
+    data = signing_bytes(r.body)
+    sig = r.signatures[FOUNDERS[0].party_id]
+    cache.verify(FOUNDERS[0].public_key, sig, data)
+    cache.verify(FOUNDERS[0].public_key, sig, data)
+    with pytest.raises(SignatureError):
+        cache.verify(FOUNDERS[1].public_key, sig, data)
+    with pytest.raises(SignatureError, match="64"):
+        cache.verify(FOUNDERS[0].public_key, sig[:10], data)
+
+
+def test_record_id_is_a_function_of_the_body_only() -> None:
+    body = join_body(FED, FOUNDERS[0].party_id, 0, 1.0)
+    assert record_id_of(body) == record_id_of(dict(reversed(list(body.items()))))
+    assert record_id_of(body) != record_id_of({**body, "at": 2.0})
+
+
+def _corpus() -> list[Record]:
+    """A history with joins, a fail, a rejoin, a leave and link flaps."""
+    a, b, c = FOUNDERS
+    j0, j1, _ = JOINERS
+    out = [genesis(f, at=float(i)) for i, f in enumerate(FOUNDERS)]
+    out.append(Record.sign(join_body(FED, j0.party_id, 0, 4.0), [j0, a]))
+    out.append(Record.sign(join_body(FED, j1.party_id, 0, 4.5), [j1, b]))
+    out.append(link("link_up", a, b, 1, [a, b]))
+    out.append(link("link_down", a, b, 1, [b]))
+    out.append(link("link_up", a, b, 2, [a, b]))
+    out.append(link("link_up", b, c, 1, [b, c]))
+    out.append(Record.sign(fail_body(FED, c.party_id, 0), [a, b]))
+    out.append(genesis(c, inc=1, at=9.0))
+    out.append(Record.sign(leave_body(FED, j1.party_id, 0), [j1]))
+    a_j0 = link_body("link_up", FED, (a.party_id, 0), (j0.party_id, 0), 1)
+    out.append(Record.sign(a_j0, [a, j0]))
+    return out
+
+
+CORPUS = _corpus()
+
+
+def _reference_digest() -> bytes:
+    rs = RecordSet(make_policy())
+    for r in sorted(CORPUS, key=lambda r: r.record_id):
+        rs.add(r)
+    return rs.view().digest
+
+
+REFERENCE = _reference_digest()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1), dups=st.integers(0, 20))
+def test_view_is_independent_of_order_and_duplicates(seed: int, dups: int) -> None:
+    rng = random.Random(seed)
+    deliveries = list(CORPUS) + [rng.choice(CORPUS) for _ in range(dups)]
+    rng.shuffle(deliveries)
+    rs = RecordSet(make_policy())
+    for r in deliveries:
+        rs.add(r)
+    assert len(rs) == len(CORPUS)
+    assert rs.view().digest == REFERENCE
+    assert rs.digest() == RecordSet_digest_of(CORPUS)
+
+
+def RecordSet_digest_of(records: list[Record]) -> bytes:  # noqa: N802
+    rs = RecordSet(make_policy())
+    for r in records:
+        rs.add(r)
+    return rs.digest()
+
+
+def test_reference_view_has_the_expected_shape() -> None:
+    rs = RecordSet(make_policy())
+    for r in CORPUS:
+        rs.add(r)
+    view = rs.view()
+    a, b, c = (f.party_id for f in FOUNDERS)
+    status = {pid: m.status for pid, m in view.members.items()}
+    assert status[JOINERS[1].party_id] == "left"
+    assert view.members[c].incarnation == 1 and status[c] == "active"
+    assert view.neighbours(a) == tuple(sorted([b, JOINERS[0].party_id]))
+    assert view.neighbours(c) == ()  # b-c named incarnation 0 of c
+    assert len(view.digest) == 32
+
+
+def test_different_record_sets_give_different_digests() -> None:
+    full = RecordSet(make_policy())
+    part = RecordSet(make_policy())
+    for r in CORPUS:
+        full.add(r)
+    for r in CORPUS[:-1]:
+        part.add(r)
+    assert full.view().digest != part.view().digest
+    assert full.digest() != part.digest()
