@@ -32,6 +32,43 @@ PLANNER_BENCH_MILP_BUDGET_S: float = 60.0
 CODEC_MAX_DEPTH: int = 32
 #: Largest envelope (bytes on the wire) a party accepts; bigger input is refused unparsed.
 WIRE_MAX_ENVELOPE_BYTES: int = 64 * 1024 * 1024
+#: Sequence numbers a :class:`chaos_flwr.wire.ReplayGuard` remembers per sender (out-of-order
+#: envelopes are accepted inside this window, never twice; older ones are refused).
+WIRE_REPLAY_WINDOW: int = 1024
+#: Furthest in the future (past the receiver's ``now``) an envelope timestamp may be, in
+#: seconds; ``None`` turns the check off (the default: parties' clocks are not synchronised).
+WIRE_MAX_CLOCK_SKEW_S: float | None = None
+#: Oldest an envelope timestamp may be (before the receiver's ``now``), in seconds; ``None``
+#: turns the check off (the default: the sequence window already refuses replays).
+WIRE_MAX_AGE_S: float | None = None
+
+# --- identity / charter ----------------------------------------------------------------------
+#: File mode of a private key file written by ``Identity.save`` / ``chaos-flwr keygen``.
+IDENTITY_KEY_FILE_MODE: int = 0o600
+#: File mode of the public key file written beside it.
+IDENTITY_PUB_FILE_MODE: int = 0o644
+#: File name suffix of private key files.
+IDENTITY_KEY_SUFFIX: str = ".key"
+#: File name suffix of public key files.
+IDENTITY_PUB_SUFFIX: str = ".pub"
+#: Largest key file the loader reads, in bytes (a PEM Ed25519 key is about 120 bytes).
+IDENTITY_MAX_KEY_FILE_BYTES: int = 64 * 1024
+#: Parsed public keys kept for signature verification (one per known party is plenty).
+IDENTITY_VERIFY_CACHE_SIZE: int = 4096
+#: Largest charter file ``load_charter`` reads, in bytes.
+CHARTER_MAX_FILE_BYTES: int = 4 * 1024 * 1024
+#: Default member signatures a join needs besides the joiner's (``admission.sponsors_required``).
+CHARTER_DEFAULT_SPONSORS_REQUIRED: int = 1
+#: Default suspecting neighbours a fail record needs (``failure_quorum``).
+CHARTER_DEFAULT_FAILURE_QUORUM: int = 2
+#: Default pause between two heartbeats of a party, in seconds (``heartbeat_interval_s``).
+CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S: float = 1.0
+#: Default silence after which a neighbour is suspected, in seconds (``suspicion_timeout_s``).
+CHARTER_DEFAULT_SUSPICION_TIMEOUT_S: float = 5.0
+#: Default number of parties holding a replica of the training state (``replication.replicas``).
+CHARTER_DEFAULT_REPLICAS: int = 3
+#: Default number of certified rounds each replica keeps (``replication.keep_rounds``).
+CHARTER_DEFAULT_KEEP_ROUNDS: int = 2
 
 # --- membership / monitor / peer -------------------------------------------------------------
 #: Weight of the newest sample in the monitor's bandwidth and latency moving averages.
@@ -64,6 +101,8 @@ FLOWER_PHASE_TIMEOUT_S: float = 30.0
 FLOWER_CHAOS_MESSAGE_TYPE: str = "query.chaos"
 #: Key of the ConfigRecord that carries Chaos envelopes inside a Flower RecordDict.
 FLOWER_CHAOS_RECORD_KEY: str = "chaos"
+#: Pause between two pulls of replies while a Chaos phase waits (Flower's own grids use 0.1-3 s).
+FLOWER_POLL_INTERVAL_S: float = 0.02
 #: Most envelopes one relay message carries to one party; the rest wait for the next exchange.
 FLOWER_MAX_ENVELOPES_PER_MESSAGE: int = 4096
 #: Most envelopes the relay queues for one party before dropping the oldest.

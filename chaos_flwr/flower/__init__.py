@@ -1,0 +1,26 @@
+"""chaos-flwr on Flower: ChaosStrategy (server side), :func:`enable` (client side), the relay.
+
+Importing this package imports Flower.
+"""
+
+from __future__ import annotations
+
+from chaos_flwr.flower.client import Party, PartySettings, enable, party_settings
+from chaos_flwr.flower.profiles import Profile, available_profiles, load_profile
+from chaos_flwr.flower.relay import Relay, exchange
+from chaos_flwr.flower.strategy import ChaosStrategy, RoundLog, keyring_verifier
+
+__all__ = [
+    "ChaosStrategy",
+    "Party",
+    "PartySettings",
+    "Profile",
+    "Relay",
+    "RoundLog",
+    "available_profiles",
+    "enable",
+    "exchange",
+    "keyring_verifier",
+    "load_profile",
+    "party_settings",
+]

@@ -1,0 +1,319 @@
+"""The client side: an existing ``ClientApp`` adopts Chaos with :func:`enable`.
+
+The change to a plain Flower app is::
+
+    from chaos_flwr.flower import enable   # 1
+    app = ClientApp()
+    ...                                     # @app.train() / @app.evaluate() as before
+    enable(app)                             # 2
+
+:func:`enable` registers the ``query.chaos`` handler and wraps the app's train/evaluate handlers
+so that Chaos records riding on those messages are taken off before the handler sees them and
+the party's outgoing envelopes and receipt are put on the reply.
+
+Party settings come from Flower's ``node_config`` (``chaos-key``, ``chaos-charter``,
+``chaos-state-dir``); a missing or wrong one is a :class:`~chaos_flwr.errors.ConfigError` that
+names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from chaos_flwr import codec
+from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY
+from chaos_flwr.errors import ChaosError, ConfigError
+from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
+
+__all__ = [
+    "NODE_CHARTER",
+    "NODE_KEY",
+    "NODE_STATE_DIR",
+    "RUN_UNSIGNED",
+    "Party",
+    "PartySettings",
+    "arrays_digest",
+    "enable",
+    "party_settings",
+    "receipt_bytes",
+]
+
+#: ``node_config`` key: path of the party's Ed25519 key file.
+NODE_KEY = "chaos-key"
+#: ``node_config`` key: path of the federation's signed charter (YAML).
+NODE_CHARTER = "chaos-charter"
+#: ``node_config`` key: directory of the party's durable state (replicas, records).
+NODE_STATE_DIR = "chaos-state-dir"
+#: ``run_config`` key: run parties with no identity (relay and receipts *unsigned*), e.g. to
+#: measure carrier overhead in simulation, where SuperNodes have no per-node config.
+RUN_UNSIGNED = "chaos-unsigned"
+
+
+def arrays_digest(arrays: ArrayRecord) -> bytes:
+    """SHA-256 of the canonical encoding of an ArrayRecord (names, dtypes, shapes, bytes).
+
+    Server and parties compute it the same way from the arrays they hold.
+    """
+    items: dict[str, Any] = {}
+    for name, arr in arrays.items():
+        nd = arr.numpy()
+        items[name] = {
+            "dtype": str(nd.dtype.str),
+            "shape": [int(s) for s in nd.shape],
+            "data": nd.tobytes(order="C"),
+        }
+    return hashlib.sha256(codec.encode({"arrays": items})).digest()
+
+
+def receipt_bytes(party: str, server_round: int, digest: bytes) -> bytes:
+    """The exact bytes a party signs to certify that it holds ``digest`` after a round."""
+    return codec.encode(
+        {"kind": "receipt", "party": party, "round": server_round, "digest": digest}
+    )
+
+
+@dataclass(frozen=True)
+class PartySettings:
+    """Where a party's durable things are (from ``node_config``).
+
+    Attributes
+    ----------
+    key_path, charter_path:
+        The party's key and the charter; ``None`` only in unsigned mode.
+    state_dir:
+        Directory for the party's replica and records (created if missing).
+    unsigned:
+        True when the run asked for identity-less parties (:data:`RUN_UNSIGNED`).
+    """
+
+    key_path: Path | None
+    charter_path: Path | None
+    state_dir: Path | None
+    unsigned: bool
+
+
+def _path_setting(context: Context, key: str) -> Path | None:
+    value = context.node_config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"node_config '{key}' must be a non-empty path string, got {value!r}")
+    return Path(value).expanduser()
+
+
+def party_settings(context: Context) -> PartySettings:
+    """Read and check the party settings of a SuperNode.
+
+    Raises
+    ------
+    ConfigError
+        A setting is missing (and the run is not unsigned), or a path does not exist / is not
+        what it should be. The message names the ``node_config`` key.
+    """
+    unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
+    key = _path_setting(context, NODE_KEY)
+    charter = _path_setting(context, NODE_CHARTER)
+    state = _path_setting(context, NODE_STATE_DIR)
+    if unsigned and key is None and charter is None:
+        return PartySettings(None, None, state, True)
+    for name, path in ((NODE_KEY, key), (NODE_CHARTER, charter), (NODE_STATE_DIR, state)):
+        if path is None:
+            raise ConfigError(
+                f"node_config '{name}' is missing: start the SuperNode with --node-config "
+                f'\'{NODE_KEY}="..." {NODE_CHARTER}="..." {NODE_STATE_DIR}="..."\' '
+                f"(or set run config '{RUN_UNSIGNED}=true' for an identity-less test run)"
+            )
+    assert key is not None and charter is not None and state is not None
+    if not key.is_file():
+        raise ConfigError(f"node_config '{NODE_KEY}': no key file at {key}; run chaos-flwr keygen")
+    if not charter.is_file():
+        raise ConfigError(f"node_config '{NODE_CHARTER}': no charter file at {charter}")
+    if state.exists() and not state.is_dir():
+        raise ConfigError(f"node_config '{NODE_STATE_DIR}': {state} exists and is not a directory")
+    return PartySettings(key, charter, state, unsigned)
+
+
+@dataclass
+class Party:
+    """One party's Chaos runtime inside a ClientApp process.
+
+    Parameters
+    ----------
+    party_id:
+        The party's id (``identity.party_id_of(public key)``).
+    peer:
+        The sans-I/O protocol peer fed with every envelope the relay delivers; ``None`` for a
+        relay-only party (it routes nothing and speaks no membership protocol).
+    signer:
+        Signs receipts (``Identity.sign``); ``None`` means receipts go out *unsigned* (empty
+        receipt blob), and a verifying server does not count them.
+    clock:
+        Wall clock handed to the peer as ``now``.
+    """
+
+    party_id: str
+    peer: PeerProtocol | None = None
+    signer: Callable[[bytes], bytes] | None = None
+    clock: Callable[[], float] = time.time
+    held_round: int = -1
+    held_digest: bytes = b""
+    held_arrays: ArrayRecord | None = None
+    errors: list[str] = field(default_factory=list)
+
+    def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
+        """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
+        now = self.clock()
+        outgoing: list[OutgoingLike] = []
+        if record is not None and self.peer is not None:
+            for data in _envelopes(record):
+                try:
+                    outgoing.extend(self.peer.handle(data, now))
+                except ChaosError as exc:  # a bad envelope changes nothing; note and go on
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+        if self.peer is not None:
+            outgoing.extend(self.peer.tick(now))
+        if record is not None and record.get("phase") == "certify" and arrays is not None:
+            rnd = record.get("round", -1)
+            if isinstance(rnd, int) and not isinstance(rnd, bool):
+                self.held_round = rnd
+                self.held_digest = arrays_digest(arrays)
+                self.held_arrays = arrays
+        receipt = b""
+        if self.signer is not None and self.held_round >= 0:
+            receipt = self.signer(receipt_bytes(self.party_id, self.held_round, self.held_digest))
+        return party_record(
+            self.party_id,
+            outgoing,
+            receipt_round=self.held_round,
+            receipt_digest=self.held_digest,
+            receipt=receipt,
+        )
+
+
+def _envelopes(record: ConfigRecord) -> Sequence[bytes]:
+    env = record.get("env", [])
+    if not isinstance(env, list):
+        return []
+    return [e for e in env if isinstance(e, bytes)]
+
+
+PartyFactory = Callable[[Context], Party]
+
+
+def default_party_factory(context: Context) -> Party:
+    """Build the party of a SuperNode from its settings (see :func:`party_settings`).
+
+    A signed party needs the identity, charter and peer layers; where this build lacks one,
+    a :class:`~chaos_flwr.errors.ConfigError` says which (nothing falls back to unsigned).
+    """
+    settings = party_settings(context)
+    if settings.unsigned:
+        return Party(party_id=f"unsigned-{context.node_id}")
+    try:
+        from chaos_flwr import identity  # type: ignore[attr-defined]
+    except ImportError as exc:  # pragma: no cover - depends on which layers have landed
+        raise ConfigError(
+            f"node_config '{NODE_KEY}' is set but this chaos-flwr build has no identity layer "
+            "(chaos_flwr.identity); install a complete chaos-flwr"
+        ) from exc
+    ident = identity.Identity.load(settings.key_path)
+    peer = _build_peer(ident, settings)
+    return Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign)
+
+
+def _build_peer(ident: Any, settings: PartySettings) -> PeerProtocol | None:
+    """Seam: build ``chaos_flwr.peer.Peer`` from the identity, charter and state dir.
+
+    The peer layer's constructor is not fixed by docs/internals.md yet; until it is, a signed
+    party relays receipts only and runs no membership protocol (its peer is ``None``).
+    """
+    return None
+
+
+class _Parties:
+    """The parties of one enabled ClientApp in this process, one per (run, node)."""
+
+    def __init__(self, factory: PartyFactory) -> None:
+        self.factory = factory
+        self.by_node: dict[tuple[int, int], Party] = {}
+
+    def __call__(self, context: Context) -> Party:
+        key = (context.run_id, context.node_id)
+        party = self.by_node.get(key)
+        if party is None:
+            party = self.factory(context)
+            self.by_node[key] = party
+        return party
+
+
+def _wrap(
+    fn: Callable[[Message, Context], Message], parties: _Parties
+) -> Callable[[Message, Context], Message]:
+    def wrapped(message: Message, context: Context) -> Message:
+        record = split_chaos(message)
+        reply = fn(message, context)
+        if record is None:
+            return reply
+        arrays = message.content.array_records
+        first = next(iter(arrays.values()), None)
+        out = parties(context).process(record, first)
+        if reply.has_content():
+            content = RecordDict(dict(reply.content.items()))
+            content[FLOWER_CHAOS_RECORD_KEY] = out
+            reply.content = content
+        return reply
+
+    wrapped.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapped.__doc__ = getattr(fn, "__doc__", None)
+    return wrapped
+
+
+def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> ClientApp:
+    """Make ``app`` a Chaos party: register ``query.chaos`` and wrap train/evaluate handlers.
+
+    Call it after the app's ``@app.train()`` / ``@app.evaluate()`` handlers are registered.
+
+    Parameters
+    ----------
+    app:
+        A ``ClientApp`` built with decorators (not with a legacy ``client_fn``).
+    party_factory:
+        Builds the party of a node from its ``Context``; default
+        :func:`default_party_factory`, which reads ``node_config``.
+
+    Returns
+    -------
+    ClientApp
+        The same ``app``.
+    """
+    parties = _Parties(party_factory or default_party_factory)
+    registered: dict[str, Callable[[Message, Context], Message]] | None = getattr(
+        app, "_registered_funcs", None
+    )
+    if registered is None or getattr(app, "_call", None) is not None:
+        raise ConfigError(
+            "app: chaos_flwr.flower.enable needs a ClientApp built with @app.train()/"
+            "@app.evaluate() decorators, not one built from a legacy client_fn"
+        )
+    if "query.chaos" in registered:
+        raise ConfigError("app: Chaos is already enabled on this ClientApp")
+    for name in list(registered):
+        if name.startswith(("train.", "evaluate.")):
+            registered[name] = _wrap(registered[name], parties)
+
+    @app.query("chaos")
+    def chaos_query(message: Message, context: Context) -> Message:
+        record = split_chaos(message)
+        first = next(iter(message.content.array_records.values()), None)
+        out = parties(context).process(record, first)
+        return Message(RecordDict({FLOWER_CHAOS_RECORD_KEY: out}), reply_to=message)
+
+    return app

@@ -1,0 +1,351 @@
+"""The ServerApp as an untrusted relay of opaque Chaos envelopes between parties.
+
+Flower allows no node-to-node traffic: SuperNodes only talk to the SuperLink. So each exchange
+of a round, the ServerApp sends every party one Message whose RecordDict carries, in a
+ConfigRecord under :data:`~chaos_flwr.defaults.FLOWER_CHAOS_RECORD_KEY`, the envelopes addressed
+to it (``bytes`` values, which ConfigRecord carries as they are), and reads from the party's reply
+the envelopes it sends on (each with a destination party id). They are delivered on the next
+exchange. The relay never opens an envelope: parties verify every one end to end, so the relay
+can delay or drop, never forge.
+
+The relay learns which Flower node a party sits on from the party's own replies. A party that
+lies about its id can only misroute envelopes addressed to that id, which the relay could drop
+anyway; envelopes it receives are still verified by their recipients.
+
+This module also holds :func:`exchange`, a send-and-receive with a hard deadline that treats
+missing replies and error replies (e.g. ``NODE_UNAVAILABLE``) as ordinary input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from chaos_flwr.defaults import (
+    FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_MAX_ENVELOPES_PER_MESSAGE,
+    FLOWER_MAX_QUEUED_ENVELOPES,
+    FLOWER_POLL_INTERVAL_S,
+)
+from chaos_flwr.errors import DecodeError
+
+__all__ = [
+    "BROADCAST",
+    "ExchangeResult",
+    "OutgoingLike",
+    "PartyReply",
+    "PeerProtocol",
+    "Relay",
+    "exchange",
+    "read_party_record",
+    "split_chaos",
+    "with_chaos",
+]
+
+#: Destination that means "every other party the relay knows".
+BROADCAST = "*"
+#: Version of the record layout below.
+RECORD_VERSION = 1
+
+
+class OutgoingLike(Protocol):
+    """What :class:`chaos_flwr.peer.Outgoing` looks like to a carrier."""
+
+    @property
+    def to(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+
+class PeerProtocol(Protocol):
+    """The sans-I/O peer contract of ``docs/internals.md`` (``chaos_flwr.peer.Peer``)."""
+
+    @property
+    def party_id(self) -> str: ...
+
+    def handle(self, data: bytes, now: float) -> Sequence[OutgoingLike]: ...
+
+    def tick(self, now: float) -> Sequence[OutgoingLike]: ...
+
+
+@dataclass(frozen=True)
+class PartyReply:
+    """The Chaos part of one party's reply, as the relay reads it.
+
+    Attributes
+    ----------
+    party:
+        Party id the sender claims (binding only; envelopes are verified by recipients).
+    outgoing:
+        ``(destination party id, envelope bytes)`` pairs to route on.
+    receipt_round, receipt_digest, receipt:
+        The party's receipt for the state it holds: round, digest, and the signed receipt
+        blob (empty when the party has no identity: such a receipt is *unsigned*).
+    """
+
+    party: str
+    outgoing: tuple[tuple[str, bytes], ...]
+    receipt_round: int
+    receipt_digest: bytes
+    receipt: bytes
+
+
+def read_party_record(record: ConfigRecord) -> PartyReply:
+    """Parse the Chaos ConfigRecord of a party's reply; :class:`DecodeError` names the field."""
+    party = record.get("party", "")
+    to = record.get("to", [])
+    env = record.get("env", [])
+    rnd = record.get("receipt-round", -1)
+    dig = record.get("receipt-digest", b"")
+    rec = record.get("receipt", b"")
+    if not isinstance(party, str):
+        raise DecodeError("chaos record field 'party' must be a str")
+    if not isinstance(to, list) or not all(isinstance(t, str) for t in to):
+        raise DecodeError("chaos record field 'to' must be a list of str")
+    if not isinstance(env, list) or not all(isinstance(e, bytes) for e in env):
+        raise DecodeError("chaos record field 'env' must be a list of bytes")
+    if len(to) != len(env):
+        raise DecodeError(f"chaos record fields 'to' ({len(to)}) and 'env' ({len(env)}) differ")
+    if isinstance(rnd, bool) or not isinstance(rnd, int):
+        raise DecodeError("chaos record field 'receipt-round' must be an int")
+    if not isinstance(dig, bytes) or not isinstance(rec, bytes):
+        raise DecodeError("chaos record fields 'receipt-digest' and 'receipt' must be bytes")
+    pairs = tuple(
+        (t, e) for t, e in zip(to, env, strict=True) if isinstance(t, str) and isinstance(e, bytes)
+    )
+    return PartyReply(party, pairs, rnd, dig, rec)
+
+
+def party_record(
+    party: str,
+    outgoing: Iterable[OutgoingLike],
+    *,
+    receipt_round: int = -1,
+    receipt_digest: bytes = b"",
+    receipt: bytes = b"",
+) -> ConfigRecord:
+    """Build the Chaos ConfigRecord a party attaches to its reply."""
+    outs = list(outgoing)
+    return ConfigRecord(
+        {
+            "v": RECORD_VERSION,
+            "party": party,
+            "to": [o.to for o in outs],
+            "env": [bytes(o.data) for o in outs],
+            "receipt-round": receipt_round,
+            "receipt-digest": receipt_digest,
+            "receipt": receipt,
+        }
+    )
+
+
+def server_record(
+    envelopes: Sequence[bytes], *, phase: str, server_round: int, digest: bytes = b""
+) -> ConfigRecord:
+    """Build the Chaos ConfigRecord the relay attaches to a message for one party."""
+    return ConfigRecord(
+        {
+            "v": RECORD_VERSION,
+            "phase": phase,
+            "round": server_round,
+            "digest": digest,
+            "env": list(envelopes),
+        }
+    )
+
+
+def with_chaos(message: Message, record: ConfigRecord) -> Message:
+    """Copy ``message`` with ``record`` added to its content (the original is left as it is).
+
+    Strategies often share one RecordDict between all the messages of a round, so the Chaos
+    record (different per party) goes into a fresh RecordDict holding the same records.
+    """
+    content = RecordDict(dict(message.content.items()))
+    content[FLOWER_CHAOS_RECORD_KEY] = record
+    md = message.metadata
+    return Message(
+        content,
+        dst_node_id=md.dst_node_id,
+        message_type=md.message_type,
+        group_id=md.group_id or None,
+        ttl=md.ttl,
+    )
+
+
+def split_chaos(message: Message) -> ConfigRecord | None:
+    """Remove and return the Chaos record of a message with content (``None`` if it has none).
+
+    What remains is exactly what the application (or the inner strategy) expects to see.
+    """
+    if not message.has_content() or FLOWER_CHAOS_RECORD_KEY not in message.content:
+        return None
+    record = message.content[FLOWER_CHAOS_RECORD_KEY]
+    rest = RecordDict({k: v for k, v in message.content.items() if k != FLOWER_CHAOS_RECORD_KEY})
+    message.content = rest
+    return record if isinstance(record, ConfigRecord) else None
+
+
+@dataclass
+class Relay:
+    """Routes opaque envelopes between party ids over Flower node ids.
+
+    Parameters
+    ----------
+    max_queue:
+        Most envelopes queued for one party; past it the oldest are dropped (and counted).
+    max_per_message:
+        Most envelopes delivered to a party in one message; the rest wait.
+    """
+
+    max_queue: int = FLOWER_MAX_QUEUED_ENVELOPES
+    max_per_message: int = FLOWER_MAX_ENVELOPES_PER_MESSAGE
+    node_of: dict[str, int] = field(default_factory=dict)
+    party_of: dict[int, str] = field(default_factory=dict)
+    dropped: int = 0
+    routed: int = 0
+    _queues: dict[str, deque[bytes]] = field(default_factory=dict)
+
+    def bind(self, party: str, node_id: int) -> None:
+        """Record that ``party`` is reachable on ``node_id`` (a later claim replaces it)."""
+        old = self.node_of.get(party)
+        if old is not None and old != node_id:
+            self.party_of.pop(old, None)
+        prev = self.party_of.get(node_id)
+        if prev is not None and prev != party:
+            self.node_of.pop(prev, None)
+        self.node_of[party] = node_id
+        self.party_of[node_id] = party
+
+    def enqueue(self, to: str, data: bytes, *, sender: str | None = None) -> None:
+        """Queue ``data`` for party ``to`` (or for every known party but ``sender``)."""
+        targets = [p for p in self.node_of if p != sender] if to == BROADCAST else [to]
+        for target in targets:
+            q = self._queues.setdefault(target, deque())
+            if len(q) >= self.max_queue:
+                q.popleft()
+                self.dropped += 1
+            q.append(data)
+            self.routed += 1
+
+    def pending(self, party: str) -> int:
+        """Number of envelopes waiting for ``party``."""
+        return len(self._queues.get(party, ()))
+
+    def take(self, node_id: int) -> list[bytes]:
+        """Envelopes to deliver to the party on ``node_id`` now (removed from its queue)."""
+        party = self.party_of.get(node_id)
+        q = self._queues.get(party) if party is not None else None
+        if not q:
+            return []
+        n = min(len(q), self.max_per_message)
+        return [q.popleft() for _ in range(n)]
+
+    def give_back(self, node_id: int, envelopes: Sequence[bytes]) -> None:
+        """Put undelivered envelopes back at the head of the party's queue (in order)."""
+        party = self.party_of.get(node_id)
+        if party is None or not envelopes:
+            return
+        q = self._queues.setdefault(party, deque())
+        q.extendleft(reversed(list(envelopes)))
+        while len(q) > self.max_queue:
+            q.pop()
+            self.dropped += 1
+
+    def absorb(self, node_id: int, record: ConfigRecord) -> PartyReply:
+        """Read a party's Chaos record: bind its id to ``node_id`` and queue what it sends."""
+        reply = read_party_record(record)
+        if reply.party:
+            self.bind(reply.party, node_id)
+        for to, data in reply.outgoing:
+            self.enqueue(to, data, sender=reply.party or None)
+        return reply
+
+
+@dataclass
+class ExchangeResult:
+    """What one deadline-bounded exchange brought back.
+
+    Attributes
+    ----------
+    replies:
+        Node id -> reply with content (Chaos record still inside).
+    errors:
+        Node id -> error code of an error reply (e.g. ``ErrorCode.NODE_UNAVAILABLE``).
+    missing:
+        Nodes that were sent a message and had not replied by the deadline.
+    elapsed_s:
+        Wall time of the exchange.
+    """
+
+    replies: dict[int, Message]
+    errors: dict[int, int]
+    missing: set[int]
+    elapsed_s: float
+
+
+def exchange(
+    grid: Grid,
+    messages: Sequence[Message],
+    *,
+    timeout_s: float,
+    wait_for: set[int] | None = None,
+    poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> ExchangeResult:
+    """Push ``messages``, then pull replies until all of ``wait_for`` answered or the deadline.
+
+    Parameters
+    ----------
+    grid:
+        The Flower Grid.
+    messages:
+        At most one message per destination node.
+    timeout_s:
+        Hard deadline of the exchange; nothing here waits longer.
+    wait_for:
+        Nodes whose replies end the wait (default: every destination). Replies of other
+        destinations that arrive in time are returned too; suspected-dead nodes go here so
+        that they never hold a phase up.
+    poll_interval_s:
+        Pause between pulls.
+    """
+    start = clock()
+    ids = list(grid.push_messages(messages))
+    node_of_msg: dict[str, int] = {
+        mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)
+    }
+    outstanding = set(node_of_msg)
+    waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
+    replies: dict[int, Message] = {}
+    errors: dict[int, int] = {}
+    deadline = start + timeout_s
+    while outstanding:
+        for reply in grid.pull_messages(list(outstanding)):
+            mid = reply.metadata.reply_to_message_id
+            node = node_of_msg.get(mid)
+            if node is None or mid not in outstanding:
+                continue
+            outstanding.discard(mid)
+            if reply.has_error():
+                errors[node] = int(reply.error.code)
+            else:
+                replies[node] = reply
+        answered = set(replies) | set(errors)
+        if not outstanding or waiting <= answered or clock() >= deadline:
+            break
+        sleep(min(poll_interval_s, max(0.0, deadline - clock())))
+    missing = {node_of_msg[mid] for mid in outstanding}
+    return ExchangeResult(replies, errors, missing, clock() - start)
+
+
+def node_map(messages: Iterable[Message]) -> Mapping[int, Message]:
+    """Index messages by destination node id."""
+    return {m.metadata.dst_node_id: m for m in messages}

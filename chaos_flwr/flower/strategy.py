@@ -1,0 +1,463 @@
+"""``ChaosStrategy``: Chaos phases around any new-style Flower strategy.
+
+Each round has the same two exchanges as the inner strategy (train, evaluate), and Chaos rides
+on them, so a churn-free round costs about what the inner strategy's round costs:
+
+1. **train**: the inner strategy's ``configure_train`` samples from a Grid that lists only the
+   *eligible* nodes (those whose party holds the current state, by its receipt, and, when a view
+   source is given, that the signed view lists as active). Every message carries the relay
+   envelopes for its party; other known nodes get a ``query.chaos`` message with theirs in the
+   same push. The phase waits for the non-suspect nodes only, and never past its deadline.
+2. **certify + evaluate**: the inner strategy's ``configure_evaluate`` messages carry the new
+   state; nodes not sampled for evaluation get it in a ``query.chaos`` certify message. Every
+   reply carries the party's receipt (round, digest), signed by the party's key.
+
+Replies are stripped of their Chaos record before the inner strategy aggregates them, so the
+inner strategy sees exactly what it would have seen without Chaos.
+
+What this strategy does **not** do by itself: decide membership. Nodes that miss a deadline or
+answer with an error are *suspects* (not waited for, not sampled) until they answer again; the
+membership of the federation is what the parties' signed records say (``view_source``).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+from flwr.supercore.run import Run
+
+from chaos_flwr.defaults import (
+    FLOWER_CHAOS_MESSAGE_TYPE,
+    FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_PHASE_TIMEOUT_S,
+    FLOWER_POLL_INTERVAL_S,
+)
+from chaos_flwr.errors import DecodeError
+from chaos_flwr.flower.client import arrays_digest, receipt_bytes
+from chaos_flwr.flower.relay import Relay, exchange, server_record, split_chaos, with_chaos
+
+__all__ = ["ChaosStrategy", "ReceiptVerifier", "RoundLog", "keyring_verifier"]
+
+#: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
+ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
+
+
+def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
+    """A receipt verifier from a ``party id -> raw Ed25519 public key`` keyring (the charter's).
+
+    A receipt counts only if its party is in the keyring and the blob is that key's signature
+    over :func:`~chaos_flwr.flower.client.receipt_bytes`.
+    """
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    keys = {p: Ed25519PublicKey.from_public_bytes(k) for p, k in keyring.items()}
+
+    def verify(party: str, server_round: int, digest: bytes, receipt: bytes) -> bool:
+        key = keys.get(party)
+        if key is None or len(receipt) != 64:
+            return False
+        try:
+            key.verify(receipt, receipt_bytes(party, server_round, digest))
+        except InvalidSignature:
+            return False
+        return True
+
+    return verify
+
+
+@dataclass
+class RoundLog:
+    """What happened in one round (kept in :attr:`ChaosStrategy.rounds`)."""
+
+    server_round: int
+    eligible: list[int] = field(default_factory=list)
+    trained: list[int] = field(default_factory=list)
+    missing: list[int] = field(default_factory=list)
+    errors: dict[int, int] = field(default_factory=dict)
+    holders: list[str] = field(default_factory=list)
+    unsigned_receipts: list[str] = field(default_factory=list)
+    digest: bytes = b""
+    train_s: float = 0.0
+    certify_s: float = 0.0
+    skipped: str = ""
+
+
+class _EligibleGrid(Grid):
+    """A view of a Grid that lists only the eligible nodes (what the inner strategy samples)."""
+
+    def __init__(self, grid: Grid, nodes: list[int]) -> None:
+        self._grid = grid
+        self._nodes = list(nodes)
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._nodes)
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return (NodeInfo(node_id=n) for n in self._nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def _min_nodes(inner: Strategy, kind: str) -> int:
+    """Nodes the inner strategy's sampler waits for (it would sleep forever with fewer)."""
+    need = int(getattr(inner, "min_available_nodes", 0) or 0)
+    return max(need, int(getattr(inner, f"min_{kind}_nodes", 0) or 0))
+
+
+class ChaosStrategy(Strategy):
+    """Wrap a ``flwr.serverapp.strategy`` strategy with the Chaos phases (module docstring).
+
+    Parameters
+    ----------
+    inner:
+        Any new-style Flower strategy (FedAvg, FedProx, FedAdam, Krum, ...); it does all
+        sampling sizes and aggregation.
+    phase_timeout_s:
+        Deadline of each exchange (capped by ``start(timeout=...)``).
+    poll_interval_s:
+        Pause between pulls while a phase waits.
+    receipt_verifier:
+        Checks parties' signed receipts (e.g. :func:`keyring_verifier` of the charter's
+        keyring). Without one, receipts are taken as *unsigned* claims: they still steer whom
+        to sample (a liveness decision), and every round lists them in ``unsigned_receipts``.
+    view_source:
+        Returns the party ids the signed view lists as active; ``None`` means no view is known
+        to the server (sampling is then by receipts only).
+    relay:
+        The envelope router (a fresh one by default).
+    """
+
+    def __init__(
+        self,
+        inner: Strategy,
+        *,
+        phase_timeout_s: float = FLOWER_PHASE_TIMEOUT_S,
+        poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
+        receipt_verifier: ReceiptVerifier | None = None,
+        view_source: Callable[[], set[str]] | None = None,
+        relay: Relay | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not isinstance(inner, Strategy):
+            raise TypeError(
+                f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}"
+            )
+        if phase_timeout_s <= 0:
+            raise ValueError(f"phase_timeout_s must be > 0, got {phase_timeout_s}")
+        self.inner = inner
+        self.phase_timeout_s = phase_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self.receipt_verifier = receipt_verifier
+        self.view_source = view_source
+        self.relay = relay or Relay()
+        self.clock = clock
+        self.sleep = sleep
+        self.suspects: set[int] = set()
+        self.holders: dict[int, tuple[str, int, bytes]] = {}
+        self.rounds: list[RoundLog] = []
+
+    # -- delegation ---------------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Delegate to the inner strategy."""
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Delegate to the inner strategy."""
+        return self.inner.aggregate_train(server_round, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Delegate to the inner strategy."""
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Delegate to the inner strategy."""
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        """Log the inner strategy's summary and the Chaos settings."""
+        log(INFO, "\t├──> Chaos: relay + receipts around %s", type(self.inner).__name__)
+        log(INFO, "\t│\t├── phase timeout: %.1f s", self.phase_timeout_s)
+        log(INFO, "\t│\t└── receipts: %s", "verified" if self.receipt_verifier else "UNSIGNED")
+        self.inner.summary()
+
+    # -- profiles -----------------------------------------------------------------------------
+    @classmethod
+    def from_profile(cls, name_or_path: str | Path, **overrides: Any) -> ChaosStrategy:
+        """Build a ChaosStrategy from a strategy profile (``strategies/<name>.yaml`` or a path).
+
+        ``overrides`` replace keyword arguments of :class:`ChaosStrategy` (e.g.
+        ``receipt_verifier``); :class:`~chaos_flwr.errors.ProfileError` names a bad field.
+        """
+        from chaos_flwr.flower.profiles import load_profile
+
+        profile = load_profile(name_or_path)
+        kwargs: dict[str, Any] = dict(profile.chaos)
+        kwargs.update(overrides)
+        return cls(profile.build_inner(), **kwargs)
+
+    # -- the rounds ---------------------------------------------------------------------------
+    def _eligible(self, known: list[int], digest: bytes, server_round: int) -> list[int]:
+        active = self.view_source() if self.view_source is not None else None
+        out: list[int] = []
+        for node in known:
+            if node in self.suspects:
+                continue
+            held = self.holders.get(node)
+            if held is None or held[1] != server_round or held[2] != digest:
+                continue
+            if active is not None and held[0] not in active:
+                continue
+            out.append(node)
+        return out
+
+    def _chaos_msg(
+        self, node: int, phase: str, rnd: int, digest: bytes, arrays: ArrayRecord | None
+    ) -> Message:
+        content = RecordDict()
+        if arrays is not None:
+            content["arrays"] = arrays
+        content[FLOWER_CHAOS_RECORD_KEY] = server_record(
+            self.relay.take(node), phase=phase, server_round=rnd, digest=digest
+        )
+        return Message(content, dst_node_id=node, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+
+    def _phase(
+        self,
+        grid: Grid,
+        inner_msgs: list[Message],
+        known: list[int],
+        *,
+        phase: str,
+        server_round: int,
+        digest: bytes,
+        arrays_for_others: ArrayRecord | None,
+        timeout: float,
+        log_: RoundLog,
+    ) -> tuple[list[Message], float]:
+        """Run one exchange; return the inner strategy's replies (Chaos records removed)."""
+        msgs: list[Message] = []
+        taken: dict[int, list[bytes]] = {}
+        addressed: set[int] = set()
+        for m in inner_msgs:
+            node = m.metadata.dst_node_id
+            envs = self.relay.take(node)
+            taken[node] = envs
+            addressed.add(node)
+            msgs.append(
+                with_chaos(
+                    m, server_record(envs, phase=phase, server_round=server_round, digest=digest)
+                )
+            )
+        for node in known:
+            if node not in addressed:
+                msgs.append(self._chaos_msg(node, phase, server_round, digest, arrays_for_others))
+                addressed.add(node)
+        res = exchange(
+            grid,
+            msgs,
+            timeout_s=min(timeout, self.phase_timeout_s),
+            wait_for={n for n in addressed if n not in self.suspects},
+            poll_interval_s=self.poll_interval_s,
+            clock=self.clock,
+            sleep=self.sleep,
+        )
+        inner_replies: list[Message] = []
+        inner_nodes = {m.metadata.dst_node_id for m in inner_msgs}
+        for node, reply in res.replies.items():
+            self.suspects.discard(node)
+            record = split_chaos(reply)
+            if record is not None:
+                try:
+                    pr = self.relay.absorb(node, record)
+                except DecodeError as exc:
+                    log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
+                else:
+                    self._note_receipt(
+                        node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_
+                    )
+            if node in inner_nodes:
+                inner_replies.append(reply)
+        for node, code in res.errors.items():
+            self.suspects.add(node)
+            log_.errors[node] = code
+            self.relay.give_back(node, taken.get(node, []))
+            self.holders.pop(node, None)
+        for node in res.missing:
+            self.suspects.add(node)
+            self.relay.give_back(node, taken.get(node, []))
+        log_.missing = sorted(set(log_.missing) | res.missing)
+        return inner_replies, res.elapsed_s
+
+    def _note_receipt(
+        self, node: int, party: str, rnd: int, digest: bytes, receipt: bytes, log_: RoundLog
+    ) -> None:
+        if rnd < 0 or not party:
+            return
+        if self.receipt_verifier is not None:
+            if not self.receipt_verifier(party, rnd, digest, receipt):
+                log(WARNING, "Chaos: receipt of %s for round %d does not verify", party, rnd)
+                return
+        elif party not in log_.unsigned_receipts:
+            log_.unsigned_receipts.append(party)
+        self.holders[node] = (party, rnd, digest)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds of the inner strategy with the Chaos phases.
+
+        Same parameters and result as :meth:`flwr.serverapp.strategy.Strategy.start`;
+        ``timeout`` bounds every exchange (together with ``phase_timeout_s``).
+        """
+        log(INFO, "Starting ChaosStrategy(%s)", type(self.inner).__name__)
+        self.summary()
+        train_config = ConfigRecord() if train_config is None else train_config
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
+        result = Result()
+        t_start = time.time()
+        if evaluate_fn:
+            res0 = evaluate_fn(0, initial_arrays)
+            if res0 is not None:
+                result.evaluate_metrics_serverapp[0] = res0
+        arrays = initial_arrays
+        digest = arrays_digest(arrays)
+
+        # round 0: certify the initial state on every node that answers
+        log0 = RoundLog(0, digest=digest)
+        known = self._wait_for_nodes(grid, timeout)
+        _, log0.certify_s = self._phase(
+            grid, [], known, phase="certify", server_round=0, digest=digest,
+            arrays_for_others=arrays, timeout=timeout, log_=log0,
+        )  # fmt: skip
+        log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
+        self.rounds.append(log0)
+        certified_round = 0
+
+        for rnd in range(1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
+            rlog = RoundLog(rnd)
+            known = list(grid.get_node_ids())
+            eligible = self._eligible(known, digest, certified_round)
+            rlog.eligible = eligible
+            need = _min_nodes(self.inner, "train")
+            train_replies: list[Message] = []
+            if len(eligible) < need:
+                rlog.skipped = f"train: {len(eligible)} eligible nodes < {need} required"
+                log(WARNING, "Chaos: skipping training of round %d (%s)", rnd, rlog.skipped)
+                train_msgs: list[Message] = []
+            else:
+                train_msgs = list(
+                    self.inner.configure_train(
+                        rnd, arrays, train_config, _EligibleGrid(grid, eligible)
+                    )
+                )
+            rlog.trained = [m.metadata.dst_node_id for m in train_msgs]
+            train_replies, rlog.train_s = self._phase(
+                grid, train_msgs, known, phase="relay", server_round=certified_round,
+                digest=digest, arrays_for_others=None, timeout=timeout, log_=rlog,
+            )  # fmt: skip
+            if train_msgs:
+                agg_arrays, agg_metrics = self.inner.aggregate_train(rnd, train_replies)
+                if agg_arrays is not None:
+                    arrays = agg_arrays
+                    result.arrays = agg_arrays
+                if agg_metrics is not None:
+                    result.train_metrics_clientapp[rnd] = agg_metrics
+            digest = arrays_digest(arrays)
+            rlog.digest = digest
+
+            # certify + evaluate: the new state goes to every live node, receipts come back
+            live = [n for n in grid.get_node_ids() if n not in self.suspects]
+            eval_need = _min_nodes(self.inner, "evaluate")
+            eval_msgs: list[Message] = []
+            if len(live) >= eval_need:
+                eval_msgs = list(
+                    self.inner.configure_evaluate(
+                        rnd, arrays, evaluate_config, _EligibleGrid(grid, live)
+                    )
+                )
+            eval_replies, rlog.certify_s = self._phase(
+                grid, eval_msgs, known, phase="certify", server_round=rnd, digest=digest,
+                arrays_for_others=arrays, timeout=timeout, log_=rlog,
+            )  # fmt: skip
+            certified_round = rnd
+            rlog.holders = sorted(
+                p for p, r, d in self.holders.values() if r == rnd and d == digest
+            )
+            if eval_msgs:
+                agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
+                if agg_eval is not None:
+                    result.evaluate_metrics_clientapp[rnd] = agg_eval
+            if evaluate_fn:
+                res = evaluate_fn(rnd, arrays)
+                if res is not None:
+                    result.evaluate_metrics_serverapp[rnd] = res
+            self.rounds.append(rlog)
+
+        log(INFO, "ChaosStrategy finished in %.2fs", time.time() - t_start)
+        for line in io.StringIO(str(result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return result
+
+    def _wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
+        """Wait (bounded) until the inner strategy's minimum of nodes is connected."""
+        need = _min_nodes(self.inner, "train")
+        deadline = self.clock() + min(timeout, self.phase_timeout_s)
+        while len(nodes := list(grid.get_node_ids())) < need and self.clock() < deadline:
+            self.sleep(self.poll_interval_s)
+        return nodes

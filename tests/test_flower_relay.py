@@ -1,0 +1,283 @@
+"""The relay carrier: routing, record parsing, deadline-bounded exchanges, peers end to end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+
+from chaos_flwr.defaults import FLOWER_CHAOS_MESSAGE_TYPE, FLOWER_CHAOS_RECORD_KEY
+from chaos_flwr.errors import ConfigError, DecodeError
+from chaos_flwr.flower import runner
+from chaos_flwr.flower.client import Party, enable, party_settings
+from chaos_flwr.flower.fake_grid import FakeGrid
+from chaos_flwr.flower.relay import (
+    BROADCAST,
+    Relay,
+    exchange,
+    read_party_record,
+    server_record,
+    split_chaos,
+    with_chaos,
+)
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key, value in runner.FLOWER_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+
+
+class VClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.sleeps = 0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.sleeps += 1
+        self.t += max(s, 1e-3)
+
+
+@dataclass(frozen=True)
+class Out:
+    to: str
+    data: bytes
+
+
+@dataclass
+class EchoPeer:
+    """Sends each envelope it gets back to its sender (sender id = bytes before ':')."""
+
+    party_id: str
+    got: list[bytes] = field(default_factory=list)
+    to_send: list[Out] = field(default_factory=list)
+
+    def handle(self, data: bytes, now: float) -> list[Out]:
+        self.got.append(data)
+        sender, _, body = data.partition(b":")
+        if body.startswith(b"ping"):
+            return [Out(sender.decode(), self.party_id.encode() + b":pong")]
+        return []
+
+    def tick(self, now: float) -> list[Out]:
+        out, self.to_send = self.to_send, []
+        return out
+
+
+# -- the router -----------------------------------------------------------------------------
+def test_relay_routes_by_party_and_keeps_order_and_bounds() -> None:
+    r = Relay(max_queue=3, max_per_message=2)
+    r.bind("a", 1)
+    r.bind("b", 2)
+    for i in range(4):
+        r.enqueue("b", bytes([i]))
+    assert r.dropped == 1  # the oldest went
+    assert r.take(2) == [b"\x01", b"\x02"]
+    r.give_back(2, [b"\x02"])
+    assert r.take(2) == [b"\x02", b"\x03"]
+    assert r.take(2) == []
+    r.enqueue(BROADCAST, b"all", sender="a")
+    assert r.take(1) == [] and r.take(2) == [b"all"]
+    # a party that moves to another node takes its id with it
+    r.bind("b", 7)
+    assert r.node_of["b"] == 7 and 2 not in r.party_of
+
+
+def test_envelopes_for_unbound_party_wait_until_it_shows_up() -> None:
+    r = Relay()
+    r.enqueue("c", b"early")
+    assert r.pending("c") == 1
+    r.bind("c", 9)
+    assert r.take(9) == [b"early"]
+
+
+@pytest.mark.parametrize(
+    ("record", "field_name"),
+    [
+        ({"party": 3}, "party"),
+        ({"party": "a", "to": ["b"], "env": []}, "'to'"),
+        ({"party": "a", "to": [1], "env": [b"x"]}, "to"),
+        ({"party": "a", "receipt-round": "1"}, "receipt-round"),
+        ({"party": "a", "receipt-digest": "x"}, "receipt-digest"),
+    ],
+)
+def test_malformed_party_records_are_refused_naming_the_field(
+    record: dict[str, object], field_name: str
+) -> None:
+    with pytest.raises(DecodeError, match=field_name):
+        read_party_record(ConfigRecord(record))  # type: ignore[arg-type]
+
+
+def test_with_chaos_copies_and_split_chaos_restores_the_content() -> None:
+    FakeGrid()  # sets Flower's task identity
+    shared = RecordDict({"config": ConfigRecord({"lr": 0.1})})
+    m1 = Message(shared, dst_node_id=1, message_type="train")
+    m2 = with_chaos(m1, server_record([b"e"], phase="relay", server_round=1))
+    assert FLOWER_CHAOS_RECORD_KEY not in shared  # the shared RecordDict is untouched
+    rec = split_chaos(m2)
+    assert rec is not None and rec["env"] == [b"e"]
+    assert list(m2.content.keys()) == ["config"]
+    assert m2.metadata.message_type == "train" and m2.metadata.dst_node_id == 1
+
+
+# -- deadline-bounded exchanges ---------------------------------------------------------------
+def _query_app() -> ClientApp:
+    app = ClientApp()
+
+    @app.query("chaos")
+    def q(msg: Message, ctx: Context) -> Message:
+        return Message(RecordDict({"ok": ConfigRecord({"n": ctx.node_id})}), reply_to=msg)
+
+    return app
+
+
+def test_dead_and_failing_nodes_never_hold_an_exchange_past_its_deadline() -> None:
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    alive, dead, failing, slow = (grid.add_node(app) for _ in range(4))
+    dead.mode = "dead"
+    failing.mode = "error"
+    slow.delay_s = 0.5
+    msgs = [
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        for n in (alive, dead, failing, slow)
+    ]
+    res = exchange(grid, msgs, timeout_s=2.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep)
+    assert set(res.replies) == {alive.node_id, slow.node_id}
+    assert res.errors == {failing.node_id: ErrorCode.NODE_UNAVAILABLE}
+    assert res.missing == {dead.node_id}
+    assert 2.0 <= res.elapsed_s < 2.2
+
+
+def test_exchange_returns_as_soon_as_the_awaited_nodes_answered() -> None:
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    alive, dead = grid.add_node(app), grid.add_node(app)
+    dead.mode = "dead"
+    msgs = [
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        for n in (alive, dead)
+    ]
+    res = exchange(
+        grid, msgs, timeout_s=30.0, wait_for={alive.node_id}, clock=clock, sleep=clock.sleep
+    )
+    assert set(res.replies) == {alive.node_id} and res.missing == {dead.node_id}
+    assert res.elapsed_s < 0.1
+
+
+# -- peers talking through the relay ----------------------------------------------------------
+def test_envelopes_travel_between_peers_through_the_relay() -> None:
+    grid = FakeGrid()
+    peers: dict[int, EchoPeer] = {}
+
+    def factory(ctx: Context) -> Party:
+        peer = EchoPeer(f"party{ctx.node_id}")
+        peers[ctx.node_id] = peer
+        return Party(party_id=peer.party_id, peer=peer)
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        return Message(RecordDict(), reply_to=msg)
+
+    enable(app, party_factory=factory)
+    a, b = grid.add_node(app), grid.add_node(app)
+    relay = Relay()
+
+    def round_trip() -> None:
+        msgs = [
+            Message(
+                RecordDict(
+                    {
+                        FLOWER_CHAOS_RECORD_KEY: server_record(
+                            relay.take(n), phase="relay", server_round=0
+                        )
+                    }
+                ),
+                dst_node_id=n,
+                message_type=FLOWER_CHAOS_MESSAGE_TYPE,
+            )
+            for n in (a.node_id, b.node_id)
+        ]
+        res = exchange(grid, msgs, timeout_s=1.0)
+        for node, reply in res.replies.items():
+            rec = split_chaos(reply)
+            assert rec is not None
+            relay.absorb(node, rec)
+
+    round_trip()  # hello: parties tell the relay who they are
+    assert relay.node_of == {f"party{a.node_id}": a.node_id, f"party{b.node_id}": b.node_id}
+    pa, pb = peers[a.node_id], peers[b.node_id]
+    pa.to_send.append(Out(pb.party_id, pa.party_id.encode() + b":ping"))
+    round_trip()  # a's ping leaves a
+    assert pb.got == []
+    round_trip()  # delivered to b, b answers
+    assert pb.got == [pa.party_id.encode() + b":ping"]
+    round_trip()  # b's pong delivered to a
+    assert pa.got == [pb.party_id.encode() + b":pong"]
+
+
+def test_enable_leaves_train_replies_as_the_app_made_them() -> None:
+    grid = FakeGrid()
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        seen = sorted(msg.content.keys())
+        return Message(RecordDict({"seen": ConfigRecord({"keys": seen})}), reply_to=msg)
+
+    enable(app, party_factory=lambda ctx: Party(party_id="p"))
+    node = grid.add_node(app)
+    base = Message(
+        RecordDict({"config": ConfigRecord({"x": 1})}),
+        dst_node_id=node.node_id,
+        message_type="train",
+    )
+    msg = with_chaos(base, server_record([], phase="relay", server_round=0))
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.content["seen"]["keys"] == ["config"]  # the handler never saw the Chaos record
+    rec = split_chaos(reply)
+    assert rec is not None and rec["party"] == "p"
+    with pytest.raises(ConfigError, match="already enabled"):
+        enable(app)
+
+
+# -- party settings ---------------------------------------------------------------------------
+def _ctx(node_config: dict[str, object], run_config: dict[str, object] | None = None) -> Context:
+    return Context(1, 5, node_config, RecordDict(), run_config or {})  # type: ignore[arg-type]
+
+
+def test_party_settings_name_the_missing_or_wrong_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'chaos-key' is missing"):
+        party_settings(_ctx({}))
+    key = tmp_path / "a.key"
+    charter = tmp_path / "charter.yaml"
+    with pytest.raises(ConfigError, match="'chaos-charter' is missing"):
+        party_settings(_ctx({"chaos-key": str(key)}))
+    cfg = {"chaos-key": str(key), "chaos-charter": str(charter), "chaos-state-dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="chaos-key.*no key file"):
+        party_settings(_ctx(cfg))
+    key.write_bytes(b"k")
+    with pytest.raises(ConfigError, match="chaos-charter.*no charter"):
+        party_settings(_ctx(cfg))
+    charter.write_text("x")
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="chaos-state-dir.*not a directory"):
+        party_settings(_ctx({**cfg, "chaos-state-dir": str(tmp_path / "f")}))
+    with pytest.raises(ConfigError, match="non-empty path"):
+        party_settings(_ctx({**cfg, "chaos-key": 3}))
+    ok = party_settings(_ctx(cfg))
+    assert ok.key_path == key and not ok.unsigned
+    # an explicitly unsigned run needs no identity, and says so
+    assert party_settings(_ctx({}, {"chaos-unsigned": True})).unsigned
