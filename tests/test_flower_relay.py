@@ -266,14 +266,14 @@ def test_party_settings_name_the_missing_or_wrong_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'chaos-charter' is missing"):
         party_settings(_ctx({"chaos-key": str(key)}))
     cfg = {"chaos-key": str(key), "chaos-charter": str(charter), "chaos-state-dir": str(tmp_path)}
-    with pytest.raises(ConfigError, match="chaos-key.*no key file"):
+    with pytest.raises(ConfigError, match=r"chaos-key.*no key file"):
         party_settings(_ctx(cfg))
     key.write_bytes(b"k")
-    with pytest.raises(ConfigError, match="chaos-charter.*no charter"):
+    with pytest.raises(ConfigError, match=r"chaos-charter.*no charter"):
         party_settings(_ctx(cfg))
     charter.write_text("x")
     (tmp_path / "f").write_text("")
-    with pytest.raises(ConfigError, match="chaos-state-dir.*not a directory"):
+    with pytest.raises(ConfigError, match=r"chaos-state-dir.*not a directory"):
         party_settings(_ctx({**cfg, "chaos-state-dir": str(tmp_path / "f")}))
     with pytest.raises(ConfigError, match="non-empty path"):
         party_settings(_ctx({**cfg, "chaos-key": 3}))

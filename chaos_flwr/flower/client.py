@@ -167,11 +167,13 @@ class Party:
     held_digest: bytes = b""
     held_arrays: ArrayRecord | None = None
     errors: list[str] = field(default_factory=list)
+    pending: list[OutgoingLike] = field(default_factory=list)
 
     def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
         """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
         now = self.clock()
-        outgoing: list[OutgoingLike] = []
+        outgoing: list[OutgoingLike] = list(self.pending)
+        self.pending.clear()
         if record is not None and self.peer is not None:
             for data in _envelopes(record):
                 try:
@@ -217,25 +219,37 @@ def default_party_factory(context: Context) -> Party:
     settings = party_settings(context)
     if settings.unsigned:
         return Party(party_id=f"unsigned-{context.node_id}")
-    try:
-        from chaos_flwr import identity  # type: ignore[attr-defined]
-    except ImportError as exc:  # pragma: no cover - depends on which layers have landed
-        raise ConfigError(
-            f"node_config '{NODE_KEY}' is set but this chaos-flwr build has no identity layer "
-            "(chaos_flwr.identity); install a complete chaos-flwr"
-        ) from exc
-    ident = identity.Identity.load(settings.key_path)
-    peer = _build_peer(ident, settings)
-    return Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign)
+    assert settings.key_path is not None and settings.charter_path is not None
+    from chaos_flwr.identity import Identity
+
+    ident = Identity.load(settings.key_path)
+    peer, out = _build_peer(ident, settings)
+    party = Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign)
+    party.pending.extend(out)
+    return party
 
 
-def _build_peer(ident: Any, settings: PartySettings) -> PeerProtocol | None:
-    """Seam: build ``chaos_flwr.peer.Peer`` from the identity, charter and state dir.
+def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list[OutgoingLike]]:
+    """Build the protocol peer from the identity and the verified charter.
 
-    The peer layer's constructor is not fixed by docs/internals.md yet; until it is, a signed
-    party relays receipts only and runs no membership protocol (its peer is ``None``).
+    A founder bootstraps the federation's records. A non-founder's join (sponsor choice) is
+    not driven from here yet: it starts as a peer that knows the charter and waits.
     """
-    return None
+    try:
+        from chaos_flwr.charter import load_charter  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:  # the charter layer has not landed in this build
+        raise ConfigError(
+            f"node_config '{NODE_CHARTER}' is set but this chaos-flwr build has no charter layer "
+            "(chaos_flwr.charter); a signed party cannot be built without it"
+        ) from exc
+    from chaos_flwr.peer import Peer
+
+    charter = load_charter(settings.charter_path)
+    peer = Peer(ident, charter)
+    out: list[OutgoingLike] = []
+    if charter.is_founder(ident.party_id):
+        out.extend(peer.bootstrap(time.time()))
+    return peer, out
 
 
 class _Parties:

@@ -328,7 +328,7 @@ def exchange(
     errors: dict[int, int] = {}
     deadline = start + timeout_s
     while outstanding:
-        for reply in grid.pull_messages(list(outstanding)):
+        for reply in grid.pull_messages([m for m in ids if m in outstanding]):
             mid = reply.metadata.reply_to_message_id
             node = node_of_msg.get(mid)
             if node is None or mid not in outstanding:

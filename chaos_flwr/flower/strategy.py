@@ -59,18 +59,18 @@ def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
     A receipt counts only if its party is in the keyring and the blob is that key's signature
     over :func:`~chaos_flwr.flower.client.receipt_bytes`.
     """
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    from chaos_flwr.errors import SignatureError
+    from chaos_flwr.identity import verify_signature
 
-    keys = {p: Ed25519PublicKey.from_public_bytes(k) for p, k in keyring.items()}
+    keys = dict(keyring)
 
     def verify(party: str, server_round: int, digest: bytes, receipt: bytes) -> bool:
         key = keys.get(party)
-        if key is None or len(receipt) != 64:
+        if key is None:
             return False
         try:
-            key.verify(receipt, receipt_bytes(party, server_round, digest))
-        except InvalidSignature:
+            verify_signature(key, receipt, receipt_bytes(party, server_round, digest))
+        except SignatureError:
             return False
         return True
 
@@ -308,8 +308,7 @@ class ChaosStrategy(Strategy):
             clock=self.clock,
             sleep=self.sleep,
         )
-        inner_replies: list[Message] = []
-        inner_nodes = {m.metadata.dst_node_id for m in inner_msgs}
+        inner_order = [m.metadata.dst_node_id for m in inner_msgs]
         for node, reply in res.replies.items():
             self.suspects.discard(node)
             record = split_chaos(reply)
@@ -322,8 +321,9 @@ class ChaosStrategy(Strategy):
                     self._note_receipt(
                         node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_
                     )
-            if node in inner_nodes:
-                inner_replies.append(reply)
+        # the inner strategy sees its replies in the order of its own messages, as Flower's
+        # send_and_receive gives them when all replies are in
+        inner_replies = [res.replies[n] for n in inner_order if n in res.replies]
         for node, code in res.errors.items():
             self.suspects.add(node)
             log_.errors[node] = code

@@ -6,6 +6,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from chaos_flwr.flower import enable  # chaos-flwr: 1 of 2 changed lines
 from multi_institution.task import evaluate, load_partition, make_model, train
 
 torch.set_num_threads(1)
@@ -62,3 +63,6 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
         {"metrics": MetricRecord({"eval_loss": loss, "eval_acc": acc, "num-examples": n})}
     )
     return Message(content=content, reply_to=msg)
+
+
+enable(app)  # chaos-flwr: 2 of 2 changed lines
