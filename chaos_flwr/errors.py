@@ -12,6 +12,7 @@ __all__ = [
     "CharterError",
     "ConfigError",
     "DecodeError",
+    "EncodeError",
     "EquivocationError",
     "KeyFileError",
     "OversizeError",
@@ -99,3 +100,7 @@ class ProfileError(ChaosError, ValueError):
 
 class ConfigError(ChaosError, ValueError):
     """A party setting (Flower ``node_config``, scenario, WAN profile) is missing or wrong."""
+
+
+class EncodeError(ChaosError, ValueError):
+    """A value cannot be sealed or encoded (the message names the field and the limit)."""
