@@ -1,0 +1,122 @@
+"""Real protocol peers (signed envelopes, signed receipts) talking through ChaosStrategy's relay."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from chaos_flwr.flower import runner
+from chaos_flwr.flower.client import Party, enable
+from chaos_flwr.flower.fake_grid import FakeGrid
+from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
+from chaos_flwr.identity import Identity
+from chaos_flwr.peer import Peer
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for key, value in runner.FLOWER_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+
+
+FOUNDERS = [Identity.from_seed(f"flower-founder-{i}".encode(), name=f"f{i}") for i in range(3)]
+JOINER = Identity.from_seed(b"flower-joiner-0", name="j0")
+
+
+def _charter() -> Any:
+    """A charter-shaped object, as tests/test_peer.py builds it (the charter layer is separate)."""
+    members = [*FOUNDERS, JOINER]
+    ring = {i.party_id: i.public_key for i in members}
+    founder_ids = {i.party_id for i in FOUNDERS}
+    return SimpleNamespace(
+        federation="fed-flower-test",
+        founders=[SimpleNamespace(party_id=i.party_id) for i in FOUNDERS],
+        keyring=lambda: dict(ring),
+        admission=SimpleNamespace(sponsors_required=1),
+        failure_quorum=2,
+        heartbeat_interval_s=1.0,
+        suspicion_timeout_s=30.0,
+        is_founder=lambda pid: pid in founder_ids,
+    )
+
+
+def _app(peers: dict[str, Peer]) -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        arrays = {
+            k: Array((v.numpy() + 0.1 * int(ctx.node_config["k"])).astype(np.float32))
+            for k, v in msg.content["arrays"].items()
+        }
+        metrics = MetricRecord({"num-examples": 1 + int(ctx.node_config["k"])})
+        return Message(
+            RecordDict({"arrays": ArrayRecord(arrays), "metrics": metrics}), reply_to=msg
+        )
+
+    @app.evaluate()
+    def evaluate(msg: Message, ctx: Context) -> Message:
+        return Message(
+            RecordDict({"metrics": MetricRecord({"acc": 0.5, "num-examples": 1})}), reply_to=msg
+        )
+
+    charter = _charter()
+    by_name = {i.name: i for i in [*FOUNDERS, JOINER]}
+
+    def factory(ctx: Context) -> Party:
+        ident = by_name[str(ctx.node_config["who"])]
+        peer = Peer(ident, charter)
+        peers[ident.party_id] = peer
+        party = Party(party_id=ident.party_id, peer=peer, signer=ident.sign)
+        now = time.time()
+        if charter.is_founder(ident.party_id):
+            party.pending.extend(peer.bootstrap(now))
+        else:
+            party.pending.extend(peer.request_join(now, [FOUNDERS[0].party_id]))
+        return party
+
+    enable(app, party_factory=factory)
+    return app
+
+
+def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_relay() -> None:
+    peers: dict[str, Peer] = {}
+    grid = FakeGrid()
+    app = _app(peers)
+    for k, f in enumerate(FOUNDERS, start=1):
+        grid.add_node(app, node_config={"k": k, "who": f.name})
+    keyring = {i.party_id: i.public_key for i in [*FOUNDERS, JOINER]}
+    strategy = ChaosStrategy(
+        FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+        receipt_verifier=keyring_verifier(keyring),
+        phase_timeout_s=2.0,
+    )
+    init = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
+    strategy.start(grid, init, num_rounds=3, timeout=5)
+    founder_ids = sorted(f.party_id for f in FOUNDERS)
+    views = {pid: p.view() for pid, p in peers.items()}
+    assert sorted(views) == founder_ids
+    assert all(v.active() == founder_ids for v in views.values())
+    assert len({v.digest for v in views.values()}) == 1  # one view, reached through the relay
+    assert all(p.rejections == [] for p in peers.values())
+    assert strategy.rounds[-1].holders == founder_ids  # signed receipts, verified
+    assert strategy.rounds[-1].unsigned_receipts == []
+
+    # a joiner's SuperNode appears: admitted by signed records, certified, then trained
+    joiner_node = grid.add_node(app, node_config={"k": 9, "who": JOINER.name})
+    strategy.rounds.clear()
+    strategy.start(grid, init, num_rounds=4, timeout=5)
+    everyone = sorted([*founder_ids, JOINER.party_id])
+    assert all(p.view().active() == everyone for p in peers.values())
+    assert len({p.view().digest for p in peers.values()}) == 1
+    assert JOINER.party_id in strategy.rounds[-1].holders
+    assert joiner_node.node_id in strategy.rounds[-1].trained
