@@ -1,0 +1,518 @@
+"""The protocol peer: every negotiation flow, concurrent events, faults and bad input.
+
+Peers are driven by a small synchronous router (``Net``) that delivers envelopes in FIFO order,
+can crash parties, cut links between parties and drop or duplicate traffic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from chaos_flwr.wire import seal
+
+from chaos_flwr.errors import (
+    DecodeError,
+    PolicyError,
+    ReplayError,
+    SignatureError,
+    StaleIncarnationError,
+    UnknownPartyError,
+)
+from chaos_flwr.identity import Identity
+from chaos_flwr.membership import link_body, signing_bytes
+from chaos_flwr.monitor import Resources
+from chaos_flwr.peer import AppliedChange, Outgoing, Peer
+
+FED = "fed-peer-test"
+HB = 1.0
+SUSPECT = 3.0
+
+
+def ident(name: str) -> Identity:
+    return Identity.from_seed(name.encode() * 2, name=name)
+
+
+def charter(
+    founders: list[Identity],
+    allow: list[Identity],
+    *,
+    sponsors: int = 1,
+    quorum: int = 2,
+) -> Any:
+    """A charter-shaped object (the peer reads only these attributes)."""
+    ring = {i.party_id: i.public_key for i in founders + allow}
+    return SimpleNamespace(
+        federation=FED,
+        founders=[SimpleNamespace(party_id=i.party_id) for i in founders],
+        keyring=lambda: dict(ring),
+        admission=SimpleNamespace(sponsors_required=sponsors),
+        failure_quorum=quorum,
+        heartbeat_interval_s=HB,
+        suspicion_timeout_s=SUSPECT,
+        is_founder=lambda pid: pid in {i.party_id for i in founders},
+    )
+
+
+class Net:
+    """Synchronous FIFO router between peers, with crash / cut / drop / duplicate faults."""
+
+    def __init__(self, peers: Iterable[Peer], seed: int = 0) -> None:
+        self.peers: dict[str, Peer] = {p.party_id: p for p in peers}
+        self.queue: deque[tuple[str, Outgoing]] = deque()
+        self.crashed: set[str] = set()
+        self.cut: set[frozenset[str]] = set()
+        self.drop = 0.0
+        self.dup = 0.0
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.delivered = 0
+
+    def add(self, peer: Peer) -> None:
+        self.peers[peer.party_id] = peer
+
+    def send(self, src: str, outs: Iterable[Outgoing]) -> None:
+        for out in outs:
+            self.queue.append((src, out))
+
+    def run(self, limit: int = 200_000) -> None:
+        while self.queue:
+            limit -= 1
+            assert limit > 0, "message storm"
+            src, out = self.queue.popleft()
+            if out.to in self.crashed or src in self.crashed or out.to not in self.peers:
+                continue
+            if frozenset((src, out.to)) in self.cut:
+                continue
+            if self.drop and self.rng.random() < self.drop:
+                continue
+            copies = 2 if self.dup and self.rng.random() < self.dup else 1
+            for _ in range(copies):
+                self.delivered += 1
+                self.send(out.to, self.peers[out.to].handle(out.data, self.now))
+
+    def act(self, pid: str, outs: Iterable[Outgoing]) -> None:
+        self.send(pid, outs)
+        self.run()
+
+    def tick(self, dt: float = 0.5, rounds: int = 1) -> None:
+        for _ in range(rounds):
+            self.now += dt
+            for pid, peer in sorted(self.peers.items()):
+                if pid not in self.crashed:
+                    self.send(pid, peer.tick(self.now))
+            self.run()
+
+    def partition(self, side_a: Iterable[str], side_b: Iterable[str]) -> None:
+        for a in side_a:
+            for b in side_b:
+                self.cut.add(frozenset((a, b)))
+
+    def heal(self) -> None:
+        self.cut.clear()
+
+    def live(self) -> list[Peer]:
+        return [p for pid, p in sorted(self.peers.items()) if pid not in self.crashed]
+
+    def digests(self) -> set[bytes]:
+        return {p.view().digest for p in self.live()}
+
+
+F = [ident(f"founder{i}") for i in range(3)]
+J = [ident(f"joiner{i}") for i in range(6)]
+
+
+def cluster(
+    *, founders: int = 3, sponsors: int = 1, quorum: int = 2, joiners: int = 0
+) -> tuple[Net, Any]:
+    ch = charter(F[:founders], J, sponsors=sponsors, quorum=quorum)
+    net = Net([Peer(f, ch) for f in F[:founders]])
+    for f in F[:founders]:
+        net.act(f.party_id, net.peers[f.party_id].bootstrap(net.now))
+    for j in J[:joiners]:
+        p = Peer(j, ch)
+        net.add(p)
+        sponsors_ids = [f.party_id for f in F[: max(sponsors, 1)]]
+        net.act(j.party_id, p.request_join(net.now, sponsors_ids))
+    return net, ch
+
+
+def statuses(peer: Peer) -> dict[str, str]:
+    return {pid: m.status for pid, m in peer.view().members.items()}
+
+
+# --- flows ---------------------------------------------------------------------------------
+
+
+def test_founders_bootstrap_to_one_view() -> None:
+    net, _ = cluster()
+    assert len(net.digests()) == 1
+    view = net.peers[F[0].party_id].view()
+    assert view.active() == sorted(f.party_id for f in F)
+    assert all(p.rejections == [] for p in net.live())
+
+
+def test_non_founder_cannot_bootstrap() -> None:
+    _, ch = cluster()
+    with pytest.raises(PolicyError, match="not a founder"):
+        Peer(J[0], ch).bootstrap(0.0)
+
+
+def test_scale_out_with_one_sponsor_reaches_everyone() -> None:
+    net, _ = cluster(joiners=1)
+    j = J[0].party_id
+    assert len(net.digests()) == 1
+    for p in net.live():
+        assert statuses(p)[j] == "active"
+        assert [c.kind for c in p.applied if c.subject == j] == ["join"]
+    assert net.peers[j].is_member
+
+
+def test_scale_out_with_two_sponsors_uses_join_sig_and_join_done() -> None:
+    net, _ = cluster(sponsors=2, joiners=1)
+    j = J[0].party_id
+    assert len(net.digests()) == 1
+    assert all(statuses(p)[j] == "active" for p in net.live())
+    rec = next(r for r in net.peers[F[2].party_id].records if r.subject == j)
+    assert set(rec.signatures) == {j, F[0].party_id, F[1].party_id}
+
+
+def test_join_needs_enough_sponsors_and_waits() -> None:
+    net, ch = cluster(sponsors=2)
+    p = Peer(J[0], ch)
+    net.add(p)
+    net.act(p.party_id, p.request_join(net.now, [F[0].party_id]))  # only one of two
+    assert not p.is_member
+    assert all(J[0].party_id not in p2.view().members for p2 in net.live() if p2 is not p)
+
+
+def test_two_joins_at_once() -> None:
+    net, ch = cluster()
+    a, b = Peer(J[0], ch), Peer(J[1], ch)
+    net.add(a)
+    net.add(b)
+    net.send(a.party_id, a.request_join(net.now, [F[0].party_id]))
+    net.send(b.party_id, b.request_join(net.now, [F[1].party_id]))
+    net.run()
+    net.tick(rounds=4)
+    assert len(net.digests()) == 1
+    assert all(statuses(p)[a.party_id] == statuses(p)[b.party_id] == "active" for p in net.live())
+
+
+def test_scale_in() -> None:
+    net, _ = cluster(joiners=1)
+    j = J[0].party_id
+    net.act(j, net.peers[j].leave(net.now))
+    assert len(net.digests()) == 1
+    assert all(statuses(p)[j] == "left" for p in net.live())
+    assert not net.peers[j].is_member
+    assert net.peers[j].tick(net.now + 10.0) == []  # a departed party stays silent
+    with pytest.raises(PolicyError, match="not an active member"):
+        net.peers[j].leave(net.now)
+
+
+def test_leave_during_a_join() -> None:
+    """A sponsor leaves while the join it signed is in flight: both events settle."""
+    net, ch = cluster(sponsors=2)
+    p = Peer(J[0], ch)
+    net.add(p)
+    sponsor_a, sponsor_b = F[0].party_id, F[1].party_id
+    net.send(p.party_id, p.request_join(net.now, [sponsor_a, sponsor_b]))
+    # Deliver the join requests, then the sponsor leaves before the joiner completes.
+    for _ in range(2):
+        _src, out = net.queue.popleft()
+        net.send(out.to, net.peers[out.to].handle(out.data, net.now))
+    net.send(sponsor_a, net.peers[sponsor_a].leave(net.now))
+    net.run()
+    net.tick(rounds=4)
+    assert len(net.digests()) == 1
+    st = statuses(net.peers[F[2].party_id])
+    assert st[sponsor_a] == "left"
+    assert st[p.party_id] == "active"
+
+
+def test_connect_and_disconnect_links() -> None:
+    net, _ = cluster()
+    a, b, c = (f.party_id for f in F)
+    net.act(a, net.peers[a].connect(b, net.now))
+    assert all(p.view().neighbours(a) == (b,) for p in net.live())
+    net.act(c, net.peers[c].connect(a, net.now))
+    assert net.peers[b].view().neighbours(a) == tuple(sorted([b, c]))
+    net.act(b, net.peers[b].disconnect(a, net.now))
+    assert all(p.view().neighbours(a) == (c,) for p in net.live())
+    net.act(a, net.peers[a].connect(b, net.now))  # reconnect: epoch 2
+    link = net.peers[c].records.link(a, b)
+    assert link is not None and link.epoch == 2 and link.live
+    kinds = [ch.kind for ch in net.peers[c].applied if ch.subject == "|".join(sorted([a, b]))]
+    assert kinds == ["link_up", "link_down", "link_up"]
+    with pytest.raises(PolicyError, match="no up link"):
+        net.peers[c].disconnect(b, net.now)
+    with pytest.raises(PolicyError, match="itself"):
+        net.peers[c].connect(c, net.now)
+
+
+def test_link_request_can_be_refused_by_policy() -> None:
+    _, ch = cluster()
+    peers = [Peer(f, ch, accept_link=lambda other: False) for f in F]
+    net = Net(peers)
+    for p in peers:
+        net.act(p.party_id, p.bootstrap(0.0))
+    a, b = F[0].party_id, F[1].party_id
+    net.act(a, net.peers[a].connect(b, 0.0))
+    assert net.peers[a].view().neighbours(a) == ()
+    assert isinstance(net.peers[b].rejections[-1].error, PolicyError)
+
+
+def _ring_links(net: Net) -> None:
+    ids = sorted(net.peers)
+    for i, a in enumerate(ids):
+        net.act(a, net.peers[a].connect(ids[(i + 1) % len(ids)], net.now))
+
+
+def test_failure_is_declared_by_a_quorum_of_watchers() -> None:
+    net, _ = cluster(joiners=2)
+    _ring_links(net)
+    victim = J[0].party_id
+    net.tick(rounds=2)
+    net.crashed.add(victim)
+    net.tick(dt=0.5, rounds=int(SUSPECT / 0.5) + 4)
+    assert len(net.digests()) == 1
+    for p in net.live():
+        assert statuses(p)[victim] == "failed"
+        assert statuses(p)[J[1].party_id] == "active"
+    rec = next(r for r in net.peers[F[0].party_id].records if r.kind == "fail")
+    assert len(set(rec.signatures) - {victim}) >= 2
+    # The victim's links are gone from everyone's graph.
+    assert all(victim not in p.view().neighbours(n) for p in net.live() for n in p.view().active())
+
+
+def test_failed_party_rejoins_with_a_higher_incarnation() -> None:
+    net, ch = cluster(joiners=1)
+    victim = J[0].party_id
+    net.tick(rounds=2)
+    net.crashed.add(victim)
+    net.tick(rounds=int(SUSPECT / 0.5) + 4)
+    assert statuses(net.peers[F[0].party_id])[victim] == "failed"
+    # Restart: a fresh process with a higher incarnation.
+    net.crashed.discard(victim)
+    fresh = Peer(J[0], ch, incarnation=1)
+    net.add(fresh)
+    net.act(victim, fresh.request_join(net.now, [F[1].party_id]))
+    net.tick(rounds=3)
+    assert len(net.digests()) == 1
+    m = net.peers[F[2].party_id].view().members[victim]
+    assert (m.status, m.incarnation) == ("active", 1)
+    # The old incarnation's envelopes are now stale.
+    old = seal(J[0], incarnation=0, seq=10**6, timestamp=net.now, kind="hb", payload={})
+    p = net.peers[F[2].party_id]
+    p.handle(old, net.now)
+    assert isinstance(p.rejections[-1].error, StaleIncarnationError)
+
+
+def test_rejoin_at_an_ended_incarnation_is_refused() -> None:
+    net, ch = cluster(joiners=1)
+    j = J[0].party_id
+    net.act(j, net.peers[j].leave(net.now))
+    sponsor = net.peers[F[0].party_id]
+    same = Peer(J[0], ch, incarnation=0)
+    net.add(same)
+    before = sponsor.view().digest
+    net.act(j, same.request_join(net.now + 0.1, [F[0].party_id]))
+    assert not same.is_member
+    assert isinstance(sponsor.rejections[-1].error, ReplayError | PolicyError)
+    assert sponsor.view().digest == before
+    higher = Peer(J[0], ch, incarnation=1)
+    net.add(higher)
+    net.act(j, higher.request_join(net.now + 0.2, [F[0].party_id]))
+    assert higher.is_member
+    assert len(net.digests()) == 1
+
+
+def test_small_cluster_cannot_expel_anyone() -> None:
+    """Two members and a quorum of 2: a crash is only suspected, never declared."""
+    net, _ = cluster(founders=2, quorum=2)
+    a, b = F[0].party_id, F[1].party_id
+    net.tick(rounds=2)
+    net.crashed.add(b)
+    net.tick(rounds=int(SUSPECT / 0.5) + 6)
+    assert statuses(net.peers[a])[b] == "active"
+    assert b in net.peers[a].monitor.suspected()
+
+
+def test_link_flap_during_a_failure() -> None:
+    net, _ = cluster(joiners=2)
+    _ring_links(net)
+    victim = J[1].party_id
+    a, b = F[0].party_id, F[1].party_id
+    net.tick(rounds=2)
+    net.crashed.add(victim)
+    for step in range(int(SUSPECT / 0.5) + 6):
+        net.tick(rounds=1)
+        if step % 2 == 0 and net.peers[a].records.link(a, b) is not None:
+            link = net.peers[a].records.link(a, b)
+            assert link is not None
+            if link.live:
+                net.act(a, net.peers[a].disconnect(b, net.now))
+            else:
+                net.act(b, net.peers[b].connect(a, net.now))
+        elif step % 2 == 0:
+            net.act(a, net.peers[a].connect(b, net.now))
+    net.tick(rounds=3)
+    assert len(net.digests()) == 1
+    view = net.peers[F[2].party_id].view()
+    assert view.members[victim].status == "failed"
+    flaps = [c for c in net.peers[F[2].party_id].applied if c.kind in ("link_up", "link_down")]
+    assert len(flaps) >= 8
+
+
+def test_views_converge_after_a_partition_heals() -> None:
+    net, ch = cluster(joiners=1)
+    side_a = [F[0].party_id, F[1].party_id]
+    side_b = [F[2].party_id, J[0].party_id]
+    net.partition(side_a, side_b)
+    net.act(F[0].party_id, net.peers[F[0].party_id].connect(F[1].party_id, net.now))
+    net.act(F[2].party_id, net.peers[F[2].party_id].connect(J[0].party_id, net.now))
+    late = Peer(J[1], ch)
+    net.add(late)
+    net.partition([late.party_id], side_b)
+    net.act(late.party_id, late.request_join(net.now, [F[0].party_id]))
+    assert len(net.digests()) > 1
+    net.heal()
+    net.tick(rounds=12)
+    assert len(net.digests()) == 1
+    view = late.view()
+    assert view.neighbours(F[2].party_id) == (J[0].party_id,)
+    assert view.is_active(late.party_id)
+
+
+def test_convergence_under_drops_and_duplicates() -> None:
+    net, _ch = cluster(joiners=2)
+    net.drop, net.dup = 0.2, 0.2
+    ids = sorted(net.peers)
+    for i in range(len(ids) - 1):
+        net.act(ids[i], net.peers[ids[i]].connect(ids[i + 1], net.now))
+    net.tick(rounds=30)
+    net.drop = net.dup = 0.0
+    net.tick(rounds=6)
+    assert len(net.digests()) == 1
+
+
+# --- observation, monitor inputs -------------------------------------------------------------
+
+
+def test_applied_changes_and_callback() -> None:
+    seen: list[AppliedChange] = []
+    ch = charter(F[:1], J)
+    p = Peer(F[0], ch, on_apply=seen.append)
+    p.bootstrap(4.0)
+    assert seen == p.applied
+    assert (seen[0].kind, seen[0].subject, seen[0].at) == ("join", F[0].party_id, 4.0)
+
+
+def test_probes_give_latency_and_heartbeats_carry_resources() -> None:
+    net, _ch = cluster(founders=2)
+    a, b = F[0].party_id, F[1].party_id
+    net.peers[b].declare_resources(Resources(3.5, 1 << 30, at=0.0))
+    net.act(a, net.peers[a].connect(b, net.now))
+    net.tick(rounds=3)
+    assert net.peers[a].monitor.resources()[b] == Resources(3.5, 1 << 30, 0.0)
+    est = net.peers[a].monitor.link(b)
+    assert est.latency_s == 0.0  # the synchronous router answers within the same `now`
+    assert est.latency_samples >= 1
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _settled() -> tuple[Net, Peer]:
+    net, _ = cluster(joiners=1)
+    return net, net.peers[F[0].party_id]
+
+
+def _assert_rejected(peer: Peer, data: bytes, error: type[Exception]) -> None:
+    before = (peer.view().digest, len(peer.applied), len(peer.records))
+    assert peer.handle(data, 100.0) == []
+    assert isinstance(peer.rejections[-1].error, error)
+    assert (peer.view().digest, len(peer.applied), len(peer.records)) == before
+
+
+def test_forged_altered_and_garbage_envelopes_are_rejected() -> None:
+    _, p = _settled()
+    good = seal(F[1], incarnation=0, seq=10**6, timestamp=0.0, kind="hb", payload={"rd": b"x"})
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0x01
+    _assert_rejected(p, bytes(flipped), Exception)
+    assert isinstance(p.rejections[-1].error, SignatureError | DecodeError)
+    _assert_rejected(p, b"\x00garbage", DecodeError)
+    _assert_rejected(p, good[: len(good) // 2], DecodeError)
+    outsider = Identity.from_seed(b"outsider" * 4)
+    _assert_rejected(
+        p, seal(outsider, incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={}), Exception
+    )
+    assert isinstance(p.rejections[-1].error, UnknownPartyError)
+
+
+def test_replayed_envelope_is_rejected() -> None:
+    net, p = _settled()
+    data = seal(
+        J[0], incarnation=0, seq=10**6, timestamp=net.now, kind="probe", payload={"nonce": 1}
+    )
+    assert len(p.handle(data, net.now)) == 1
+    _assert_rejected(p, data, ReplayError)
+
+
+def test_policy_violations_inside_valid_envelopes_are_rejected() -> None:
+    _net, p = _settled()
+    a, b, c = (f.party_id for f in F)
+    seq = iter(range(10**6, 10**7))
+
+    def env(
+        kind: str, payload: dict[str, Any], who: Identity = F[1], to: str | None = None
+    ) -> bytes:
+        return seal(
+            who, incarnation=0, seq=next(seq), timestamp=0.0, kind=kind, payload=payload, to=to
+        )
+
+    # A link request naming other ends.
+    body = link_body("link_up", FED, (b, 0), (c, 0), 1)
+    sig = F[1].sign(signing_bytes(body))
+    _assert_rejected(p, env("link_req", {"body": body, "sig": sig}), PolicyError)
+    # A vote for one's own failure.
+    from chaos_flwr.membership import fail_body
+
+    fb = fail_body(FED, b, 0)
+    _assert_rejected(p, env("vote", {"body": fb, "sig": F[1].sign(signing_bytes(fb))}), PolicyError)
+    # A vote whose signature is not the sender's.
+    fc = fail_body(FED, c, 0)
+    _assert_rejected(
+        p, env("vote", {"body": fc, "sig": F[2].sign(signing_bytes(fc))}), SignatureError
+    )
+    # A record missing its required signatures.
+    from chaos_flwr.membership import Record, leave_body
+
+    forged_leave = Record(body=leave_body(FED, c, 0), signatures={b: F[1].sign(b"nope")})
+    _assert_rejected(p, env("rec", {"records": [forged_leave.to_wire()]}), SignatureError)
+    real_sig_wrong_signer = Record.sign(leave_body(FED, c, 0), [F[1]])
+    _assert_rejected(p, env("rec", {"records": [real_sig_wrong_signer.to_wire()]}), PolicyError)
+    # Misaddressed, unknown kind, malformed payload.
+    _assert_rejected(p, env("probe", {"nonce": 1}, to=c), PolicyError)
+    _assert_rejected(p, env("gossip", {}), DecodeError)
+    _assert_rejected(p, env("hb", {"rd": "not-bytes"}), DecodeError)
+    _assert_rejected(p, env("rec", {"records": [{"body": 1}]}), DecodeError)
+    # One bad record spoils the whole message: the good one beside it is not applied either.
+    good = Record.sign(link_body("link_down", FED, (a, 0), (b, 0), 7), [F[1]])
+    _assert_rejected(
+        p, env("rec", {"records": [good.to_wire(), forged_leave.to_wire()]}), SignatureError
+    )
+    assert good.record_id not in p.records
+    # A join request for someone else.
+    from chaos_flwr.membership import join_body
+
+    jb = join_body(FED, J[3].party_id, 0, 0.0)
+    _assert_rejected(
+        p, env("join_req", {"body": jb, "sig": J[3].sign(signing_bytes(jb))}), PolicyError
+    )
