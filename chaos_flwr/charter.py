@@ -1,0 +1,567 @@
+"""The federation charter: who may take part, with which keys, under which policy.
+
+A charter is a YAML file, validated strictly (unknown fields and bad values are refused with a
+message that names the field path) and signed by the federation's founders::
+
+    version: 1
+    federation: hospitals-eu
+    founders:                        # at least one; they sign the charter
+      - name: alice
+        public_key: <base64 of the raw 32-byte Ed25519 key>
+    allowlist:                       # parties that may join (with sponsors)
+      - name: carol
+        public_key: ...
+    admission:
+      sponsors_required: 1           # member signatures a join needs besides the joiner's
+    failure_quorum: 2                # suspecting neighbours a fail record needs
+    heartbeat_interval_s: 1.0
+    suspicion_timeout_s: 5.0         # must exceed heartbeat_interval_s
+    replication:
+      replicas: 3                    # parties holding a replica of the training state
+      keep_rounds: 2                 # certified rounds each replica keeps
+    founder_signatures_required: null   # null: every founder must sign
+    signatures:                      # party id -> base64 Ed25519 signature
+      p0123456789abcdef: ...
+
+The **body** is everything but ``signatures``. Each founder signs
+``b"chaos-flwr/charter/v1\\x00" + codec.encode(body)``; :attr:`Charter.digest` is
+``sha256(codec.encode(body))``, so two charters with the same content have the same digest
+whatever their YAML layout. By default **every founder must sign**; a federation may lower that
+with ``founder_signatures_required``. A charter is refused
+(:class:`~chaos_flwr.errors.CharterError`) when a founder's signature is missing (beyond that
+number) or does not verify, or when it carries a signature of a key that is not a founder.
+
+The admission policy: founders are members by their own signature; a party of the
+``allowlist`` joins with ``admission.sponsors_required`` signatures of members. Keys that are
+neither founders nor allowlisted cannot join (the charter must be amended and re-signed).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import codec
+from .defaults import (
+    CHARTER_DEFAULT_FAILURE_QUORUM,
+    CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
+    CHARTER_DEFAULT_KEEP_ROUNDS,
+    CHARTER_DEFAULT_REPLICAS,
+    CHARTER_DEFAULT_SPONSORS_REQUIRED,
+    CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
+    CHARTER_MAX_FILE_BYTES,
+)
+from .errors import CharterError, SignatureError
+from .identity import (
+    SIGNATURE_BYTES,
+    Identity,
+    is_party_id,
+    party_id_of,
+    public_key_from_b64,
+    public_key_to_b64,
+    verify_signature,
+)
+
+__all__ = [
+    "CHARTER_DOMAIN",
+    "CHARTER_VERSION",
+    "Admission",
+    "Charter",
+    "Member",
+    "Replication",
+    "load_charter",
+]
+
+#: Domain separation prefix of charter signatures.
+CHARTER_DOMAIN = b"chaos-flwr/charter/v1\x00"
+#: Schema version this build reads and writes.
+CHARTER_VERSION = 1
+
+_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+_FEDERATION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+_STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Member(BaseModel):
+    """A party named by the charter.
+
+    Attributes
+    ----------
+    name : str
+        Human-readable name (letters, digits, ``.``, ``_``, ``-``).
+    public_key : str
+        Canonical standard base64 of the raw 32-byte Ed25519 public key.
+    """
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=_NAME_PATTERN)
+    public_key: str
+
+    @field_validator("public_key")
+    @classmethod
+    def _valid_key(cls, value: str) -> str:
+        try:
+            public_key_from_b64(value)
+        except SignatureError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @property
+    def key(self) -> bytes:
+        """The raw 32-byte public key."""
+        return public_key_from_b64(self.public_key)
+
+    @property
+    def party_id(self) -> str:
+        """The party id derived from the key."""
+        return party_id_of(self.key)
+
+    @classmethod
+    def of(cls, party: Identity | Member | bytes, name: str | None = None) -> Member:
+        """Make a member from an identity, a raw public key (named by its party id) or a member."""
+        if isinstance(party, Member):
+            return party if name is None else cls(name=name, public_key=party.public_key)
+        if isinstance(party, Identity):
+            return cls(name=name or party.name, public_key=party.public_key_b64)
+        raw = bytes(party)
+        return cls(name=name or party_id_of(raw), public_key=public_key_to_b64(raw))
+
+
+class Admission(BaseModel):
+    """Admission policy: ``sponsors_required`` member signatures a join needs (besides the
+    joiner's own) for a party of the allowlist."""
+
+    model_config = _STRICT
+
+    sponsors_required: int = Field(default=CHARTER_DEFAULT_SPONSORS_REQUIRED, ge=0)
+
+
+class Replication(BaseModel):
+    """Replication settings of the training state."""
+
+    model_config = _STRICT
+
+    replicas: int = Field(default=CHARTER_DEFAULT_REPLICAS, ge=1)
+    keep_rounds: int = Field(default=CHARTER_DEFAULT_KEEP_ROUNDS, ge=1)
+
+
+class Charter(BaseModel):
+    """A federation charter (see the module docstring for the file format and signing rules).
+
+    Build one with :meth:`create`, read one with :func:`load_charter` or :meth:`from_yaml`,
+    add signatures with :meth:`sign`, check them with :meth:`verify`. Instances are immutable:
+    :meth:`sign` returns a new charter.
+    """
+
+    model_config = _STRICT
+
+    version: Literal[1] = 1
+    federation: str = Field(pattern=_FEDERATION_PATTERN)
+    founders: list[Member] = Field(min_length=1)
+    allowlist: list[Member] = Field(default_factory=list)
+    admission: Admission = Field(default_factory=Admission)
+    failure_quorum: int = Field(default=CHARTER_DEFAULT_FAILURE_QUORUM, ge=1)
+    heartbeat_interval_s: float = Field(
+        default=CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, allow_inf_nan=False
+    )
+    suspicion_timeout_s: float = Field(
+        default=CHARTER_DEFAULT_SUSPICION_TIMEOUT_S, gt=0, allow_inf_nan=False
+    )
+    replication: Replication = Field(default_factory=Replication)
+    founder_signatures_required: int | None = Field(default=None, ge=1)
+    signatures: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("signatures")
+    @classmethod
+    def _valid_signatures(cls, value: dict[str, str]) -> dict[str, str]:
+        for pid, sig in value.items():
+            if not is_party_id(pid):
+                raise ValueError(f"key {pid!r} is not a party id ('p' + 16 hex digits)")
+            try:
+                raw = base64.b64decode(sig.encode("ascii"), validate=True)
+            except (ValueError, UnicodeEncodeError):
+                raise ValueError(f"signature of {pid} is not valid base64") from None
+            if len(raw) != SIGNATURE_BYTES or base64.b64encode(raw).decode("ascii") != sig:
+                raise ValueError(
+                    f"signature of {pid} must be canonical base64 of {SIGNATURE_BYTES} bytes"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Charter:
+        names: dict[str, str] = {}
+        keys: dict[str, str] = {}
+        for section in ("founders", "allowlist"):
+            for i, member in enumerate(getattr(self, section)):
+                where = f"{section}.{i}"
+                if member.name in names:
+                    raise ValueError(
+                        f"{where}.name {member.name!r} is also used at {names[member.name]}; "
+                        "names must be unique"
+                    )
+                if member.public_key in keys:
+                    raise ValueError(
+                        f"{where}.public_key is the same key as {keys[member.public_key]}; "
+                        "each party appears once (a founder need not be allowlisted)"
+                    )
+                names[member.name] = where
+                keys[member.public_key] = where
+        if self.suspicion_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"suspicion_timeout_s ({self.suspicion_timeout_s}) must be larger than "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s}), or every party is suspected"
+            )
+        required = self.founder_signatures_required
+        if required is not None and required > len(self.founders):
+            raise ValueError(
+                f"founder_signatures_required ({required}) exceeds the number of founders "
+                f"({len(self.founders)})"
+            )
+        return self
+
+    # --- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        federation: str,
+        founders: Sequence[Identity | Member | bytes],
+        allowlist: Sequence[Identity | Member | bytes] = (),
+        *,
+        sponsors_required: int = CHARTER_DEFAULT_SPONSORS_REQUIRED,
+        failure_quorum: int = CHARTER_DEFAULT_FAILURE_QUORUM,
+        heartbeat_interval_s: float = CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
+        suspicion_timeout_s: float = CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
+        replicas: int = CHARTER_DEFAULT_REPLICAS,
+        keep_rounds: int = CHARTER_DEFAULT_KEEP_ROUNDS,
+        founder_signatures_required: int | None = None,
+        sign: bool = True,
+    ) -> Charter:
+        """Build a charter in memory (tests, simulations, ``chaos-flwr charter init``).
+
+        Parameters
+        ----------
+        federation
+            The federation's name.
+        founders
+            Founding parties: identities (they can sign), members, or raw public keys.
+        allowlist
+            Parties that may join with sponsors.
+        sponsors_required, failure_quorum, heartbeat_interval_s, suspicion_timeout_s, replicas,
+        keep_rounds, founder_signatures_required
+            The policy fields (see the module docstring).
+        sign
+            Sign with every founder given as an :class:`~chaos_flwr.identity.Identity`.
+
+        Returns
+        -------
+        Charter
+            The charter (verified when every founder was an identity and ``sign`` is true).
+
+        Raises
+        ------
+        CharterError
+            If a field is invalid (the message names it).
+        """
+        data: dict[str, Any] = {
+            "version": CHARTER_VERSION,
+            "federation": federation,
+            "founders": [Member.of(f).model_dump() for f in founders],
+            "allowlist": [Member.of(a).model_dump() for a in allowlist],
+            "admission": {"sponsors_required": sponsors_required},
+            "failure_quorum": failure_quorum,
+            "heartbeat_interval_s": float(heartbeat_interval_s),
+            "suspicion_timeout_s": float(suspicion_timeout_s),
+            "replication": {"replicas": replicas, "keep_rounds": keep_rounds},
+            "founder_signatures_required": founder_signatures_required,
+            "signatures": {},
+        }
+        charter = cls.from_dict(data, verify=False, source="Charter.create")
+        if sign:
+            for founder in founders:
+                if isinstance(founder, Identity):
+                    charter = charter.sign(founder)
+        return charter
+
+    @classmethod
+    def from_dict(
+        cls, data: Mapping[str, Any], *, verify: bool = True, source: str = "charter"
+    ) -> Charter:
+        """Validate a charter from plain data (as YAML gives it).
+
+        Raises
+        ------
+        CharterError
+            If a field is missing, unknown or invalid (the message names its path), or, with
+            ``verify``, if the founders' signatures do not check out.
+        """
+        if not isinstance(data, Mapping):
+            raise CharterError(f"{source}: a charter must be a mapping, got {type(data).__name__}")
+        try:
+            charter = cls.model_validate(dict(data))
+        except ValidationError as exc:
+            raise CharterError(f"{source}: invalid charter: {_describe(exc)}") from None
+        if verify:
+            charter.verify(source=source)
+        return charter
+
+    @classmethod
+    def from_yaml(cls, text: str, *, verify: bool = True, source: str = "charter") -> Charter:
+        """Parse and validate a charter from YAML text (duplicate keys are refused).
+
+        Raises
+        ------
+        CharterError
+            If the YAML is malformed, or as :meth:`from_dict`.
+        """
+        try:
+            data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+        except yaml.YAMLError as exc:
+            raise CharterError(f"{source}: not valid YAML: {exc}") from None
+        if data is None:
+            raise CharterError(f"{source}: the charter is empty")
+        return cls.from_dict(data, verify=verify, source=source)
+
+    # --- signing ----------------------------------------------------------------------------
+
+    def body(self) -> dict[str, Any]:
+        """The signed content: every field but ``signatures``, as codec values."""
+        return self.model_dump(mode="python", exclude={"signatures"})
+
+    @cached_property
+    def _body_bytes(self) -> bytes:
+        return codec.encode(self.body())
+
+    @property
+    def signing_bytes(self) -> bytes:
+        """The bytes each founder signs: the charter domain + ``codec.encode(body)``."""
+        return CHARTER_DOMAIN + self._body_bytes
+
+    @property
+    def digest(self) -> bytes:
+        """``sha256(codec.encode(body))``: identifies the charter's content (32 bytes)."""
+        return hashlib.sha256(self._body_bytes).digest()
+
+    def sign(self, identity: Identity) -> Charter:
+        """Return a copy signed (also) by ``identity``, which must be a founder.
+
+        Raises
+        ------
+        CharterError
+            If ``identity`` is not a founder.
+        """
+        if not self.is_founder(identity.party_id):
+            raise CharterError(
+                f"signatures: {identity.name} ({identity.party_id}) is not a founder of "
+                f"federation {self.federation!r}; only founders sign the charter"
+            )
+        member = self._founder_by_id[identity.party_id]
+        if member.key != identity.public_key:  # pragma: no cover - party ids are key digests
+            raise CharterError(f"signatures: key of {identity.party_id} differs from the charter")
+        sig = base64.b64encode(identity.sign(self.signing_bytes)).decode("ascii")
+        data = self.model_dump(mode="python")
+        data["signatures"] = {**self.signatures, identity.party_id: sig}
+        return type(self).from_dict(data, verify=False, source="Charter.sign")
+
+    @property
+    def required_signatures(self) -> int:
+        """How many founder signatures the charter needs (all founders unless lowered)."""
+        if self.founder_signatures_required is None:
+            return len(self.founders)
+        return self.founder_signatures_required
+
+    def missing_signatures(self) -> list[Member]:
+        """Founders that have not signed (valid or not)."""
+        return [f for f in self.founders if f.party_id not in self.signatures]
+
+    def verify(self, *, source: str = "charter") -> None:
+        """Check the founders' signatures.
+
+        Raises
+        ------
+        CharterError
+            If a signature is by a non-founder or does not verify, or fewer founders signed
+            than :attr:`required_signatures`.
+        """
+        message = self.signing_bytes
+        for pid, sig_b64 in sorted(self.signatures.items()):
+            founder = self._founder_by_id.get(pid)
+            if founder is None:
+                raise CharterError(
+                    f"{source}: signatures.{pid} is by a key that is not a founder of "
+                    f"federation {self.federation!r}; remove it (only founders sign)"
+                )
+            try:
+                verify_signature(founder.key, base64.b64decode(sig_b64), message)
+            except SignatureError:
+                raise CharterError(
+                    f"{source}: signatures.{pid}: the signature of founder {founder.name!r} does "
+                    "not verify; the charter changed after it was signed (ask the founders to "
+                    "sign again) or the signature is corrupt"
+                ) from None
+        have = len(self.signatures)
+        if have < self.required_signatures:
+            missing = ", ".join(f"{m.name} ({m.party_id})" for m in self.missing_signatures())
+            raise CharterError(
+                f"{source}: signatures: {have} of the {self.required_signatures} founder "
+                f"signatures required; missing: {missing}; sign with "
+                "'chaos-flwr charter sign FILE --key KEYFILE'"
+            )
+
+    @property
+    def is_verified(self) -> bool:
+        """Whether :meth:`verify` passes."""
+        try:
+            self.verify()
+        except CharterError:
+            return False
+        return True
+
+    # --- policy lookups ---------------------------------------------------------------------
+
+    @cached_property
+    def _founder_by_id(self) -> dict[str, Member]:
+        return {m.party_id: m for m in self.founders}
+
+    @cached_property
+    def _keyring(self) -> dict[str, bytes]:
+        return {m.party_id: m.key for m in [*self.founders, *self.allowlist]}
+
+    def keyring(self) -> dict[str, bytes]:
+        """Party id -> raw public key of every party the charter names (founders, allowlist)."""
+        return dict(self._keyring)
+
+    def is_founder(self, party_id: str) -> bool:
+        """Whether ``party_id`` is a founder."""
+        return party_id in self._founder_by_id
+
+    def member(self, party_id: str) -> Member | None:
+        """The charter entry of ``party_id`` (founder or allowlisted), or ``None``."""
+        for m in (*self.founders, *self.allowlist):
+            if m.party_id == party_id:
+                return m
+        return None
+
+    # --- files ------------------------------------------------------------------------------
+
+    def to_yaml(self) -> str:
+        """The charter as YAML (fields in schema order); :meth:`from_yaml` reads it back."""
+        header = (
+            f"# chaos-flwr charter of federation {self.federation!r}\n"
+            f"# digest sha256:{self.digest.hex()}\n"
+        )
+        return header + yaml.safe_dump(
+            self.model_dump(mode="python"), sort_keys=False, allow_unicode=True
+        )
+
+    def save(self, path: Path | str) -> Path:
+        """Write :meth:`to_yaml` to ``path`` atomically (a temporary file renamed into place).
+
+        Raises
+        ------
+        CharterError
+            If the file cannot be written.
+        """
+        file = Path(path)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    handle.write(self.to_yaml())
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, file)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise CharterError(f"cannot write the charter to {file}: {exc}") from exc
+        return file
+
+
+def load_charter(path: Path | str, *, verify: bool = True) -> Charter:
+    """Read, validate and (by default) verify a charter file.
+
+    Parameters
+    ----------
+    path
+        The YAML file.
+    verify
+        Check the founders' signatures (turn off only to add signatures).
+
+    Returns
+    -------
+    Charter
+        The charter.
+
+    Raises
+    ------
+    CharterError
+        If the file is missing, unreadable, too large, not YAML, has missing, unknown or bad
+        fields (the message names the field path), or is not properly signed by its founders.
+    """
+    file = Path(path)
+    try:
+        with file.open("rb") as handle:
+            raw = handle.read(CHARTER_MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise CharterError(
+            f"no charter file at {file}; create one with 'chaos-flwr charter init'"
+        ) from None
+    except OSError as exc:
+        raise CharterError(f"cannot read the charter file {file}: {exc}") from exc
+    if len(raw) > CHARTER_MAX_FILE_BYTES:
+        raise CharterError(f"{file} is larger than {CHARTER_MAX_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CharterError(f"{file} is not UTF-8 text") from None
+    return Charter.from_yaml(text, verify=verify, source=str(file))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses duplicate mapping keys."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.Node) -> dict[Any, Any]:
+    if not isinstance(node, yaml.MappingNode):  # pragma: no cover - registered for mappings
+        raise yaml.constructor.ConstructorError(None, None, "expected a mapping", node.start_mark)
+    loader.flatten_mapping(node)
+    result: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, "a mapping key is not hashable", key_node.start_mark
+            ) from None
+        if key in result:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        result[key] = loader.construct_object(value_node, deep=True)
+    return result
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (remove it or check its spelling)"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
