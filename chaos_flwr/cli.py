@@ -34,6 +34,36 @@ def _print_json(result: Any) -> None:
 # --- simulate / bench events -----------------------------------------------------------------
 # (section owned by the simulator and the peer protocol)
 
+
+@bench_app.command("events")
+def bench_events(
+    peers: int = typer.Option(64, "--peers", help="Cluster size (>= 8)."),
+    repeats: int | None = typer.Option(None, "--repeats", help="Events of each type."),
+    carrier: str = typer.Option("auto", "--carrier", help="grpc, memory, or auto."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of the event choices."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Time leave, link-up, link-down and fail from trigger until every member applied it."""
+    from .bench.events import run_events
+    from .defaults import EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
+
+    result = run_events(
+        peers,
+        repeats=EVENTS_BENCH_REPEATS if repeats is None else repeats,
+        seed=EVENTS_BENCH_SEED if seed is None else seed,
+        carrier=carrier,
+    )
+    if as_json:
+        _print_json(result)
+        return
+    typer.echo(f"{result['peers']} peers over the {result['carrier']} carrier")
+    for name, row in result["events"].items():
+        typer.echo(
+            f"  {name:<10} n={row['count']:<4} p50={row['p50_ms']:.3f} ms  "
+            f"p99={row['p99_ms']:.3f} ms"
+        )
+
+
 # --- bench scale-out -------------------------------------------------------------------------
 # (section owned by state transfer)
 

@@ -318,17 +318,21 @@ class Record:
     signatures : dict[str, bytes]
         Signer party id -> Ed25519 signature over :func:`signing_bytes` of the body.
     record_id : str
-        :func:`record_id_of` the body. Two records with the same body are the same record,
-        whichever (sufficient) set of signatures each carries.
+        :func:`record_id_of` the body (computed, not passed). Two records with the same body
+        are the same record, whichever (sufficient) set of signatures each carries.
+    signed : bytes
+        :func:`signing_bytes` of the body (computed once).
     """
 
     body: dict[str, Any]
     signatures: dict[str, bytes]
-    record_id: str = field(default="")
+    record_id: str = field(default="", init=False)
+    signed: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.record_id:
-            object.__setattr__(self, "record_id", record_id_of(self.body))
+        data = signing_bytes(self.body)
+        object.__setattr__(self, "signed", data)
+        object.__setattr__(self, "record_id", hashlib.sha256(data).hexdigest()[:32])
 
     @property
     def kind(self) -> str:
@@ -404,7 +408,7 @@ def validate_record(record: Record, policy: Policy, cache: SignatureCache | None
             f"{policy.federation!r}"
         )
     checker = cache if cache is not None else SignatureCache()
-    data = signing_bytes(body)
+    data = record.signed
     for signer, sig in record.signatures.items():
         key = policy.keyring.get(signer)
         if key is None:
@@ -640,8 +644,16 @@ class RecordSet:
             self._xor.to_bytes(16, "big") + len(self._records).to_bytes(8, "big")
         ).digest()
 
-    def add(self, record: Record) -> bool:
+    def add(self, record: Record, *, validated: bool = False) -> bool:
         """Validate ``record`` and hold it.
+
+        Parameters
+        ----------
+        record
+            The record.
+        validated
+            The caller has just run :func:`validate_record` on it with this set's policy
+            (skips the second check).
 
         Returns
         -------
@@ -657,9 +669,8 @@ class RecordSet:
         rid = record.record_id
         if rid in self._records:
             return False
-        if record_id_of(record.body) != rid:
-            raise DecodeError("record_id does not match the record body")
-        validate_record(record, self.policy, self.cache)
+        if not validated:
+            validate_record(record, self.policy, self.cache)
         self._records[rid] = record
         self._xor ^= int(rid, 16)
         self._view = None

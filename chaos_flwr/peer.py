@@ -35,11 +35,12 @@ Flows (envelope kinds in brackets)
 - **Disconnect-link** (:meth:`disconnect`): either end signs a link_down for the link's current
   version and broadcasts it.
 - **Failure**: the monitor suspects a watched party after ``suspicion_timeout_s`` of silence;
-  the peer signs a fail body (no timestamp, so all voters sign the same bytes) and broadcasts
-  its vote (``vote``) to all active members; *every* party that holds ``failure_quorum`` votes
-  assembles the identical fail record and applies it itself (no further hop). Who watches whom
-  is :meth:`chaos_flwr.membership.View.watchers`: the live neighbours, topped up in id-ring
-  order when a party has fewer than ``failure_quorum`` of them.
+  the peer signs a fail body (no timestamp, so all voters sign the same bytes) and sends its
+  vote (``vote``) to the suspect's watchers. Every watcher that holds ``failure_quorum`` votes
+  assembles the fail record and applies it; the lowest-id signer of the record it assembled
+  broadcasts it to all active members (two hops in all, ``k * |watchers| + n`` envelopes instead
+  of ``k * n``). Who watches whom is :meth:`chaos_flwr.membership.View.watchers`: the live
+  neighbours, topped up in id-ring order when a party has fewer than ``failure_quorum``.
 - **Liveness and estimates**: heartbeats (``hb``) go every ``heartbeat_interval_s`` to the
   parties that watch this one, its neighbours and one more member in round-robin order (for
   anti-entropy); probes (``probe``/``probe_ack``) measure round-trip times.
@@ -554,10 +555,12 @@ class Peer:
             fresh[record.record_id] = record
         return list(fresh.values())
 
-    def _apply(self, records: Iterable[Record], now: float) -> list[Record]:
+    def _apply(
+        self, records: Iterable[Record], now: float, *, validated: bool = False
+    ) -> list[Record]:
         new = []
         for record in records:
-            if self.records.add(record):
+            if self.records.add(record, validated=validated):
                 new.append(record)
                 change = AppliedChange(record.record_id, record.kind, record.subject, now)
                 self.applied.append(change)
@@ -591,6 +594,11 @@ class Peer:
         self.monitor.watch(watched, now)
         self._hb_targets = tuple(sorted(set(view.watchers(self.party_id, k, ring=ring)) | watched))
 
+    def _vote_targets(self, subject: str) -> set[str]:
+        """Where votes about ``subject`` go: its watchers (they assemble the fail record)."""
+        view = self.records.view()
+        return set(view.watchers(subject, self.policy.failure_quorum)) - {subject}
+
     def _vote(self, body: dict[str, Any], now: float) -> list[Outgoing]:
         rid = record_id_of(body)
         if rid in self.records:
@@ -602,21 +610,29 @@ class Peer:
         vote.sent_at = now
         sig = vote.sigs.setdefault(self.party_id, self.identity.sign(signing_bytes(body)))
         out = self._broadcast(
-            set(self.records.view().active()) - {body["subject"]},
-            "vote",
-            {"body": body, "sig": sig},
-            now,
+            self._vote_targets(body["subject"]), "vote", {"body": body, "sig": sig}, now
         )
-        self._maybe_assemble(rid, now)
+        out.extend(self._maybe_assemble(rid, now))
         return out
 
-    def _maybe_assemble(self, rid: str, now: float) -> None:
+    def _maybe_assemble(self, rid: str, now: float) -> list[Outgoing]:
+        """Assemble the fail record once a quorum of votes is held.
+
+        Every party holding the quorum applies the record; the lowest-id signer of the record it
+        assembled also broadcasts it to all active members (one broadcast in the common case;
+        anti-entropy covers the rare case where that signer is gone).
+        """
         vote = self._votes.get(rid)
         if vote is None:
-            return
+            return []
         voters = set(vote.sigs) - {vote.body["subject"]}
-        if len(voters) >= self.policy.failure_quorum:
-            self._apply([Record(body=vote.body, signatures=dict(vote.sigs))], now)
+        if len(voters) < self.policy.failure_quorum:
+            return []
+        record = Record(body=vote.body, signatures=dict(vote.sigs))
+        targets = set(self.records.view().active()) - {vote.body["subject"]}
+        if not self._apply([record], now) or min(voters) != self.party_id:
+            return []
+        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
 
     def _retries(self, now: float) -> list[Outgoing]:
         out: list[Outgoing] = []
@@ -649,7 +665,7 @@ class Peer:
                     vote.sent_at = now
                     out.extend(
                         self._broadcast(
-                            set(self.records.view().active()) - {vote.body["subject"]},
+                            self._vote_targets(vote.body["subject"]),
                             "vote",
                             {"body": vote.body, "sig": vote.sigs[self.party_id]},
                             now,
@@ -660,7 +676,7 @@ class Peer:
     # --- internals: message handlers ---------------------------------------------------------
 
     def _on_rec(self, env: Envelope, now: float) -> list[Outgoing]:
-        self._apply(self._check_records(env.payload.get("records")), now)
+        self._apply(self._check_records(env.payload.get("records")), now, validated=True)
         return []
 
     def _on_hb(self, env: Envelope, now: float) -> list[Outgoing]:
@@ -812,8 +828,7 @@ class Peer:
         if vote is None:
             vote = self._votes[rid] = _Vote(body=body, sigs={}, mine=False, sent_at=now)
         vote.sigs[env.sender] = sig
-        self._maybe_assemble(rid, now)
-        return []
+        return self._maybe_assemble(rid, now)
 
     def _on_probe(self, env: Envelope, now: float) -> list[Outgoing]:
         nonce = env.payload.get("nonce")

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from chaos_flwr.wire import seal
 
 from chaos_flwr.errors import (
     DecodeError,
@@ -27,6 +26,7 @@ from chaos_flwr.identity import Identity
 from chaos_flwr.membership import link_body, signing_bytes
 from chaos_flwr.monitor import Resources
 from chaos_flwr.peer import AppliedChange, Outgoing, Peer
+from chaos_flwr.wire import seal
 
 FED = "fed-peer-test"
 HB = 1.0
@@ -516,3 +516,20 @@ def test_policy_violations_inside_valid_envelopes_are_rejected() -> None:
     _assert_rejected(
         p, env("join_req", {"body": jb, "sig": J[3].sign(signing_bytes(jb))}), PolicyError
     )
+
+
+def test_bench_events_settles_every_event_type_on_a_small_cluster() -> None:
+    from chaos_flwr.bench.events import run_events
+    from chaos_flwr.errors import ConfigError
+
+    result = run_events(8, repeats=2, carrier="memory")
+    assert result["peers"] == 8 and result["carrier"] == "memory"
+    assert set(result["events"]) == {"leave", "link_up", "link_down", "fail"}
+    for row in result["events"].values():
+        assert row["count"] == 2
+        assert 0.0 < row["p50_ms"] <= row["p99_ms"]
+    assert result["views_agree"] and result["rejections"] == 0
+    with pytest.raises(ConfigError, match="peers"):
+        run_events(4, carrier="memory")
+    with pytest.raises(ConfigError, match="carrier"):
+        run_events(8, repeats=1, carrier="pigeon")
