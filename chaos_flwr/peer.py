@@ -65,6 +65,7 @@ from .defaults import (
 )
 from .errors import (
     ChaosError,
+    CharterError,
     DecodeError,
     PolicyError,
     StaleIncarnationError,
@@ -228,6 +229,14 @@ class Peer:
     ) -> None:
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise PolicyError(f"'incarnation' must be an integer >= 0, got {incarnation!r}")
+        verified = getattr(charter, "is_verified", True)
+        if callable(verified):
+            verified = verified()
+        if not verified:
+            raise CharterError(
+                "the charter is not signed by its founders; verify it first "
+                "(chaos-flwr charter verify) and pass the verified charter"
+            )
         self.identity = identity
         self.charter = charter
         self.party_id: str = str(identity.party_id)

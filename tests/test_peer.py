@@ -9,12 +9,13 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Iterable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from chaos_flwr.charter import Charter
 from chaos_flwr.errors import (
+    CharterError,
     DecodeError,
     PolicyError,
     ReplayError,
@@ -43,18 +44,16 @@ def charter(
     *,
     sponsors: int = 1,
     quorum: int = 2,
-) -> Any:
-    """A charter-shaped object (the peer reads only these attributes)."""
-    ring = {i.party_id: i.public_key for i in founders + allow}
-    return SimpleNamespace(
-        federation=FED,
-        founders=[SimpleNamespace(party_id=i.party_id) for i in founders],
-        keyring=lambda: dict(ring),
-        admission=SimpleNamespace(sponsors_required=sponsors),
+) -> Charter:
+    """A charter signed by all its founders."""
+    return Charter.create(
+        FED,
+        founders,
+        allow,
+        sponsors_required=sponsors,
         failure_quorum=quorum,
         heartbeat_interval_s=HB,
         suspicion_timeout_s=SUSPECT,
-        is_founder=lambda pid: pid in {i.party_id for i in founders},
     )
 
 
@@ -154,6 +153,12 @@ def test_founders_bootstrap_to_one_view() -> None:
     view = net.peers[F[0].party_id].view()
     assert view.active() == sorted(f.party_id for f in F)
     assert all(p.rejections == [] for p in net.live())
+
+
+def test_unsigned_charter_is_refused() -> None:
+    unsigned = Charter.create(FED, F[:2], J, sign=False)
+    with pytest.raises(CharterError, match="not signed"):
+        Peer(F[0], unsigned)
 
 
 def test_non_founder_cannot_bootstrap() -> None:

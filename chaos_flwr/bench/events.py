@@ -38,9 +38,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
+from ..charter import Charter
 from ..defaults import EVENTS_BENCH_EVENT_TIMEOUT_S, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
 from ..errors import ConfigError
 from ..identity import Identity
@@ -56,16 +56,13 @@ _QUORUM = 2
 _CHORDS_PER_PEER = 1
 
 
-def _bench_charter(founders: list[Identity], others: list[Identity]) -> Any:
-    """The charter the bench federation uses (the attributes a Peer reads)."""
-    ring = {i.party_id: i.public_key for i in founders + others}
-    founder_ids = {i.party_id for i in founders}
-    return SimpleNamespace(
-        federation="bench-events",
-        founders=[SimpleNamespace(party_id=i.party_id) for i in founders],
-        keyring=lambda: dict(ring),
-        is_founder=lambda pid: pid in founder_ids,
-        admission=SimpleNamespace(sponsors_required=1),
+def _bench_charter(founders: list[Identity], others: list[Identity]) -> Charter:
+    """The bench federation's charter, signed by its founders."""
+    return Charter.create(
+        "bench-events",
+        founders,
+        others,
+        sponsors_required=1,
         failure_quorum=_QUORUM,
         heartbeat_interval_s=_HEARTBEAT_S,
         suspicion_timeout_s=_SUSPICION_S,
