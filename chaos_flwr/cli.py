@@ -7,7 +7,8 @@ package, the CLI only parses options, shows progress and prints results.
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -30,6 +31,174 @@ def _print_json(result: Any) -> None:
 
 # --- identity / charter ----------------------------------------------------------------------
 # (section owned by identity and charter)
+
+
+charter_app = typer.Typer(
+    help="Create, sign and verify a federation charter.", no_args_is_help=True
+)
+app.add_typer(charter_app, name="charter")
+
+
+def _fail(exc: Exception) -> NoReturn:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(code=1)
+
+
+@app.command("keygen")
+def keygen(
+    out: Annotated[Path, typer.Option("--out", help="Directory for <name>.key and <name>.pub.")],
+    name: Annotated[
+        str | None, typer.Option("--name", help="Key file name (default: party id).")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing key of that name.")
+    ] = False,
+) -> None:
+    """Create an Ed25519 party identity; prints its party id and the key paths."""
+    from .errors import ChaosError
+    from .identity import Identity
+
+    try:
+        ident = Identity.generate(name)
+        key_path = ident.save(out, overwrite=force)
+    except ChaosError as exc:
+        _fail(exc)
+    typer.echo(f"party id:    {ident.party_id}")
+    typer.echo(f"private key: {key_path}")
+    typer.echo(f"public key:  {key_path.with_suffix('.pub')}")
+
+
+def _members(paths: list[Path]) -> list[Any]:
+    from .charter import Member
+    from .identity import load_public_key, party_id_of
+
+    members = []
+    for path in paths:
+        raw = load_public_key(path)
+        stem = path.name.split(".")[0]
+        try:
+            members.append(Member.of(raw, name=stem or None))
+        except ValueError:  # the file stem is not a valid member name: use the party id
+            members.append(Member.of(raw, name=party_id_of(raw)))
+    return members
+
+
+@charter_app.command("init")
+def charter_init(
+    federation: Annotated[str, typer.Option("--federation", help="Name of the federation.")],
+    founder: Annotated[list[Path], typer.Option("--founder", help="A founder's .pub (repeat).")],
+    out: Annotated[Path, typer.Option("--out", help="Charter file to write (YAML).")],
+    allow: Annotated[
+        list[Path] | None, typer.Option("--allow", help="An allowed .pub (repeat).")
+    ] = None,
+    sponsors_required: Annotated[
+        int | None, typer.Option("--sponsors-required", help="Member signatures a join needs.")
+    ] = None,
+    failure_quorum: Annotated[
+        int | None,
+        typer.Option("--failure-quorum", help="Suspecting neighbours a fail record needs."),
+    ] = None,
+    heartbeat_interval: Annotated[
+        float | None, typer.Option("--heartbeat-interval", help="Seconds between heartbeats.")
+    ] = None,
+    suspicion_timeout: Annotated[
+        float | None,
+        typer.Option("--suspicion-timeout", help="Seconds of silence before suspicion."),
+    ] = None,
+    replicas: Annotated[
+        int | None, typer.Option("--replicas", help="Replicas of the state.")
+    ] = None,
+    keep_rounds: Annotated[int | None, typer.Option("--keep-rounds", help="Rounds kept.")] = None,
+    founder_signatures: Annotated[
+        int | None,
+        typer.Option(
+            "--founder-signatures-required", help="Founder signatures needed (default: all)."
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+) -> None:
+    """Write an unsigned charter; each founder then runs 'chaos-flwr charter sign'."""
+    from . import defaults as d
+    from .charter import Charter
+    from .errors import ChaosError
+
+    if out.exists() and not force:
+        _fail(FileExistsError(f"{out} already exists; pass --force to replace it"))
+    try:
+        charter = Charter.create(
+            federation,
+            _members(founder),
+            _members(allow or []),
+            sponsors_required=d.CHARTER_DEFAULT_SPONSORS_REQUIRED
+            if sponsors_required is None
+            else sponsors_required,
+            failure_quorum=d.CHARTER_DEFAULT_FAILURE_QUORUM
+            if failure_quorum is None
+            else failure_quorum,
+            heartbeat_interval_s=d.CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S
+            if heartbeat_interval is None
+            else heartbeat_interval,
+            suspicion_timeout_s=d.CHARTER_DEFAULT_SUSPICION_TIMEOUT_S
+            if suspicion_timeout is None
+            else suspicion_timeout,
+            replicas=d.CHARTER_DEFAULT_REPLICAS if replicas is None else replicas,
+            keep_rounds=d.CHARTER_DEFAULT_KEEP_ROUNDS if keep_rounds is None else keep_rounds,
+            founder_signatures_required=founder_signatures,
+        )
+        charter.save(out)
+    except ChaosError as exc:
+        _fail(exc)
+    typer.echo(f"wrote {out}: federation {charter.federation!r}, digest {charter.digest.hex()}")
+    typer.echo(
+        f"{len(charter.founders)} founders, {len(charter.allowlist)} allowlisted; "
+        f"{charter.required_signatures} founder signatures required"
+    )
+
+
+@charter_app.command("sign")
+def charter_sign(
+    file: Annotated[Path, typer.Argument(help="The charter file (rewritten in place).")],
+    key: Annotated[Path, typer.Option("--key", help="A founder's private .key file.")],
+) -> None:
+    """Add a founder's signature to a charter file."""
+    from .charter import load_charter
+    from .errors import ChaosError
+    from .identity import Identity
+
+    try:
+        charter = load_charter(file, verify=False)
+        charter.verify(source=str(file), complete=False)
+        signed = charter.sign(Identity.load(key))
+        signed.save(file)
+    except ChaosError as exc:
+        _fail(exc)
+    missing = signed.missing_signatures()
+    have = len(signed.signatures)
+    typer.echo(f"signed {file}: {have} of {signed.required_signatures} founder signatures required")
+    if have < signed.required_signatures:
+        typer.echo("still to sign: " + ", ".join(f"{m.name} ({m.party_id})" for m in missing))
+    else:
+        typer.echo("the charter is complete")
+
+
+@charter_app.command("verify")
+def charter_verify(
+    file: Annotated[Path, typer.Argument(help="The charter file.")],
+) -> None:
+    """Check a charter: schema, values and founder signatures (exit code 1 if refused)."""
+    from .charter import load_charter
+    from .errors import ChaosError
+
+    try:
+        charter = load_charter(file)
+    except ChaosError as exc:
+        _fail(exc)
+    typer.echo(f"OK {file}: federation {charter.federation!r}, digest {charter.digest.hex()}")
+    typer.echo(
+        f"{len(charter.founders)} founders, {len(charter.allowlist)} allowlisted, "
+        f"{len(charter.signatures)} founder signatures"
+    )
+
 
 # --- simulate / bench events -----------------------------------------------------------------
 # (section owned by the simulator and the peer protocol)
