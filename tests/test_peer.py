@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chaos_flwr.charter import Charter
 from chaos_flwr.errors import (
@@ -67,6 +69,7 @@ class Net:
         self.cut: set[frozenset[str]] = set()
         self.drop = 0.0
         self.dup = 0.0
+        self.reorder = False
         self.rng = random.Random(seed)
         self.now = 0.0
         self.delivered = 0
@@ -82,6 +85,8 @@ class Net:
         while self.queue:
             limit -= 1
             assert limit > 0, "message storm"
+            if self.reorder:
+                self.queue.rotate(-self.rng.randrange(len(self.queue)))
             src, out = self.queue.popleft()
             if out.to in self.crashed or src in self.crashed or out.to not in self.peers:
                 continue
@@ -118,7 +123,9 @@ class Net:
         return [p for pid, p in sorted(self.peers.items()) if pid not in self.crashed]
 
     def digests(self) -> set[bytes]:
-        return {p.view().digest for p in self.live()}
+        """View digests of the live parties that are active members (a departed party stops
+        following the federation, so its view may lag)."""
+        return {p.view().digest for p in self.live() if p.is_member}
 
 
 F = [ident(f"founder{i}") for i in range(3)]
@@ -404,6 +411,43 @@ def test_convergence_under_drops_and_duplicates() -> None:
     net.drop = net.dup = 0.0
     net.tick(rounds=6)
     assert len(net.digests()) == 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_concurrent_events_converge_under_random_delivery_orders(seed: int) -> None:
+    """Joins, a leave, link flaps and a crash, all in flight at once, in random order."""
+    net, ch = cluster(joiners=2)
+    net.rng = random.Random(seed)
+    net.reorder = True
+    net.dup = 0.1
+    a, b, c = (f.party_id for f in F)
+    j0, j1 = J[0].party_id, J[1].party_id
+    new = [Peer(J[2], ch), Peer(J[3], ch)]
+    for p in new:
+        net.add(p)
+    net.send(new[0].party_id, new[0].request_join(net.now, [a]))
+    net.send(new[1].party_id, new[1].request_join(net.now, [b]))
+    net.send(j0, net.peers[j0].leave(net.now))
+    net.send(a, net.peers[a].connect(b, net.now))
+    net.send(c, net.peers[c].connect(j1, net.now))
+    net.run()
+    net.act(b, net.peers[b].disconnect(a, net.now))
+    net.tick(rounds=2)
+    net.crashed.add(j1)
+    net.tick(rounds=int(SUSPECT / 0.5) + 6)
+    net.reorder = False
+    net.dup = 0.0
+    net.tick(rounds=4)
+    assert len(net.digests()) == 1
+    st_ = statuses(net.peers[a])
+    assert st_[j0] == "left" and st_[j1] == "failed"
+    assert st_[new[0].party_id] == st_[new[1].party_id] == "active"
+    assert net.peers[c].view().neighbours(a) == ()
+    assert all(
+        p.rejections == [] or all(isinstance(r.error, ReplayError) for r in p.rejections)
+        for p in net.live()
+    )
 
 
 # --- observation, monitor inputs -------------------------------------------------------------
