@@ -113,5 +113,9 @@ FLOWER_SUPERLINK_STARTUP_TIMEOUT_S: float = 30.0
 FLOWER_RUN_TIMEOUT_S: float = 300.0
 #: Grace between SIGTERM and SIGKILL when the runner stops the processes it started.
 FLOWER_STOP_GRACE_S: float = 5.0
+#: Verified receipts a state needs before a restarted ServerApp resumes from it.
+FLOWER_RESUME_MIN_RECEIPTS: int = 2
+#: Holders a restarted ServerApp asks at once for the certified state.
+FLOWER_RESUME_FETCH_FROM: int = 3
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5

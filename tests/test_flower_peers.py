@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -70,14 +69,19 @@ def _app(peers: dict[str, Peer]) -> ClientApp:
         )
 
     charter = _charter()
+    ticks = iter(range(10**9))
+
+    def clock() -> float:  # parties' shared virtual clock: 0.25 s per message handled
+        return 1_000.0 + 0.25 * next(ticks)
+
     by_name = {i.name: i for i in [*FOUNDERS, JOINER]}
 
     def factory(ctx: Context) -> Party:
         ident = by_name[str(ctx.node_config["who"])]
         peer = Peer(ident, charter)
         peers[ident.party_id] = peer
-        party = Party(party_id=ident.party_id, peer=peer, signer=ident.sign)
-        now = time.time()
+        party = Party(party_id=ident.party_id, peer=peer, signer=ident.sign, clock=clock)
+        now = clock()
         if charter.is_founder(ident.party_id):
             party.pending.extend(peer.bootstrap(now))
         else:
@@ -111,10 +115,23 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     assert strategy.rounds[-1].holders == founder_ids  # signed receipts, verified
     assert strategy.rounds[-1].unsigned_receipts == []
 
-    # a joiner's SuperNode appears: admitted by signed records, certified, then trained
+    # the ServerApp is killed; a new run (no checkpoint) rebuilds the state from the parties'
+    # replicas, checked against their signed receipts, while a joiner's SuperNode appears
     joiner_node = grid.add_node(app, node_config={"k": 9, "who": JOINER.name})
-    strategy.rounds.clear()
-    strategy.start(grid, init, num_rounds=4, timeout=5)
+    restarted = ChaosStrategy(
+        FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+        receipt_verifier=keyring_verifier(keyring),
+        phase_timeout_s=2.0,
+    )
+    result = restarted.start(grid, init, num_rounds=7, timeout=5)
+    hello = restarted.rounds[0]
+    assert hello.server_round == 3 and hello.holders == founder_ids
+    assert [r.server_round for r in restarted.rounds[1:]] == [4, 5, 6, 7]
+    assert sorted(result.train_metrics_clientapp) == [4, 5, 6, 7]
+    assert restarted.rounds[1].eligible and all(
+        n != joiner_node.node_id for n in restarted.rounds[1].eligible
+    )  # the joiner holds no certified state yet
+    strategy = restarted
     everyone = sorted([*founder_ids, JOINER.party_id])
     assert all(p.view().active() == everyone for p in peers.values())
     assert len({p.view().digest for p in peers.values()}) == 1

@@ -209,9 +209,11 @@ def test_only_receipts_signed_by_admitted_keys_make_a_party_eligible() -> None:
         sleep=clock.sleep,
     )
     chaos.start(grid, _initial(), num_rounds=2, timeout=60)
-    assert all(r.holders == ["p1001", "p1002", "p1003"] for r in chaos.rounds)
+    hello, *rounds = chaos.rounds  # a fresh start: nothing to resume from
+    assert hello.server_round == -1 and [r.server_round for r in rounds] == [0, 1, 2]
+    assert all(r.holders == ["p1001", "p1002", "p1003"] for r in rounds)
     assert all(r.unsigned_receipts == [] for r in chaos.rounds)
-    assert all(1004 not in r.trained for r in chaos.rounds[1:])
+    assert all(1004 not in r.trained for r in rounds)
 
 
 def test_view_source_limits_sampling_to_active_parties() -> None:
@@ -268,3 +270,67 @@ def test_bad_profiles_are_refused_naming_the_field(
 def test_unknown_profile_name_lists_the_available_ones() -> None:
     with pytest.raises(ProfileError, match="fedavg-wan"):
         load_profile("no-such-profile")
+
+
+# -- a restarted ServerApp ---------------------------------------------------------------------
+def _signed_grid(clock: VClock, tamper: set[int] | None = None):  # type: ignore[no-untyped-def]
+    keys = {f"p{1001 + i}": _keypair() for i in range(4)}
+    parties: dict[int, Party] = {}
+
+    def factory(ctx: Context) -> Party:
+        party = Party(party_id=f"p{ctx.node_id}", signer=keys[f"p{ctx.node_id}"][0].sign)
+        parties[ctx.node_id] = party
+        return party
+
+    grid = _grid(True, n=4, clock=clock, factory=factory)
+    verifier = keyring_verifier({p: pk for p, (_, pk) in keys.items()})
+    return grid, verifier, parties
+
+
+def _fresh(verifier, clock: VClock) -> ChaosStrategy:  # type: ignore[no-untyped-def]
+    return ChaosStrategy(
+        FedAvg(min_available_nodes=3, min_train_nodes=3),
+        receipt_verifier=verifier,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+
+
+def test_a_restarted_server_resumes_from_the_parties_replicas() -> None:
+    clock = VClock()
+    grid, verifier, _ = _signed_grid(clock)
+    first = _fresh(verifier, clock).start(grid, _initial(), num_rounds=3, timeout=60)
+    again = _fresh(verifier, clock)
+    res = again.start(grid, _initial(), num_rounds=3, timeout=60)  # nothing left to train
+    assert again.rounds[0].server_round == 3
+    assert sorted(res.train_metrics_clientapp) == []
+    for key, arr in _arrays(first.arrays).items():
+        np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)
+    more = _fresh(verifier, clock)
+    res5 = more.start(grid, _initial(), num_rounds=5, timeout=60)
+    assert sorted(res5.train_metrics_clientapp) == [4, 5]
+
+
+def test_a_replica_that_does_not_match_the_receipts_is_refused() -> None:
+    clock = VClock()
+    grid, verifier, parties = _signed_grid(clock)
+    _fresh(verifier, clock).start(grid, _initial(), num_rounds=2, timeout=60)
+    for party in parties.values():  # every holder's disk copy is corrupted, receipts are not
+        assert party.held_arrays is not None
+        bad = {k: Array(v.numpy() + 1.0) for k, v in party.held_arrays.items()}
+        party.held_arrays = ArrayRecord(bad)
+    again = _fresh(verifier, clock)
+    res = again.start(grid, _initial(), num_rounds=1, timeout=60)
+    assert again.rounds[0].server_round == -1  # no resume
+    assert sorted(res.train_metrics_clientapp) == [1]  # started over from the initial state
+
+
+def test_without_a_verifier_unsigned_receipts_are_never_resumed_from() -> None:
+    clock = VClock()
+    grid = _grid(True, n=4, clock=clock)
+    ChaosStrategy(FedAvg(min_available_nodes=3), clock=clock, sleep=clock.sleep).start(
+        grid, _initial(), num_rounds=2, timeout=60
+    )
+    again = ChaosStrategy(FedAvg(min_available_nodes=3), clock=clock, sleep=clock.sleep)
+    res = again.start(grid, _initial(), num_rounds=1, timeout=60)
+    assert sorted(res.train_metrics_clientapp) == [1]

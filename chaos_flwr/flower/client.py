@@ -236,7 +236,7 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
     not driven from here yet: it starts as a peer that knows the charter and waits.
     """
     try:
-        from chaos_flwr.charter import load_charter  # type: ignore[import-not-found,unused-ignore]
+        from chaos_flwr.charter import load_charter
     except ImportError as exc:  # the charter layer has not landed in this build
         raise ConfigError(
             f"node_config '{NODE_CHARTER}' is set but this chaos-flwr build has no charter layer "
@@ -244,6 +244,7 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
         ) from exc
     from chaos_flwr.peer import Peer
 
+    assert settings.charter_path is not None
     charter = load_charter(settings.charter_path)
     peer = Peer(ident, charter)
     out: list[OutgoingLike] = []
@@ -327,7 +328,11 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     def chaos_query(message: Message, context: Context) -> Message:
         record = split_chaos(message)
         first = next(iter(message.content.array_records.values()), None)
-        out = parties(context).process(record, first)
-        return Message(RecordDict({FLOWER_CHAOS_RECORD_KEY: out}), reply_to=message)
+        party = parties(context)
+        out = party.process(record, first)
+        content = RecordDict({FLOWER_CHAOS_RECORD_KEY: out})
+        if record is not None and record.get("phase") == "fetch" and party.held_arrays is not None:
+            content["arrays"] = party.held_arrays  # the replica, checked by its digest
+        return Message(content, reply_to=message)
 
     return app

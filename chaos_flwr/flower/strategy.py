@@ -42,6 +42,8 @@ from chaos_flwr.defaults import (
     FLOWER_CHAOS_RECORD_KEY,
     FLOWER_PHASE_TIMEOUT_S,
     FLOWER_POLL_INTERVAL_S,
+    FLOWER_RESUME_FETCH_FROM,
+    FLOWER_RESUME_MIN_RECEIPTS,
 )
 from chaos_flwr.errors import DecodeError
 from chaos_flwr.flower.client import arrays_digest, receipt_bytes
@@ -163,6 +165,10 @@ class ChaosStrategy(Strategy):
         to the server (sampling is then by receipts only).
     relay:
         The envelope router (a fresh one by default).
+    resume, resume_min_receipts, resume_fetch_from:
+        On start, rebuild the latest state that at least ``resume_min_receipts`` parties
+        certified (verified receipts only) from up to ``resume_fetch_from`` of them at once,
+        and go on at the next round (a restarted ServerApp keeps no checkpoint).
     """
 
     def __init__(
@@ -174,6 +180,9 @@ class ChaosStrategy(Strategy):
         receipt_verifier: ReceiptVerifier | None = None,
         view_source: Callable[[], set[str]] | None = None,
         relay: Relay | None = None,
+        resume: bool = True,
+        resume_min_receipts: int = FLOWER_RESUME_MIN_RECEIPTS,
+        resume_fetch_from: int = FLOWER_RESUME_FETCH_FROM,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -189,6 +198,9 @@ class ChaosStrategy(Strategy):
         self.receipt_verifier = receipt_verifier
         self.view_source = view_source
         self.relay = relay or Relay()
+        self.resume = resume
+        self.resume_min_receipts = resume_min_receipts
+        self.resume_fetch_from = resume_fetch_from
         self.clock = clock
         self.sleep = sleep
         self.suspects: set[int] = set()
@@ -376,18 +388,23 @@ class ChaosStrategy(Strategy):
         arrays = initial_arrays
         digest = arrays_digest(arrays)
 
-        # round 0: certify the initial state on every node that answers
-        log0 = RoundLog(0, digest=digest)
         known = self._wait_for_nodes(grid, timeout)
-        _, log0.certify_s = self._phase(
-            grid, [], known, phase="certify", server_round=0, digest=digest,
-            arrays_for_others=arrays, timeout=timeout, log_=log0,
-        )  # fmt: skip
-        log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
-        self.rounds.append(log0)
-        certified_round = 0
+        resumed = self._resume(grid, known, timeout) if self.resume else None
+        if resumed is not None:
+            certified_round, arrays, digest = resumed
+            result.arrays = arrays
+        else:
+            # round 0: certify the initial state on every node that answers
+            log0 = RoundLog(0, digest=digest)
+            _, log0.certify_s = self._phase(
+                grid, [], known, phase="certify", server_round=0, digest=digest,
+                arrays_for_others=arrays, timeout=timeout, log_=log0,
+            )  # fmt: skip
+            log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
+            self.rounds.append(log0)
+            certified_round = 0
 
-        for rnd in range(1, num_rounds + 1):
+        for rnd in range(certified_round + 1, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             rlog = RoundLog(rnd)
@@ -453,6 +470,57 @@ class ChaosStrategy(Strategy):
         for line in io.StringIO(str(result)):
             log(INFO, "\t%s", line.strip("\n"))
         return result
+
+    def _resume(
+        self, grid: Grid, known: list[int], timeout: float
+    ) -> tuple[int, ArrayRecord, bytes] | None:
+        """Rebuild the latest certified state from the parties (a restarted ServerApp).
+
+        Asks every party for its receipt; the newest (round, digest) that at least
+        ``resume_min_receipts`` parties certified with *verified* signatures is fetched from
+        up to ``resume_fetch_from`` of its holders at once, and the first copy whose digest
+        matches is taken. Without a receipt verifier nothing is resumed: unsigned claims are
+        not proof.
+        """
+        if self.receipt_verifier is None:
+            log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
+            return None
+        hello = RoundLog(-1)
+        self.rounds.append(hello)
+        self._phase(
+            grid, [], known, phase="hello", server_round=-1, digest=b"",
+            arrays_for_others=None, timeout=timeout, log_=hello,
+        )  # fmt: skip
+        tally: dict[tuple[int, bytes], list[int]] = {}
+        for node, (_, rnd, dig) in self.holders.items():
+            if rnd > 0 and node not in self.suspects:
+                tally.setdefault((rnd, dig), []).append(node)
+        for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
+            if len(nodes) < self.resume_min_receipts:
+                continue
+            msgs = [
+                self._chaos_msg(n, "fetch", rnd, dig, None) for n in nodes[: self.resume_fetch_from]
+            ]
+            res = exchange(
+                grid,
+                msgs,
+                timeout_s=min(timeout, self.phase_timeout_s),
+                poll_interval_s=self.poll_interval_s,
+                clock=self.clock,
+                sleep=self.sleep,
+            )
+            for node, reply in res.replies.items():
+                split_chaos(reply)
+                got = reply.content.array_records
+                arrays = next(iter(got.values()), None)
+                if arrays is not None and arrays_digest(arrays) == dig:
+                    hello.server_round = rnd
+                    hello.digest = dig
+                    hello.holders = sorted(self.holders[n][0] for n in nodes)
+                    log(INFO, "Chaos: resumed at round %d from party %d's replica", rnd, node)
+                    return rnd, arrays, dig
+                log(WARNING, "Chaos: node %d sent a replica that does not match its receipt", node)
+        return None
 
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
         """Wait (bounded) until the inner strategy's minimum of nodes is connected."""
