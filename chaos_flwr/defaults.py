@@ -119,3 +119,25 @@ FLOWER_RESUME_MIN_RECEIPTS: int = 2
 FLOWER_RESUME_FETCH_FROM: int = 3
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
+
+# --- state / store / transfer ----------------------------------------------------------------
+#: Alignment of each array's data inside a serialised state, in bytes (zero-copy numpy views).
+STATE_ALIGN_BYTES: int = 64
+#: Largest state header (names, dtypes, shapes, meta) the decoder accepts, in bytes.
+STATE_MAX_HEADER_BYTES: int = 64 * 1024 * 1024
+#: Rounds a replica store keeps on disk (older rounds are deleted after a put).
+STORE_KEEP_ROUNDS: int = 3
+#: Size of one read or write the replica store issues, in bytes (bounds memory when hashing).
+STORE_IO_CHUNK_BYTES: int = 4 * 1024 * 1024
+#: Largest certificate a replica file may carry, in bytes.
+STORE_MAX_CERTIFICATE_BYTES: int = 16 * 1024 * 1024
+#: Shard requests a joiner keeps in flight per donor (pipelining hides the link latency).
+TRANSFER_WINDOW: int = 2
+#: A shard request times out after this many times its expected service time ...
+TRANSFER_TIMEOUT_FACTOR: float = 4.0
+#: ... but never sooner than this many seconds.
+TRANSFER_MIN_TIMEOUT_S: float = 2.0
+#: Weight of the newest observation in a donor's smoothed rate estimate (0 < alpha <= 1).
+TRANSFER_RATE_EWMA_ALPHA: float = 0.5
+#: Uploads a donor serves at once; further shard requests wait in its queue.
+DONOR_MAX_CONCURRENT_UPLOADS: int = 4

@@ -1,0 +1,769 @@
+"""Multi-source state transfer, sans-I/O: the joiner's pull engine and the donor's shard server.
+
+The joiner side is :class:`PullSession`. It is fed a :class:`~chaos_flwr.state.Manifest` (per-shard
+SHA-256 for the planned shard size), a :class:`~chaos_flwr.planner.TransferPlan` and the donors'
+link estimates, and it is driven by events; every event method returns the actions to carry out
+(:class:`ShardRequest` to send, :class:`CancelRequest` to abandon). A driver looks like::
+
+    session = PullSession(manifest, plan, donors, now=clock())
+    send_all(session.poll(clock()))
+    while not session.done:
+        event = wait_for_reply_or_timer()
+        if event is a shard:  send_all(session.on_shard(donor, index, data, clock()))
+        if a donor vanished:  send_all(session.on_donor_lost(donor, clock()))
+        on a timer:           send_all(session.tick(clock()))
+    state_bytes = session.assemble()
+
+The same object runs under asyncio, threads, a discrete-event simulator (virtual ``now``) or a
+test; it does no I/O and reads no clock.
+
+Scheduling
+----------
+* Each donor starts with the plan's shards as a queue and keeps at most ``window`` requests in
+  flight, so requests overlap the link latency.
+* **Pull queue.** A donor whose queue is empty takes the *tail* of the queue of the donor with
+  the latest estimated finish, when it would finish that shard earlier than that donor would;
+  once no queued shard is left, it may duplicate the in-flight shard expected last (each shard
+  at most twice); the first verified copy wins and the other is cancelled.
+* **Estimates.** A donor's rate starts at the plan's rate (or its bandwidth) and is smoothed with
+  every shard it delivers (``TRANSFER_RATE_EWMA_ALPHA``). The seconds of a shard are counted
+  from the later of its request and the donor's previous delivery, so pipelined shards measure
+  the link, not the queue. :meth:`PullSession.observations` returns ``(donor, bytes, seconds)``
+  for the monitor.
+* **Faults.** A shard that fails verification marks its donor bad (nothing more is taken from
+  it). A lost, bad or timed-out donor's missing shards are re-planned over the live donors with
+  :func:`~chaos_flwr.planner.plan_transfer` (each donor's current backlog as its ``ready``
+  time). A request times out after ``timeout_factor`` times its expected service time (at least
+  ``min_timeout_s``); a timed-out donor is treated as lost, though a late shard it still sends
+  is accepted if it verifies. With shards missing and no live donor left,
+  :class:`~chaos_flwr.errors.TransferError` is raised.
+* :meth:`PullSession.assemble` joins the shards and checks the state digest (and the certified
+  digest, when given), so a lying manifest cannot make a wrong state accepted.
+
+The donor side is :class:`ShardServer`: it answers byte-range requests from an immutable source
+(a :class:`~chaos_flwr.store.Replica` read with ``pread``, or bytes) with at most
+``max_concurrent_uploads`` uploads at once and a FIFO queue behind them. It never touches the
+donor's training loop: replicas are immutable files, so serving needs no lock and no pause.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .defaults import (
+    DONOR_MAX_CONCURRENT_UPLOADS,
+    TRANSFER_MIN_TIMEOUT_S,
+    TRANSFER_RATE_EWMA_ALPHA,
+    TRANSFER_TIMEOUT_FACTOR,
+    TRANSFER_WINDOW,
+)
+from .errors import ShardIntegrityError, TransferError
+from .planner import Donor, TransferPlan, plan_transfer
+from .state import Manifest, shard_range
+
+__all__ = [
+    "Action",
+    "CancelRequest",
+    "DonorStatus",
+    "Observation",
+    "Progress",
+    "PullSession",
+    "RangeSource",
+    "ShardRequest",
+    "ShardServer",
+    "Upload",
+]
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """Ask ``donor`` for shard ``index``, i.e. state bytes ``[start, end)``."""
+
+    donor: str
+    index: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    """Tell ``donor`` (or the carrier) that shard ``index`` is no longer needed from it."""
+
+    donor: str
+    index: int
+
+
+Action = ShardRequest | CancelRequest
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One delivered shard: ``bytes`` in ``seconds`` from ``donor``, observed at ``at``."""
+
+    donor: str
+    bytes: int
+    seconds: float
+    at: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A snapshot of a transfer.
+
+    Attributes
+    ----------
+    bytes_done, total_bytes : int
+        Verified bytes received and the state size.
+    shards_done, num_shards : int
+    bytes_by_donor : Mapping[str, int]
+        Verified bytes accepted from each donor.
+    eta_s : float or None
+        Estimated seconds until done (0.0 when done, None when no live donor remains).
+    live_donors : tuple of str
+    """
+
+    bytes_done: int
+    total_bytes: int
+    shards_done: int
+    num_shards: int
+    bytes_by_donor: Mapping[str, int]
+    eta_s: float | None
+    live_donors: tuple[str, ...]
+
+    @property
+    def fraction(self) -> float:
+        """``bytes_done / total_bytes`` (1.0 for an empty state)."""
+        return 1.0 if self.total_bytes == 0 else self.bytes_done / self.total_bytes
+
+
+class DonorStatus:
+    """Donor states inside a :class:`PullSession` (plain strings)."""
+
+    LIVE = "live"
+    LOST = "lost"
+    BAD = "bad"
+    TIMED_OUT = "timed_out"
+
+
+class _Peer:
+    __slots__ = (
+        "bytes_ok",
+        "id",
+        "inflight",
+        "last_recv",
+        "latency",
+        "pipeline_free",
+        "queue",
+        "rate",
+        "status",
+    )
+
+    def __init__(self, donor_id: str, rate: float, latency: float) -> None:
+        self.id = donor_id
+        self.rate = rate
+        self.latency = latency
+        self.queue: deque[int] = deque()
+        # index -> (sent_at, expected_done, deadline)
+        self.inflight: dict[int, tuple[float, float, float]] = {}
+        self.pipeline_free = 0.0
+        self.last_recv: float | None = None
+        self.status = DonorStatus.LIVE
+        self.bytes_ok = 0
+
+
+class PullSession:
+    """The joiner's side of a multi-source pull (sans-I/O).
+
+    Parameters
+    ----------
+    manifest : Manifest
+        Shard digests for ``plan.shard_bytes`` (the joiner checks it names the certified
+        digest by passing ``expected_digest``).
+    plan : TransferPlan
+        From :func:`~chaos_flwr.planner.plan_transfer` over ``donors``.
+    donors : Sequence[Donor]
+        Every donor that may send (donors the plan left idle are used for stealing).
+    now : float
+        Current time, seconds.
+    expected_digest : bytes or None, optional
+        The certified state digest; the manifest must name it and the result must hash to it.
+    window : int, optional
+        Requests in flight per donor (>= 1).
+    timeout_factor : float, optional
+        A request times out after this many times its expected service time ...
+    min_timeout_s : float, optional
+        ... and never sooner than this.
+    rate_alpha : float, optional
+        EWMA weight of a new rate sample (0 < alpha <= 1).
+
+    Raises
+    ------
+    TransferError
+        If plan, manifest and donors do not fit together (the message says which field).
+    ShardIntegrityError
+        If the manifest does not name ``expected_digest``.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        plan: TransferPlan,
+        donors: Sequence[Donor],
+        *,
+        now: float,
+        expected_digest: bytes | None = None,
+        window: int = TRANSFER_WINDOW,
+        timeout_factor: float = TRANSFER_TIMEOUT_FACTOR,
+        min_timeout_s: float = TRANSFER_MIN_TIMEOUT_S,
+        rate_alpha: float = TRANSFER_RATE_EWMA_ALPHA,
+    ) -> None:
+        if expected_digest is not None:
+            manifest.check_certified(expected_digest)
+        total = plan.total_bytes if plan.total_bytes is not None else manifest.total_bytes
+        if total != manifest.total_bytes:
+            raise TransferError(
+                f"plan.total_bytes: {total} differs from the manifest's {manifest.total_bytes}; "
+                "plan for the certified state size"
+            )
+        if plan.num_shards and (
+            plan.shard_bytes != manifest.shard_bytes or plan.num_shards != manifest.num_shards
+        ):
+            raise TransferError(
+                f"manifest.shard_bytes: manifest has {manifest.num_shards} shards of "
+                f"{manifest.shard_bytes} bytes, the plan {plan.num_shards} of {plan.shard_bytes}; "
+                "build the manifest with Manifest.build(data, plan.shard_bytes, "
+                "num_shards=plan.num_shards)"
+            )
+        if window < 1:
+            raise TransferError(f"window: got {window}; give an int >= 1")
+        if not 0.0 < rate_alpha <= 1.0:
+            raise TransferError(f"rate_alpha: got {rate_alpha}; must be in (0, 1]")
+        self.manifest = manifest
+        self.total_bytes = manifest.total_bytes
+        self.shard_bytes = manifest.shard_bytes
+        self.num_shards = manifest.num_shards if self.total_bytes else 0
+        self._expected = expected_digest
+        self._window = window
+        self._timeout_factor = timeout_factor
+        self._min_timeout = min_timeout_s
+        self._alpha = rate_alpha
+        self._peers: dict[str, _Peer] = {}
+        for d in donors:
+            if d.id in self._peers:
+                raise TransferError(f"donors: duplicate donor id {d.id!r}")
+            rate = plan.rates.get(d.id, d.bandwidth)
+            if not (math.isfinite(rate) and rate > 0):
+                raise TransferError(f"bandwidth: donor {d.id!r} has {rate!r}; must be > 0")
+            peer = _Peer(d.id, float(rate), float(d.latency))
+            peer.pipeline_free = now
+            self._peers[d.id] = peer
+        self._order = sorted(self._peers)
+        assigned: set[int] = set()
+        for donor_id, shards in plan.assignment.items():
+            if donor_id not in self._peers:
+                raise TransferError(
+                    f"plan.assignment: donor {donor_id!r} is not among the donors given"
+                )
+            for i in shards:
+                if i in assigned or not 0 <= i < self.num_shards:
+                    raise TransferError(f"plan.assignment: shard {i} is out of range or repeated")
+                assigned.add(i)
+            self._peers[donor_id].queue.extend(shards)
+        self._shards: list[bytes | None] = [None] * self.num_shards
+        self._done_count = 0
+        self._bytes_done = 0
+        self._holders: dict[int, set[str]] = {}
+        self._observations: list[Observation] = []
+        self._new_obs = 0
+        for i in range(self.num_shards):  # empty trailing shards need no round trip
+            start, end = shard_range(self.total_bytes, self.shard_bytes, i)
+            if start == end:
+                self.manifest.verify_shard(i, b"")
+                self._shards[i] = b""
+                self._done_count += 1
+        for peer in self._peers.values():
+            peer.queue = deque(i for i in peer.queue if self._shards[i] is None)
+        unassigned = [i for i in range(self.num_shards) if self._shards[i] is None]
+        unassigned = [i for i in unassigned if i not in assigned]
+        if unassigned:
+            self._replan(unassigned, now)
+
+    # --- queries ---------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        """True when every shard has been received and verified."""
+        return self._done_count == self.num_shards
+
+    def status(self, donor: str) -> str:
+        """Return the :class:`DonorStatus` of ``donor``."""
+        return self._peers[donor].status
+
+    def live_donors(self) -> tuple[str, ...]:
+        """Donors still used, in id order."""
+        return tuple(d for d in self._order if self._peers[d].status == DonorStatus.LIVE)
+
+    def queued(self, donor: str) -> tuple[int, ...]:
+        """Shards ``donor`` has not been asked for yet (its queue, in order)."""
+        return tuple(self._peers[donor].queue)
+
+    def inflight(self, donor: str) -> tuple[int, ...]:
+        """Shards requested from ``donor`` and not yet delivered."""
+        return tuple(self._peers[donor].inflight)
+
+    def missing(self) -> tuple[int, ...]:
+        """Shards not yet received."""
+        return tuple(i for i, s in enumerate(self._shards) if s is None)
+
+    def observations(self) -> tuple[Observation, ...]:
+        """Every delivery observed so far (for the monitor's link estimates)."""
+        return tuple(self._observations)
+
+    def take_observations(self) -> list[Observation]:
+        """Observations since the previous call (feed them to the monitor once each)."""
+        out = self._observations[self._new_obs :]
+        self._new_obs = len(self._observations)
+        return out
+
+    def rate_estimate(self, donor: str) -> float:
+        """The current smoothed rate of ``donor`` in bytes/s."""
+        return self._peers[donor].rate
+
+    def progress(self, now: float) -> Progress:
+        """Return a :class:`Progress` snapshot at ``now``."""
+        live = self.live_donors()
+        if self.done:
+            eta: float | None = 0.0
+        else:
+            finishes = [
+                self._backlog_finish(self._peers[d], now)
+                for d in live
+                if self._peers[d].queue or self._peers[d].inflight
+            ]
+            eta = max(0.0, max(finishes) - now) if finishes else None
+        return Progress(
+            bytes_done=self._bytes_done,
+            total_bytes=self.total_bytes,
+            shards_done=self._done_count,
+            num_shards=self.num_shards,
+            bytes_by_donor={d: self._peers[d].bytes_ok for d in self._order},
+            eta_s=eta,
+            live_donors=live,
+        )
+
+    # --- events ----------------------------------------------------------------------------
+
+    def poll(self, now: float) -> list[Action]:
+        """Return the requests that can be sent now (call once to start)."""
+        return self._fill(now)
+
+    def on_shard(
+        self, donor: str, index: int, data: bytes | memoryview, now: float
+    ) -> list[Action]:
+        """Consume a shard reply.
+
+        A shard that fails verification marks ``donor`` bad and re-plans its shards; replies
+        from unknown or bad donors and duplicates are ignored.
+
+        Returns
+        -------
+        list of Action
+            Requests to send (and cancellations of now-redundant copies).
+
+        Raises
+        ------
+        TransferError
+            If shards are missing and no live donor remains.
+        """
+        peer = self._peers.get(donor)
+        if peer is None or peer.status == DonorStatus.BAD:
+            return []
+        actions: list[Action] = []
+        sent = peer.inflight.pop(index, None)
+        if sent is not None:
+            self._holders.get(index, set()).discard(donor)
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index < self.num_shards
+        ):
+            return self._mark_bad(peer, now)
+        if self._shards[index] is not None:
+            return self._fill(now)
+        try:
+            self.manifest.verify_shard(index, data)
+        except ShardIntegrityError:
+            return self._mark_bad(peer, now, also=[index])
+        blob = data if isinstance(data, bytes) else bytes(data)
+        self._shards[index] = blob
+        self._done_count += 1
+        self._bytes_done += len(blob)
+        peer.bytes_ok += len(blob)
+        if sent is not None and blob:
+            begin = sent[0] if peer.last_recv is None else max(sent[0], peer.last_recv)
+            seconds = now - begin
+            if seconds > 0:
+                self._observations.append(Observation(donor, len(blob), seconds, now))
+                sample = len(blob) / seconds
+                peer.rate = (1 - self._alpha) * peer.rate + self._alpha * sample
+        peer.last_recv = now
+        for other in sorted(self._holders.pop(index, set())):
+            self._peers[other].inflight.pop(index, None)
+            actions.append(CancelRequest(other, index))
+        for p in self._peers.values():  # a stale queued copy (after re-plans) is dropped
+            if index in p.queue:
+                p.queue.remove(index)
+        actions.extend(self._fill(now))
+        return actions
+
+    def on_donor_lost(self, donor: str, now: float) -> list[Action]:
+        """A donor left or crashed: re-plan its missing shards over the live donors.
+
+        Raises
+        ------
+        TransferError
+            If shards are missing and no live donor remains.
+        """
+        peer = self._peers.get(donor)
+        if peer is None or peer.status != DonorStatus.LIVE:
+            return []
+        return self._retire(peer, DonorStatus.LOST, now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Handle request timeouts at ``now``; return requests for re-planned shards.
+
+        Raises
+        ------
+        TransferError
+            If shards are missing and no live donor remains.
+        """
+        actions: list[Action] = []
+        for donor in self._order:
+            peer = self._peers[donor]
+            if peer.status != DonorStatus.LIVE:
+                continue
+            if any(deadline <= now for _s, _e, deadline in peer.inflight.values()):
+                actions.extend(self._retire(peer, DonorStatus.TIMED_OUT, now))
+        actions.extend(self._fill(now))
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """The earliest request deadline (when the driver should call :meth:`tick`)."""
+        deadlines = [
+            dl
+            for p in self._peers.values()
+            if p.status == DonorStatus.LIVE
+            for _s, _e, dl in p.inflight.values()
+        ]
+        return min(deadlines) if deadlines else None
+
+    def assemble(self) -> bytes:
+        """Return the verified state bytes.
+
+        Raises
+        ------
+        TransferError
+            If shards are still missing.
+        ShardIntegrityError
+            If the reassembled state does not hash to the manifest's (or certified) digest.
+        """
+        if not self.done:
+            raise TransferError(
+                f"assemble: {self.num_shards - self._done_count} shards are still missing; "
+                "keep driving the session until done"
+            )
+        data = b"".join(s for s in self._shards if s is not None)
+        self.manifest.verify_state(data)
+        if self._expected is not None:
+            self.manifest.check_certified(self._expected)
+        return data
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _service(self, peer: _Peer) -> float:
+        return self.shard_bytes / peer.rate
+
+    def _backlog_finish(self, peer: _Peer, now: float) -> float:
+        return max(now, peer.pipeline_free) + len(peer.queue) * self._service(peer)
+
+    def _expected_done(self, peer: _Peer, index: int, now: float) -> float:
+        _sent, expected, _dl = peer.inflight[index]
+        if expected < now:  # overdue: assume it still needs a full service time
+            return now + self._service(peer)
+        return expected
+
+    def _send(self, peer: _Peer, index: int, now: float) -> ShardRequest:
+        start_at = now + peer.latency if not peer.inflight else now
+        expected = max(start_at, peer.pipeline_free) + self._service(peer)
+        peer.pipeline_free = expected
+        timeout = max(self._min_timeout, self._timeout_factor * (expected - now))
+        peer.inflight[index] = (now, expected, now + timeout)
+        self._holders.setdefault(index, set()).add(peer.id)
+        start, end = shard_range(self.total_bytes, self.shard_bytes, index)
+        return ShardRequest(peer.id, index, start, end)
+
+    def _steal(self, thief: _Peer, now: float) -> int | None:
+        lead = now + thief.latency if not thief.inflight else max(now, thief.pipeline_free)
+        mine = max(lead, thief.pipeline_free) + self._service(thief)
+        victim: _Peer | None = None
+        worst = -math.inf
+        for donor in self._order:
+            p = self._peers[donor]
+            if p is thief or p.status != DonorStatus.LIVE or not p.queue:
+                continue
+            finish = self._backlog_finish(p, now)
+            if finish > worst:
+                worst, victim = finish, p
+        if victim is not None:
+            return victim.queue.pop() if mine < worst else None
+        # Endgame: duplicate the in-flight shard expected last, if we would beat it.
+        best: tuple[float, int] | None = None
+        for donor in self._order:
+            p = self._peers[donor]
+            if p is thief or p.status != DonorStatus.LIVE:
+                continue
+            for index in p.inflight:
+                if len(self._holders.get(index, ())) > 1 or index in thief.inflight:
+                    continue
+                eta = self._expected_done(p, index, now)
+                if best is None or eta > best[0]:
+                    best = (eta, index)
+        if best is not None and mine < best[0]:
+            return best[1]
+        return None
+
+    def _fill(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        progress = True
+        while progress:
+            progress = False
+            for donor in self._order:
+                peer = self._peers[donor]
+                if peer.status != DonorStatus.LIVE or len(peer.inflight) >= self._window:
+                    continue
+                index: int | None = None
+                while peer.queue and index is None:
+                    candidate = peer.queue.popleft()
+                    if self._shards[candidate] is None and candidate not in peer.inflight:
+                        index = candidate
+                if index is None:
+                    index = self._steal(peer, now)
+                if index is not None:
+                    actions.append(self._send(peer, index, now))
+                    progress = True
+        return actions
+
+    def _mark_bad(self, peer: _Peer, now: float, also: Sequence[int] = ()) -> list[Action]:
+        if peer.status == DonorStatus.LIVE:
+            return self._retire(peer, DonorStatus.BAD, now, also=also)
+        peer.status = DonorStatus.BAD
+        extra = [i for i in also if self._shards[i] is None and not self._held_by_live(i)]
+        actions: list[Action] = []
+        if extra:
+            actions.extend(self._replan(extra, now))
+        actions.extend(self._fill(now))
+        return actions
+
+    def _held_by_live(self, index: int) -> bool:
+        for d in self._holders.get(index, ()):
+            if self._peers[d].status == DonorStatus.LIVE:
+                return True
+        return any(index in p.queue for p in self._peers.values() if p.status == DonorStatus.LIVE)
+
+    def _retire(
+        self, peer: _Peer, status: str, now: float, also: Sequence[int] = ()
+    ) -> list[Action]:
+        peer.status = status
+        orphans = [*peer.queue, *peer.inflight, *also]
+        peer.queue.clear()
+        actions: list[Action] = []
+        for index in list(peer.inflight):
+            self._holders.get(index, set()).discard(peer.id)
+            actions.append(CancelRequest(peer.id, index))
+        if status != DonorStatus.TIMED_OUT:
+            peer.inflight.clear()  # a timed-out donor's late shard is still welcome
+        missing = sorted(
+            {i for i in orphans if self._shards[i] is None and not self._held_by_live(i)}
+        )
+        if missing:
+            actions.extend(self._replan(missing, now))
+        actions.extend(self._fill(now))
+        return actions
+
+    def _replan(self, missing: list[int], now: float) -> list[Action]:
+        live = [self._peers[d] for d in self.live_donors()]
+        if not live:
+            raise TransferError(
+                f"donors: {len(missing)} shards are missing and no live donor remains; find "
+                "other parties that hold the certified round and start a new transfer"
+            )
+        donors = [
+            Donor(
+                id=p.id,
+                bandwidth=p.rate,
+                latency=0.0 if p.inflight else p.latency,
+                ready=max(0.0, self._backlog_finish(p, now) - now),
+            )
+            for p in live
+        ]
+        m = len(missing)
+        plan = plan_transfer(
+            m * self.shard_bytes, donors, chain=[m], max_shards=m, min_shard_bytes=1
+        )
+        for donor_id, positions in plan.assignment.items():
+            self._peers[donor_id].queue.extend(missing[j] for j in positions)
+        return []
+
+
+# --- donor side ------------------------------------------------------------------------------
+
+
+class RangeSource(Protocol):
+    """Anything that serves byte ranges of one immutable serialised state."""
+
+    @property
+    def total_bytes(self) -> int:
+        """Length of the state."""
+        ...
+
+    def read(self, start: int, end: int) -> bytes:
+        """Return bytes ``[start, end)``."""
+        ...
+
+
+class _BytesSource:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(bytes(data) if isinstance(data, bytearray) else data).cast("B")
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self._view)
+
+    def read(self, start: int, end: int) -> bytes:
+        return bytes(self._view[start:end])
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A granted upload: send bytes ``[start, end)`` (shard ``index``) to ``requester``."""
+
+    requester: str
+    index: int
+    start: int
+    end: int
+    ticket: int
+
+
+class ShardServer:
+    """The donor's side: answers shard requests from an immutable replica, with an upload cap.
+
+    Parameters
+    ----------
+    source : RangeSource or bytes-like
+        A :class:`~chaos_flwr.store.Replica` (reads only the requested range with ``pread``)
+        or the serialised state in memory.
+    max_concurrent_uploads : int, optional
+        Uploads granted at once (>= 1); further requests wait in FIFO order.
+
+    Notes
+    -----
+    Use: ``for u in server.request(peer, index, start, end): start_upload(u)``; an upload
+    task calls ``server.read(u)``, sends it, then ``server.finish(u)`` and starts the uploads
+    that returns.
+    """
+
+    def __init__(
+        self,
+        source: RangeSource | bytes | bytearray | memoryview,
+        *,
+        max_concurrent_uploads: int = DONOR_MAX_CONCURRENT_UPLOADS,
+    ) -> None:
+        if isinstance(max_concurrent_uploads, bool) or max_concurrent_uploads < 1:
+            raise TransferError(
+                f"max_concurrent_uploads: got {max_concurrent_uploads!r}; give an int >= 1"
+            )
+        self.source: RangeSource = (
+            _BytesSource(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
+        )
+        self.max_concurrent_uploads = max_concurrent_uploads
+        self._active: dict[int, Upload] = {}
+        self._queue: deque[Upload] = deque()
+        self._tickets = 0
+        self.bytes_served = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Length of the served state."""
+        return self.source.total_bytes
+
+    @property
+    def active(self) -> int:
+        """Uploads in progress."""
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    def request(self, requester: str, index: int, start: int, end: int) -> list[Upload]:
+        """Accept a shard request; return the uploads to start now (0 or 1).
+
+        Raises
+        ------
+        TransferError
+            If the range is outside the state.
+        """
+        if not 0 <= start <= end <= self.total_bytes:
+            raise TransferError(
+                f"range: [{start}, {end}) is outside the state [0, {self.total_bytes}); the "
+                "requester planned for another state"
+            )
+        self._tickets += 1
+        upload = Upload(requester, index, start, end, self._tickets)
+        self._queue.append(upload)
+        return self._grant()
+
+    def read(self, upload: Upload) -> bytes:
+        """Read the bytes of a granted upload (only its range)."""
+        if upload.ticket not in self._active:
+            raise TransferError(f"upload: ticket {upload.ticket} is not active")
+        return self.source.read(upload.start, upload.end)
+
+    def finish(self, upload: Upload) -> list[Upload]:
+        """Mark an upload sent (or aborted); return the uploads to start next."""
+        if self._active.pop(upload.ticket, None) is not None:
+            self.bytes_served += upload.end - upload.start
+        return self._grant()
+
+    def cancel(self, requester: str, index: int | None = None) -> list[Upload]:
+        """Drop queued requests of ``requester`` (for one shard, or all of them)."""
+        self._queue = deque(
+            u
+            for u in self._queue
+            if not (u.requester == requester and (index is None or u.index == index))
+        )
+        return self._grant()
+
+    def manifest(self, shard_bytes: int, *, num_shards: int | None = None) -> Manifest:
+        """Build the manifest of the served state for ``shard_bytes`` (reads it all once)."""
+        build = getattr(self.source, "manifest", None)
+        if callable(build):
+            result = build(shard_bytes, num_shards=num_shards)
+            assert isinstance(result, Manifest)
+            return result
+        return Manifest.build(
+            self.source.read(0, self.total_bytes), shard_bytes, num_shards=num_shards
+        )
+
+    def _grant(self) -> list[Upload]:
+        out = []
+        while self._queue and len(self._active) < self.max_concurrent_uploads:
+            u = self._queue.popleft()
+            self._active[u.ticket] = u
+            out.append(u)
+        return out
