@@ -582,3 +582,73 @@ def test_bench_events_settles_every_event_type_on_a_small_cluster() -> None:
         run_events(4, carrier="memory")
     with pytest.raises(ConfigError, match="carrier"):
         run_events(8, repeats=1, carrier="pigeon")
+
+
+# --- the in-process carrier ------------------------------------------------------------------
+
+
+def _memory_cluster(seed: int, drop: float) -> tuple[Any, list[Peer]]:
+    from chaos_flwr.transport.memory import MemoryNetwork
+
+    ch = charter(F, J)
+    net = MemoryNetwork(seed=seed, drop=drop, duplicate=drop)
+    peers = [Peer(f, ch) for f in F] + [Peer(j, ch) for j in J[:2]]
+    for p in peers:
+        net.attach(p)
+    for p in peers[:3]:
+        net.send(p.party_id, p.bootstrap(0.0))
+    net.run(0.0)
+    for p in peers[3:]:
+        net.send(p.party_id, p.request_join(0.0, [F[0].party_id]))
+    net.run(0.0)
+    for t in range(1, 20):
+        net.tick(t * 0.5)
+    return net, peers
+
+
+def test_memory_network_is_deterministic_and_converges_under_faults() -> None:
+    net1, peers1 = _memory_cluster(seed=7, drop=0.15)
+    net2, peers2 = _memory_cluster(seed=7, drop=0.15)
+    assert (net1.delivered, net1.dropped) == (net2.delivered, net2.dropped)
+    assert net1.dropped > 0
+    assert [p.view().digest for p in peers1] == [p.view().digest for p in peers2]
+    assert len({p.view().digest for p in peers1}) == 1
+    assert all(p.is_member for p in peers1)
+
+
+def test_memory_network_crash_partition_and_storm() -> None:
+    from chaos_flwr.errors import ConfigError, TransportError
+    from chaos_flwr.transport.memory import MemoryNetwork
+
+    class Echo:
+        def __init__(self, pid: str, to: str) -> None:
+            self.party_id, self.to, self.got = pid, to, 0
+
+        def handle(self, data: bytes, now: float) -> list[Outgoing]:
+            self.got += 1
+            return [Outgoing(self.to, data)]
+
+    net = MemoryNetwork(max_deliveries=50)
+    a, b = Echo("a", "b"), Echo("b", "a")
+    net.attach(a)
+    net.attach(b)
+    net.send("a", [Outgoing("b", b"x")])
+    with pytest.raises(TransportError, match="max_deliveries"):
+        net.run(0.0)
+    net = MemoryNetwork()
+    a, b = Echo("a", "nobody"), Echo("b", "nobody")
+    net.attach(a)
+    net.attach(b)
+    net.crash("b")
+    net.send("a", [Outgoing("b", b"x")])
+    assert net.run(0.0) == 0 and b.got == 0
+    net.restart("b")
+    net.partition(["a"], ["b"])
+    net.send("b", [Outgoing("a", b"y")])
+    assert net.run(0.0) == 0
+    net.heal()
+    net.send("b", [Outgoing("a", b"y")])
+    assert net.run(0.0) == 1 and a.got == 1
+    assert net.dropped == 3  # to crashed b, across the cut, and a's echo to "nobody"
+    with pytest.raises(ConfigError, match="drop"):
+        MemoryNetwork(drop=1.0)
