@@ -384,14 +384,22 @@ class Charter(BaseModel):
         """Founders that have not signed (valid or not)."""
         return [f for f in self.founders if f.party_id not in self.signatures]
 
-    def verify(self, *, source: str = "charter") -> None:
+    def verify(self, *, source: str = "charter", complete: bool = True) -> None:
         """Check the founders' signatures.
+
+        Parameters
+        ----------
+        source
+            Where the charter came from (prefixes error messages).
+        complete
+            Also require :attr:`required_signatures` founder signatures (``False`` checks only
+            the signatures present, e.g. while founders are still signing).
 
         Raises
         ------
         CharterError
-            If a signature is by a non-founder or does not verify, or fewer founders signed
-            than :attr:`required_signatures`.
+            If a signature is by a non-founder or does not verify, or (with ``complete``) fewer
+            founders signed than :attr:`required_signatures`.
         """
         message = self.signing_bytes
         for pid, sig_b64 in sorted(self.signatures.items()):
@@ -410,7 +418,7 @@ class Charter(BaseModel):
                     "sign again) or the signature is corrupt"
                 ) from None
         have = len(self.signatures)
-        if have < self.required_signatures:
+        if complete and have < self.required_signatures:
             missing = ", ".join(f"{m.name} ({m.party_id})" for m in self.missing_signatures())
             raise CharterError(
                 f"{source}: signatures: {have} of the {self.required_signatures} founder "
