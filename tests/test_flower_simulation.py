@@ -55,15 +55,24 @@ def test_runner_refuses_a_folder_without_an_app(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_example_trains_on_the_simulation_engine_and_leaves_no_process() -> None:
-    run = runner.run_simulation_app(EXAMPLE, run_config={"num-server-rounds": 3}, timeout_s=120)
+def test_chaos_strategy_trains_on_the_simulation_engine_and_leaves_no_process() -> None:
+    run = runner.run_simulation_app(
+        EXAMPLE,
+        run_config={"num-server-rounds": 3, "mode": "chaos", "chaos-unsigned": True},
+        timeout_s=120,
+    )
     assert run.returncode == 0, run.log[-3000:]
     acc = {int(k): v for k, v in run.results["accuracy"].items()}
     assert sorted(acc) == [0, 1, 2, 3]
     assert acc[3] > acc[0] + 0.2  # it learns: 10 classes start near 0.1
     assert len(run.results["round_wall_s"]) == 3
+    # every round: all 5 institutions trained and certified the new state through query.chaos
+    rounds = run.results["chaos_rounds"]
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert all(r["holders"] == 5 and r["missing"] == 0 for r in rounds)
+    assert all(r["trained"] == 5 for r in rounds[1:])
+    assert all(r["unsigned_receipts"] == 5 for r in rounds)  # and the report says they are
     assert run.pids, "the runner saw no SuperLink process"
     assert not [p for p in run.pids if runner._alive(p)]
-    # the runner's SuperLink was stopped: nothing is left below this test process either
     leftover = [p for p in runner.descendants(os.getpid()) if runner._alive(p)]
     assert leftover == []

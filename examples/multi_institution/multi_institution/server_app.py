@@ -41,6 +41,7 @@ def _build_strategy(context: Context) -> Strategy:
         from chaos_flwr.flower import ChaosStrategy
 
         return ChaosStrategy(fedavg, phase_timeout_s=float(cfg["phase-timeout-s"]))
+    # (a signed federation also passes receipt_verifier=keyring_verifier(charter.keyring()))
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 
 
@@ -88,4 +89,16 @@ def main(grid: Grid, context: Context) -> None:
             "round_wall_s": [b - a for a, b in itertools.pairwise(marks)],
             "total_wall_s": total,
         }
+        chaos_rounds = getattr(strategy, "rounds", None)
+        if chaos_rounds is not None:
+            report["chaos_rounds"] = [
+                {
+                    "round": r.server_round,
+                    "trained": len(r.trained),
+                    "holders": len(r.holders),
+                    "unsigned_receipts": len(r.unsigned_receipts),
+                    "missing": len(r.missing),
+                }
+                for r in chaos_rounds
+            ]
         Path(results_path).write_text(json.dumps(report, indent=2), encoding="utf-8")
