@@ -47,6 +47,20 @@ Flows (envelope kinds in brackets)
 
 Pending joins, link requests and votes are re-sent every ``PEER_RETRY_INTERVAL_S`` until the
 record they aim at is held.
+
+Driving a peer (simulators, carriers)
+-------------------------------------
+- ``now`` must not go backwards for one peer; it stamps outgoing envelopes (``timestamp``).
+- Deliver each ``Outgoing`` at most as sent: the bytes are opaque; several ``Outgoing`` of one
+  broadcast share one ``bytes`` object. Loss, duplication and reordering are tolerated
+  (duplicates are refused as replays and logged in :attr:`Peer.rejections` as ``ReplayError``).
+- A crash is: stop calling the peer. A restart is a *new* ``Peer`` object for the same
+  identity with a higher ``incarnation`` (the old sequence numbers would be refused as
+  replays), which then calls :meth:`Peer.request_join` (or :meth:`Peer.bootstrap` for a
+  founder). A party that left or was declared failed stops heartbeating and voting
+  (``tick`` returns only retries) but still accepts records sent to it.
+- Convergence check: two active members hold the same records iff
+  ``peer.records.digest()`` is equal; equal records give equal ``peer.view().digest``.
 """
 
 from __future__ import annotations
