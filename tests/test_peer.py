@@ -325,6 +325,26 @@ def test_failed_party_rejoins_with_a_higher_incarnation() -> None:
     assert isinstance(p.rejections[-1].error, StaleIncarnationError)
 
 
+def test_falsely_suspected_party_learns_it_failed_and_rejoins_in_place() -> None:
+    net, _ = cluster(joiners=1)
+    x = J[0].party_id
+    others = [p for p in sorted(net.peers) if p != x]
+    net.tick(rounds=2)
+    net.partition([x], others)  # alive, but nobody hears it
+    net.tick(rounds=int(SUSPECT / 0.5) + 4)
+    assert statuses(net.peers[F[0].party_id])[x] == "failed"
+    assert net.peers[x].is_member  # it cannot know yet
+    net.heal()
+    net.tick(rounds=4)  # anti-entropy tells it
+    peer = net.peers[x]
+    assert not peer.is_member and statuses(peer)[x] == "failed"
+    net.act(x, peer.request_join(net.now, [F[1].party_id]))
+    assert peer.incarnation == 1 and peer.is_member
+    net.tick(rounds=2)
+    assert len(net.digests()) == 1
+    assert net.peers[F[2].party_id].view().members[x].incarnation == 1
+
+
 def test_rejoin_at_an_ended_incarnation_is_refused() -> None:
     net, ch = cluster(joiners=1)
     j = J[0].party_id

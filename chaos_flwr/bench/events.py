@@ -32,6 +32,7 @@ sans-I/O), the measured times are wall-clock. Carriers:
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import statistics
 import time
@@ -159,10 +160,12 @@ class _Cluster:
     ) -> float:
         """Run ``trigger`` (an async callable) and return ms until all ``affected`` applied."""
         w = _Wait(kind, subject, set(affected), 0.0, asyncio.Event())
+        gc.collect()
+        gc.disable()  # as timeit does: no collector pause inside a timed window
         self.wait = w
         w.t0 = time.perf_counter()
-        await trigger()
         try:
+            await trigger()
             await asyncio.wait_for(w.done.wait(), EVENTS_BENCH_EVENT_TIMEOUT_S)
         except TimeoutError as exc:
             raise ConfigError(
@@ -171,6 +174,7 @@ class _Cluster:
             ) from exc
         finally:
             self.wait = None
+            gc.enable()
         await self.carrier.settle()
         return (w.t1 - w.t0) * 1000.0
 
@@ -366,6 +370,7 @@ async def _run(peers: int, repeats: int, seed: int, carrier_kind: str) -> dict[s
             "verifies every envelope signature itself, record signatures are verified once per "
             "process (a SignatureCache shared by the co-hosted peers)"
         ),
+        "gc": "collected before and disabled inside each timed window (as timeit does)",
         "affected": "every active member (membership and neighbour graph are in every view)",
         "repeats": repeats,
         "seed": seed,
