@@ -40,6 +40,7 @@ __all__ = [
     "descendants",
     "flower_env",
     "free_port",
+    "run_deployment_app",
     "run_simulation_app",
     "stop_process_tree",
 ]
@@ -332,5 +333,124 @@ def run_simulation_app(
             results = json.loads(results_path.read_text("utf-8"))
         return SimulationRun(proc.returncode, results, wall, out, pids)
     finally:
+        if keep_home is None:
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def _node_config(values: Mapping[str, object]) -> str:
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+
+
+def run_deployment_app(
+    app_dir: Path | str,
+    *,
+    node_configs: list[Mapping[str, object]],
+    run_config: Mapping[str, object] | None = None,
+    timeout_s: float = FLOWER_RUN_TIMEOUT_S,
+    startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+    keep_home: Path | None = None,
+) -> SimulationRun:
+    """Run a Flower app on the deployment engine: a SuperLink and one SuperNode per entry of
+    ``node_configs``, all on 127.0.0.1 (insecure, loopback only), stopped by pid afterwards.
+
+    Each SuperNode gets its entry as ``--node-config`` (e.g. ``partition-id``,
+    ``num-partitions`` and the party settings ``chaos-key``/``chaos-charter``/
+    ``chaos-state-dir``). Returns what :func:`run_simulation_app` returns.
+    """
+    app = Path(app_dir).resolve()
+    if not (app / "pyproject.toml").is_file():
+        raise ConfigError(f"app_dir: {app} has no pyproject.toml; pass the Flower app's folder")
+    if not node_configs:
+        raise ConfigError("node_configs: give at least one SuperNode's node config")
+    home = keep_home if keep_home is not None else Path(tempfile.mkdtemp(prefix="chaos-flwr-"))
+    home.mkdir(parents=True, exist_ok=True)
+    env = flower_env(home)
+    port = free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\n'
+        f'address = "127.0.0.1:{port}"\ninsecure = true\n',
+        encoding="utf-8",
+    )
+    config = dict(run_config or {})
+    results_path = Path(str(config.get("results-path") or home / "results.json"))
+    config["results-path"] = str(results_path)
+    bin_dir = Path(sys.executable).parent
+    started: list[subprocess.Popen[Any]] = []
+    pids: list[int] = []
+    logs = home / "logs"
+    logs.mkdir(exist_ok=True)
+
+    def spawn(cmd: list[str], log_name: str) -> subprocess.Popen[Any]:
+        with (logs / log_name).open("wb") as log_file:
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        started.append(proc)
+        return proc
+
+    try:
+        link = spawn(
+            [
+                str(bin_dir / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--database",
+                str(home / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+            "superlink.log",
+        )
+        _wait_health(port, link, startup_timeout_s, logs / "superlink.log")
+        for i, node_config in enumerate(node_configs):
+            spawn(
+                [
+                    str(bin_dir / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--port",
+                    str(free_port()),
+                    "--node-config",
+                    _node_config(node_config),
+                ],
+                f"supernode-{i}.log",
+            )
+        cmd = [
+            str(bin_dir / "flwr"),
+            "run",
+            str(app),
+            "deployment",
+            "--stream",
+            "--run-config",
+            " ".join(f"{k}={_toml_value(v)}" for k, v in config.items()),
+        ]
+        t0 = time.monotonic()
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        started.append(proc)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TransportError(
+                f"timeout_s: flwr run did not finish within {timeout_s:.0f} s on the deployment "
+                "engine; all its processes were stopped"
+            ) from None
+        wall = time.monotonic() - t0
+        results: dict[str, Any] = {}
+        if results_path.is_file():
+            results = json.loads(results_path.read_text("utf-8"))
+        return SimulationRun(proc.returncode, results, wall, out, pids)
+    finally:
+        for p in reversed(started):
+            pids.extend(stop_process_tree(p))
         if keep_home is None:
             shutil.rmtree(home, ignore_errors=True)
