@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_RUN_TIMEOUT_S
+from chaos_flwr.defaults import FLOWER_EXAMPLE_SUPERNODES, FLOWER_RUN_TIMEOUT_S
 from chaos_flwr.errors import TransportError
 from chaos_flwr.flower.runner import run_simulation_app
 
@@ -28,6 +28,7 @@ def measure_overhead(
     rounds: int = 10,
     *,
     app_dir: Path | None = None,
+    num_supernodes: int = FLOWER_EXAMPLE_SUPERNODES,
     timeout_s: float = FLOWER_RUN_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Run the example as plain FedAvg and as ChaosStrategy(FedAvg); return the figures.
@@ -35,11 +36,12 @@ def measure_overhead(
     Round 1 includes Ray's start-up, so the per-round figure is the median of rounds 2..N.
     """
     app = app_dir or example_dir()
-    out: dict[str, Any] = {"rounds": rounds}
+    out: dict[str, Any] = {"rounds": rounds, "supernodes": num_supernodes}
     for mode in ("fedavg", "chaos"):
         run = run_simulation_app(
             app,
             run_config={"mode": mode, "num-server-rounds": rounds, "chaos-unsigned": True},
+            num_supernodes=num_supernodes,
             timeout_s=timeout_s,
         )
         if run.returncode != 0 or not run.results:
