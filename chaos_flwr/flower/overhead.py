@@ -12,7 +12,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_EXAMPLE_SUPERNODES, FLOWER_RUN_TIMEOUT_S
+from chaos_flwr.defaults import (
+    FLOWER_EXAMPLE_SUPERNODES,
+    FLOWER_POLL_INTERVAL_S,
+    FLOWER_RUN_TIMEOUT_S,
+)
 from chaos_flwr.errors import TransportError
 from chaos_flwr.flower.runner import run_simulation_app
 
@@ -29,6 +33,7 @@ def measure_overhead(
     *,
     app_dir: Path | None = None,
     num_supernodes: int = FLOWER_EXAMPLE_SUPERNODES,
+    poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
     timeout_s: float = FLOWER_RUN_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Run the example as plain FedAvg and as ChaosStrategy(FedAvg); return the figures.
@@ -36,11 +41,20 @@ def measure_overhead(
     Round 1 includes Ray's start-up, so the per-round figure is the median of rounds 2..N.
     """
     app = app_dir or example_dir()
-    out: dict[str, Any] = {"rounds": rounds, "supernodes": num_supernodes}
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        "supernodes": num_supernodes,
+        "chaos_poll_interval_s": poll_interval_s,
+    }
     for mode in ("fedavg", "chaos"):
         run = run_simulation_app(
             app,
-            run_config={"mode": mode, "num-server-rounds": rounds, "chaos-unsigned": True},
+            run_config={
+                "mode": mode,
+                "num-server-rounds": rounds,
+                "chaos-unsigned": True,
+                "poll-interval-s": poll_interval_s,
+            },
             num_supernodes=num_supernodes,
             timeout_s=timeout_s,
         )

@@ -40,7 +40,11 @@ def _build_strategy(context: Context) -> Strategy:
     if mode == "chaos":
         from chaos_flwr.flower import ChaosStrategy
 
-        return ChaosStrategy(fedavg, phase_timeout_s=float(cfg["phase-timeout-s"]))
+        return ChaosStrategy(
+            fedavg,
+            phase_timeout_s=float(cfg["phase-timeout-s"]),
+            poll_interval_s=float(cfg["poll-interval-s"]),
+        )
     # (a signed federation also passes receipt_verifier=keyring_verifier(charter.keyring()))
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 
