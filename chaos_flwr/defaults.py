@@ -119,6 +119,8 @@ FLOWER_RESUME_MIN_RECEIPTS: int = 2
 FLOWER_RESUME_FETCH_FROM: int = 3
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
+#: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
+FLOWER_CHAOS_TTL_PHASES: float = 2.0
 
 # --- state / store / transfer ----------------------------------------------------------------
 #: Alignment of each array's data inside a serialised state, in bytes (zero-copy numpy views).

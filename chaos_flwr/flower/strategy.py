@@ -40,6 +40,7 @@ from flwr.supercore.run import Run
 from chaos_flwr.defaults import (
     FLOWER_CHAOS_MESSAGE_TYPE,
     FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_CHAOS_TTL_PHASES,
     FLOWER_PHASE_TIMEOUT_S,
     FLOWER_POLL_INTERVAL_S,
     FLOWER_RESUME_FETCH_FROM,
@@ -278,7 +279,14 @@ class ChaosStrategy(Strategy):
         content[FLOWER_CHAOS_RECORD_KEY] = server_record(
             self.relay.take(node), phase=phase, server_round=rnd, digest=digest
         )
-        return Message(content, dst_node_id=node, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        # a Chaos message outlives its phase only briefly: a dead node must not come back to a
+        # backlog of stale relay traffic queued at the SuperLink
+        return Message(
+            content,
+            dst_node_id=node,
+            message_type=FLOWER_CHAOS_MESSAGE_TYPE,
+            ttl=self.phase_timeout_s * FLOWER_CHAOS_TTL_PHASES,
+        )
 
     def _phase(
         self,
