@@ -43,7 +43,7 @@ from typing import Any
 
 from ..charter import Charter
 from ..defaults import EVENTS_BENCH_EVENT_TIMEOUT_S, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
-from ..errors import ConfigError
+from ..errors import ConfigError, TransportError
 from ..identity import Identity
 from ..membership import SignatureCache
 from ..peer import AppliedChange, Outgoing, Peer
@@ -103,6 +103,71 @@ class _MemoryCarrier:
 
     async def close(self) -> None:
         return None
+
+
+class _GrpcCarrier:
+    """Every peer gets its own :class:`~chaos_flwr.transport.grpc_carrier.GrpcCarrier` server
+    on 127.0.0.1; every envelope is one unary-stream call over a real HTTP/2 connection. All
+    servers and clients share this process's asyncio event loop."""
+
+    name = "grpc"
+
+    def __init__(self) -> None:
+        from ..transport.grpc_carrier import GrpcCarrier
+
+        self._factory = GrpcCarrier
+        self._carriers: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.deliver: Callable[[str, str, bytes], list[Outgoing]] = lambda s, d, b: []
+        self.dropped: set[str] = set()
+        self.errors = 0
+
+    async def start(self, party_ids: Iterable[str]) -> None:
+        for pid in party_ids:
+            carrier = self._factory(pid)
+            await carrier.start(self._handler_for(pid))
+            self._carriers[pid] = carrier
+        directory = {pid: c.address for pid, c in self._carriers.items()}
+        for carrier in self._carriers.values():
+            for pid, address in directory.items():
+                if pid != carrier.party_id:
+                    carrier.add_peer(pid, address)
+
+    def _handler_for(self, pid: str) -> Callable[[str, bytes], Any]:
+        async def handler(src: str, data: bytes) -> bytes:
+            if pid not in self.dropped and src not in self.dropped:
+                self._spawn(pid, self.deliver(src, pid, data))
+            return b""
+
+        return handler
+
+    def _spawn(self, src: str, outs: Iterable[Outgoing]) -> None:
+        if src in self.dropped:
+            return
+        for out in outs:
+            if out.to in self.dropped or out.to not in self._carriers:
+                continue
+            task = asyncio.get_running_loop().create_task(self._send(src, out))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, src: str, out: Outgoing) -> None:
+        try:
+            await self._carriers[src].send(out.to, out.data)
+        except TransportError:
+            self.errors += 1
+
+    async def send(self, src: str, outs: Iterable[Outgoing]) -> None:
+        self._spawn(src, list(outs))
+
+    async def settle(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.settle()
+        for carrier in self._carriers.values():
+            await carrier.close()
 
 
 @dataclass
@@ -341,9 +406,7 @@ def _make_carrier(kind: str) -> Any:
     if kind == "memory":
         return _MemoryCarrier()
     if kind == "grpc":
-        from ._grpc_host import GrpcBenchCarrier  # type: ignore[import-not-found, unused-ignore]
-
-        return GrpcBenchCarrier()
+        return _GrpcCarrier()
     raise ConfigError(f"option 'carrier' must be 'memory' or 'grpc', got {kind!r}")
 
 
