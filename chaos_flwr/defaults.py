@@ -41,6 +41,12 @@ WIRE_MAX_CLOCK_SKEW_S: float | None = None
 #: Oldest an envelope timestamp may be (before the receiver's ``now``), in seconds; ``None``
 #: turns the check off (the default: the sequence window already refuses replays).
 WIRE_MAX_AGE_S: float | None = None
+#: Approximate payload sizes ``chaos-flwr bench wire`` times, in bytes.
+WIRE_BENCH_PAYLOAD_BYTES: tuple[int, ...] = (64, 1024, 16 * 1024, 256 * 1024)
+#: Iterations per timed run of ``chaos-flwr bench wire``.
+WIRE_BENCH_REPEATS: int = 500
+#: Timed runs per figure of ``chaos-flwr bench wire`` (the median is reported).
+WIRE_BENCH_ROUNDS: int = 5
 
 # --- identity / charter ----------------------------------------------------------------------
 #: File mode of a private key file written by ``Identity.save`` / ``chaos-flwr keygen``.
@@ -93,6 +99,20 @@ EVENTS_BENCH_SEED: int = 20250513
 EVENTS_BENCH_REPEATS: int = 50
 #: Longest ``chaos-flwr bench events`` waits for one event to be applied everywhere, in seconds.
 EVENTS_BENCH_EVENT_TIMEOUT_S: float = 10.0
+#: Founders of the bench federation (the others join with one founder as sponsor).
+EVENTS_BENCH_FOUNDERS: int = 3
+#: Heartbeat interval of the bench charter, in seconds (the bench's virtual clock).
+EVENTS_BENCH_HEARTBEAT_S: float = 1.0
+#: Suspicion timeout of the bench charter, in seconds (the bench's virtual clock).
+EVENTS_BENCH_SUSPICION_S: float = 3.0
+#: Failure quorum of the bench charter.
+EVENTS_BENCH_FAILURE_QUORUM: int = 2
+#: Random extra links per peer on top of the bench's ring.
+EVENTS_BENCH_CHORDS_PER_PEER: int = 1
+#: Verified signatures a membership SignatureCache remembers before it starts afresh.
+MEMBERSHIP_SIGNATURE_CACHE_ENTRIES: int = 1 << 16
+#: Most deliveries one ``MemoryNetwork.run`` makes before it calls it a message storm.
+MEMORY_CARRIER_MAX_DELIVERIES: int = 10_000_000
 
 # --- flower ----------------------------------------------------------------------------------
 #: Longest a Chaos relay phase (one send_and_receive of ``query.chaos``) waits for replies.
@@ -143,3 +163,39 @@ TRANSFER_MIN_TIMEOUT_S: float = 2.0
 TRANSFER_RATE_EWMA_ALPHA: float = 0.5
 #: Uploads a donor serves at once; further shard requests wait in its queue.
 DONOR_MAX_CONCURRENT_UPLOADS: int = 4
+
+# --- transport / shaping / bench scale-out ---------------------------------------------------
+#: Largest message (request or reply) the grpc carrier sends or accepts, in bytes.
+TRANSPORT_MAX_MESSAGE_BYTES: int = 256 * 1024 * 1024
+#: Size of one streamed chunk of a grpc carrier reply, in bytes (the unit the shaper paces).
+TRANSPORT_CHUNK_BYTES: int = 256 * 1024
+#: Default bound on one grpc carrier request (connect + reply), in seconds.
+TRANSPORT_REQUEST_TIMEOUT_S: float = 60.0
+#: Longest the grpc carrier waits for a peer's channel to become ready, in seconds.
+TRANSPORT_CONNECT_TIMEOUT_S: float = 5.0
+#: Grace given to in-flight calls when a grpc carrier stops, in seconds.
+TRANSPORT_STOP_GRACE_S: float = 0.5
+#: Token-bucket depth of a shaped link, in bytes (how far a burst may run ahead of the rate).
+SHAPING_BURST_BYTES: int = 64 * 1024
+#: Largest WAN profile file ``load_profile`` reads, in bytes.
+SHAPING_MAX_PROFILE_BYTES: int = 1024 * 1024
+#: Default tbf bucket of a netns-shaped veth, in bytes.
+NETNS_TBF_BURST_BYTES: int = 32 * 1024
+#: Default tbf queue limit (bytes queued before drop) of a netns-shaped veth.
+NETNS_TBF_LIMIT_BYTES: int = 256 * 1024
+#: Longest one ``ip``/``tc`` command may take, in seconds.
+NETNS_COMMAND_TIMEOUT_S: float = 10.0
+#: Default state size of ``chaos-flwr bench scale-out``, in MiB.
+SCALE_OUT_STATE_MIB: int = 256
+#: Bandwidth of the storage link of the ``checkpoint`` method when the profile names none, MB/s.
+SCALE_OUT_STORAGE_MB_S: float = 20.0
+#: Runs per method whose median the scale-out benchmark reports.
+SCALE_OUT_RUNS: int = 3
+#: Longest one scale-out transfer may take before the benchmark gives up, in seconds.
+SCALE_OUT_TIMEOUT_S: float = 300.0
+#: Link speed of every donor in the donor-count sweep, in MB/s.
+SCALE_OUT_SWEEP_MB_S: float = 10.0
+#: Donor counts of the sweep.
+SCALE_OUT_SWEEP_DONORS: tuple[int, ...] = (2, 4, 8, 16)
+#: Longest a donor process may take to start and report its port, in seconds.
+SCALE_OUT_DONOR_STARTUP_S: float = 30.0

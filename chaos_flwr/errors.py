@@ -15,6 +15,7 @@ __all__ = [
     "EncodeError",
     "EquivocationError",
     "KeyFileError",
+    "NetnsError",
     "OversizeError",
     "PlanError",
     "PolicyError",
@@ -104,3 +105,7 @@ class ConfigError(ChaosError, ValueError):
 
 class EncodeError(ChaosError, ValueError):
     """A value cannot be sealed or encoded (the message names the field and the limit)."""
+
+
+class NetnsError(TransportError):
+    """Network namespaces or tc shaping cannot be set up (not root, ``ip``/``tc`` missing, ...)."""

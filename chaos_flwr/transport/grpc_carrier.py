@@ -1,0 +1,241 @@
+"""Direct peer links over ``grpc.aio``: bytes in, bytes out, one server per party on 127.0.0.1.
+
+No protobuf schema: one generic unary-stream method (``/chaos.Carrier/Call``) with identity
+(de)serialisers carries the request bytes in and streams the reply back in chunks of
+``TRANSPORT_CHUNK_BYTES`` (streaming keeps each HTTP/2 message small, lets a shaper pace the
+reply chunk by chunk, and lets a cancelled request stop the sender). Messages up to
+``TRANSPORT_MAX_MESSAGE_BYTES`` pass.
+
+Peers are found in a *directory* (party id -> ``host:port``). The sender's party id travels in
+the ``chaos-from`` metadata key; it is a claim, not an authentication: the layers above sign
+their envelopes and verify them before trusting anything.
+
+Delivery is at most once, never retried (see :mod:`chaos_flwr.transport.base`). A peer that is
+unknown, not listening, stopped, too slow, or whose handler raised gives
+:class:`~chaos_flwr.errors.TransportError`.
+
+With a :class:`~chaos_flwr.transport.shaping.Shaper`, every request waits out the one-way delay
+and the sender's uplink; every reply waits out the one-way delay once and then each chunk passes
+the replying party's uplink (and pair cap) and the receiving party's downlink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..defaults import (
+    TRANSPORT_CHUNK_BYTES,
+    TRANSPORT_MAX_MESSAGE_BYTES,
+    TRANSPORT_REQUEST_TIMEOUT_S,
+    TRANSPORT_STOP_GRACE_S,
+)
+from ..errors import ConfigError, TransportError
+from .base import Carrier, Handler
+from .shaping import Shaper
+
+__all__ = ["GrpcCarrier", "grpc_options"]
+
+_SERVICE = "chaos.Carrier"
+_METHOD = f"/{_SERVICE}/Call"
+_FROM_KEY = "chaos-from"
+_log = logging.getLogger(__name__)
+
+
+def grpc_options(max_message_bytes: int = TRANSPORT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Channel and server options: large messages, no proxy, keepalive off."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+class GrpcCarrier(Carrier):
+    """A party's grpc.aio carrier.
+
+    Parameters
+    ----------
+    party_id : str
+        This party's id (sent as ``chaos-from``).
+    directory : Mapping[str, str], optional
+        Party id -> ``host:port`` of the peers' carriers (more can be added with
+        :meth:`add_peer`).
+    port : int, optional
+        Port to listen on at 127.0.0.1 (0 picks a free one; see :attr:`address`).
+    shaper : Shaper or None, optional
+        Paces this party's links (see the module docstring).
+    chunk_bytes : int, optional
+        Size of streamed reply chunks.
+    max_message_bytes : int, optional
+        Largest request or reply.
+    request_timeout_s : float, optional
+        Default bound of one :meth:`request`.
+    """
+
+    def __init__(
+        self,
+        party_id: str,
+        directory: Mapping[str, str] | None = None,
+        *,
+        port: int = 0,
+        shaper: Shaper | None = None,
+        chunk_bytes: int = TRANSPORT_CHUNK_BYTES,
+        max_message_bytes: int = TRANSPORT_MAX_MESSAGE_BYTES,
+        request_timeout_s: float = TRANSPORT_REQUEST_TIMEOUT_S,
+    ) -> None:
+        if not party_id:
+            raise ConfigError("party_id: a carrier needs a non-empty party id")
+        if chunk_bytes < 1:
+            raise ConfigError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
+        self.party_id = party_id
+        self.directory: dict[str, str] = dict(directory or {})
+        self.shaper = shaper
+        self._port = port
+        self._chunk = chunk_bytes
+        self._max = max_message_bytes
+        self._timeout = request_timeout_s
+        self._server: grpc.aio.Server | None = None
+        self._handler: Handler | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.address: str | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def add_peer(self, party_id: str, address: str) -> None:
+        """Add or replace ``party_id``'s address (closes a stale channel to it)."""
+        if self.directory.get(party_id) != address:
+            old = self._channels.pop(party_id, None)
+            if old is not None:
+                asyncio.get_running_loop().create_task(old.close())
+        self.directory[party_id] = address
+
+    # --- serving -----------------------------------------------------------------------------
+
+    async def start(self, handler: Handler) -> None:
+        """Listen on 127.0.0.1 and serve ``handler``; sets :attr:`address`.
+
+        Raises
+        ------
+        TransportError
+            If the port cannot be bound.
+        """
+        if self._server is not None:
+            raise TransportError(f"carrier {self.party_id!r} is already started")
+        self._handler = handler
+        server = grpc.aio.server(options=grpc_options(self._max))
+        rpc = grpc.unary_stream_rpc_method_handler(
+            self._serve, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(_SERVICE, {"Call": rpc}),)
+        )
+        try:
+            port = server.add_insecure_port(f"127.0.0.1:{self._port}")
+        except RuntimeError as err:
+            raise TransportError(
+                f"port: cannot listen on 127.0.0.1:{self._port} ({err}); pick a free port"
+            ) from None
+        if port == 0:
+            raise TransportError(f"port: cannot listen on 127.0.0.1:{self._port}; pick a free port")
+        await server.start()
+        self._server = server
+        self.address = f"127.0.0.1:{port}"
+
+    async def _serve(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        meta = dict(context.invocation_metadata() or ())
+        src = meta.get(_FROM_KEY)
+        if not isinstance(src, str) or not src:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"missing {_FROM_KEY} metadata")
+            return
+        assert self._handler is not None
+        self.bytes_received += len(request)
+        if self.shaper is not None:
+            await self.shaper.pace_recv(len(request))
+        try:
+            reply = await self._handler(src, request)
+        except Exception as err:  # the peer sees a TransportError naming the cause
+            _log.debug("handler failed for a request from %s", src, exc_info=True)
+            await context.abort(grpc.StatusCode.INTERNAL, f"handler failed: {err!r}")
+            return
+        view = memoryview(reply)
+        if self.shaper is not None:
+            await asyncio.sleep(self.shaper.delay_to(src))
+        for start in range(0, len(view), self._chunk):
+            chunk = bytes(view[start : start + self._chunk])
+            if self.shaper is not None:
+                await self.shaper.pace_send(src, len(chunk))
+            self.bytes_sent += len(chunk)
+            yield chunk
+
+    # --- calling -----------------------------------------------------------------------------
+
+    def _channel(self, dst: str) -> grpc.aio.Channel:
+        channel = self._channels.get(dst)
+        if channel is None:
+            address = self.directory.get(dst)
+            if address is None:
+                raise TransportError(
+                    f"peer {dst!r} is not in {self.party_id!r}'s directory; add its address"
+                )
+            channel = grpc.aio.insecure_channel(address, options=grpc_options(self._max))
+            self._channels[dst] = channel
+        return channel
+
+    async def request(self, dst: str, data: bytes, *, timeout: float | None = None) -> bytes:
+        """Send ``data`` to ``dst`` and return the reply (see :class:`Carrier`).
+
+        Raises
+        ------
+        TransportError
+            Unknown or unreachable peer, timeout, oversize message, or remote handler failure.
+        """
+        if len(data) > self._max:
+            raise TransportError(
+                f"request to {dst!r} is {len(data)} bytes, above max_message_bytes ({self._max})"
+            )
+        channel = self._channel(dst)
+        call_timeout = self._timeout if timeout is None else timeout
+        if self.shaper is not None:
+            await asyncio.sleep(self.shaper.delay_to(dst))
+            await self.shaper.pace_send(dst, len(data))
+        stub = channel.unary_stream(
+            _METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        parts: list[bytes] = []
+        try:
+            call = stub(data, metadata=((_FROM_KEY, self.party_id),), timeout=call_timeout)
+            self.bytes_sent += len(data)
+            async for chunk in call:
+                if self.shaper is not None:
+                    await self.shaper.pace_recv(len(chunk))
+                parts.append(chunk)
+        except grpc.aio.AioRpcError as err:
+            raise TransportError(
+                f"request from {self.party_id!r} to peer {dst!r} at {self.directory.get(dst)} "
+                f"failed: {err.code().name} ({err.details()})"
+            ) from None
+        reply = b"".join(parts)
+        self.bytes_received += len(reply)
+        return reply
+
+    async def close(self) -> None:
+        """Stop the server (short grace for in-flight calls) and close all channels."""
+        server, self._server = self._server, None
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+        if server is not None:
+            await server.stop(TRANSPORT_STOP_GRACE_S)
