@@ -50,7 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec
-from .errors import DecodeError, PolicyError, SignatureError, UnknownPartyError
+from .defaults import MEMBERSHIP_SIGNATURE_CACHE_ENTRIES
+from .errors import DecodeError, PolicyError, UnknownPartyError
+from .identity import verify_signature
 
 __all__ = [
     "KINDS",
@@ -157,39 +159,23 @@ class SignatureCache:
         Entries kept; the cache is cleared when it grows past this.
     """
 
-    def __init__(self, max_entries: int = 1 << 16) -> None:
+    def __init__(self, max_entries: int = MEMBERSHIP_SIGNATURE_CACHE_ENTRIES) -> None:
         self._seen: set[tuple[bytes, bytes, bytes]] = set()
         self._max = max_entries
-        self._keys: dict[bytes, Any] = {}
 
     def verify(self, public_key: bytes, signature: bytes, data: bytes) -> None:
-        """Verify ``signature`` over ``data`` under ``public_key``.
+        """Verify ``signature`` over ``data`` under ``public_key`` (once per cache).
 
         Raises
         ------
         SignatureError
-            If the key or signature is malformed or the signature does not verify.
+            If the key or signature is malformed or the signature does not verify
+            (:func:`chaos_flwr.identity.verify_signature`); failures are never cached.
         """
-        digest = hashlib.sha256(data).digest()
-        entry = (public_key, signature, digest)
+        entry = (public_key, signature, hashlib.sha256(data).digest())
         if entry in self._seen:
             return
-        from cryptography.exceptions import InvalidSignature
-        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-        key = self._keys.get(public_key)
-        if key is None:
-            try:
-                key = Ed25519PublicKey.from_public_bytes(public_key)
-            except ValueError as exc:
-                raise SignatureError("public key is not a raw 32-byte Ed25519 key") from exc
-            self._keys[public_key] = key
-        if len(signature) != 64:
-            raise SignatureError(f"signature is {len(signature)} bytes, an Ed25519 one is 64")
-        try:
-            key.verify(signature, data)
-        except InvalidSignature as exc:
-            raise SignatureError("signature does not verify under the signer's key") from exc
+        verify_signature(public_key, signature, data)
         if len(self._seen) >= self._max:
             self._seen.clear()
         self._seen.add(entry)

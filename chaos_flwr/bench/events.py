@@ -42,7 +42,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..charter import Charter
-from ..defaults import EVENTS_BENCH_EVENT_TIMEOUT_S, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
+from ..defaults import (
+    EVENTS_BENCH_CHORDS_PER_PEER,
+    EVENTS_BENCH_EVENT_TIMEOUT_S,
+    EVENTS_BENCH_FAILURE_QUORUM,
+    EVENTS_BENCH_FOUNDERS,
+    EVENTS_BENCH_HEARTBEAT_S,
+    EVENTS_BENCH_REPEATS,
+    EVENTS_BENCH_SEED,
+    EVENTS_BENCH_SUSPICION_S,
+)
 from ..errors import ConfigError, TransportError
 from ..identity import Identity
 from ..membership import SignatureCache
@@ -50,11 +59,11 @@ from ..peer import AppliedChange, Outgoing, Peer
 
 __all__ = ["run_events"]
 
-_FOUNDERS = 3
-_HEARTBEAT_S = 1.0
-_SUSPICION_S = 3.0
-_QUORUM = 2
-_CHORDS_PER_PEER = 1
+_FOUNDERS = EVENTS_BENCH_FOUNDERS
+_HEARTBEAT_S = EVENTS_BENCH_HEARTBEAT_S
+_SUSPICION_S = EVENTS_BENCH_SUSPICION_S
+_QUORUM = EVENTS_BENCH_FAILURE_QUORUM
+_CHORDS_PER_PEER = EVENTS_BENCH_CHORDS_PER_PEER
 
 
 def _bench_charter(founders: list[Identity], others: list[Identity]) -> Charter:

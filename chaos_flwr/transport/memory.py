@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+from ..defaults import MEMORY_CARRIER_MAX_DELIVERIES
 from ..errors import ConfigError, TransportError
 
 __all__ = ["Endpoint", "MemoryNetwork"]
@@ -70,7 +71,7 @@ class MemoryNetwork:
         seed: int = 0,
         drop: float = 0.0,
         duplicate: float = 0.0,
-        max_deliveries: int = 10_000_000,
+        max_deliveries: int = MEMORY_CARRIER_MAX_DELIVERIES,
     ) -> None:
         for name, value in (("drop", drop), ("duplicate", duplicate)):
             if not 0.0 <= value < 1.0:
