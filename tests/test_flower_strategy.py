@@ -19,6 +19,7 @@ from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
 from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
+from chaos_flwr.store import ReplicaStore
 
 
 @pytest.fixture(autouse=True)
@@ -334,3 +335,37 @@ def test_without_a_verifier_unsigned_receipts_are_never_resumed_from() -> None:
     again = ChaosStrategy(FedAvg(min_available_nodes=3), clock=clock, sleep=clock.sleep)
     res = again.start(grid, _initial(), num_rounds=1, timeout=60)
     assert sorted(res.train_metrics_clientapp) == [1]
+
+
+def test_parties_restarted_with_their_disks_let_a_new_server_resume(tmp_path: Path) -> None:
+    keys = {f"p{1001 + i}": _keypair() for i in range(4)}
+    verifier = keyring_verifier({p: pk for p, (_, pk) in keys.items()})
+    made: dict[int, Party] = {}
+
+    def factory(ctx: Context) -> Party:  # what default_party_factory does with chaos-state-dir
+        pid = f"p{ctx.node_id}"
+        party = Party(party_id=pid, signer=keys[pid][0].sign, store=ReplicaStore(tmp_path / pid))
+        party.restore()
+        made[ctx.node_id] = party
+        return party
+
+    clock = VClock()
+    first = _fresh(verifier, clock).start(
+        _grid(True, n=4, clock=clock, factory=factory), _initial(), num_rounds=2, timeout=60
+    )
+    assert ReplicaStore(tmp_path / "p1001").rounds() == [0, 1, 2]
+    # one party's disk is damaged while everything is down
+    victim = ReplicaStore(tmp_path / "p1002").path_of(2)
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    made.clear()
+    grid = _grid(True, n=4, clock=clock, factory=factory)  # every process starts afresh
+    again = _fresh(verifier, clock)
+    res = again.start(grid, _initial(), num_rounds=2, timeout=60)
+    hello = again.rounds[0]
+    assert hello.server_round == 2
+    assert hello.holders == ["p1001", "p1003", "p1004"]  # p1002's replica failed its check
+    assert made[1002].held_round == -1 and made[1002].errors
+    for key, arr in _arrays(first.arrays).items():
+        np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)

@@ -18,7 +18,6 @@ names it.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +29,10 @@ from flwr.clientapp import ClientApp
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY
-from chaos_flwr.errors import ChaosError, ConfigError
+from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
+from chaos_flwr.state import TrainingState, from_array_record, to_array_record
+from chaos_flwr.store import ReplicaStore
 
 __all__ = [
     "NODE_CHARTER",
@@ -40,7 +41,7 @@ __all__ = [
     "RUN_UNSIGNED",
     "Party",
     "PartySettings",
-    "arrays_digest",
+    "certified_digest",
     "enable",
     "party_settings",
     "receipt_bytes",
@@ -57,20 +58,13 @@ NODE_STATE_DIR = "chaos-state-dir"
 RUN_UNSIGNED = "chaos-unsigned"
 
 
-def arrays_digest(arrays: ArrayRecord) -> bytes:
-    """SHA-256 of the canonical encoding of an ArrayRecord (names, dtypes, shapes, bytes).
+def certified_digest(arrays: ArrayRecord, server_round: int) -> bytes:
+    """Digest of the training state ``(arrays, server_round)``, as receipts certify it.
 
-    Server and parties compute it the same way from the arrays they hold.
+    It is :meth:`chaos_flwr.state.TrainingState.digest` of the state built from the
+    ArrayRecord, so receipts, replica files and shard manifests name the same digest.
     """
-    items: dict[str, Any] = {}
-    for name, arr in arrays.items():
-        nd = arr.numpy()
-        items[name] = {
-            "dtype": str(nd.dtype.str),
-            "shape": [int(s) for s in nd.shape],
-            "data": nd.tobytes(order="C"),
-        }
-    return hashlib.sha256(codec.encode({"arrays": items})).digest()
+    return from_array_record(arrays, round=server_round).digest()
 
 
 def receipt_bytes(party: str, server_round: int, digest: bytes) -> bytes:
@@ -157,6 +151,9 @@ class Party:
         receipt blob), and a verifying server does not count them.
     clock:
         Wall clock handed to the peer as ``now``.
+    store:
+        The party's replica store: every certified state is written there (with the party's
+        signed receipt as its certificate) and :meth:`restore` takes it up after a restart.
     """
 
     party_id: str
@@ -168,6 +165,42 @@ class Party:
     held_arrays: ArrayRecord | None = None
     errors: list[str] = field(default_factory=list)
     pending: list[OutgoingLike] = field(default_factory=list)
+    store: ReplicaStore | None = None
+
+    def _receipt(self) -> bytes:
+        if self.signer is None or self.held_round < 0:
+            return b""
+        return self.signer(receipt_bytes(self.party_id, self.held_round, self.held_digest))
+
+    def _hold(self, state: TrainingState, arrays: ArrayRecord) -> None:
+        self.held_round = state.round
+        self.held_digest = state.digest()
+        self.held_arrays = arrays
+        if self.store is not None:
+            try:
+                self.store.put(state, certificate=self._receipt())
+            except StoreError as exc:  # the replica stays in memory only; say so
+                self.errors.append(f"StoreError: {exc}")
+
+    def restore(self) -> bool:
+        """Take up the newest replica of the party's store (a restart with its disk).
+
+        Returns whether a replica was found and verified. A corrupt replica is noted in
+        :attr:`errors` and ignored: the party then holds nothing and rejoins as a joiner.
+        """
+        if self.store is None:
+            return False
+        try:
+            state = self.store.latest()
+        except StoreError as exc:
+            self.errors.append(f"StoreError: {exc}")
+            return False
+        if state is None:
+            return False
+        self.held_round = state.round
+        self.held_digest = state.digest()
+        self.held_arrays = to_array_record(state)
+        return True
 
     def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
         """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
@@ -184,13 +217,9 @@ class Party:
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") == "certify" and arrays is not None:
             rnd = record.get("round", -1)
-            if isinstance(rnd, int) and not isinstance(rnd, bool):
-                self.held_round = rnd
-                self.held_digest = arrays_digest(arrays)
-                self.held_arrays = arrays
-        receipt = b""
-        if self.signer is not None and self.held_round >= 0:
-            receipt = self.signer(receipt_bytes(self.party_id, self.held_round, self.held_digest))
+            if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
+                self._hold(from_array_record(arrays, round=rnd), arrays)
+        receipt = self._receipt()
         return party_record(
             self.party_id,
             outgoing,
@@ -217,14 +246,18 @@ def default_party_factory(context: Context) -> Party:
     a :class:`~chaos_flwr.errors.ConfigError` says which (nothing falls back to unsigned).
     """
     settings = party_settings(context)
+    store = ReplicaStore(settings.state_dir / "replicas") if settings.state_dir else None
     if settings.unsigned:
-        return Party(party_id=f"unsigned-{context.node_id}")
+        party = Party(party_id=f"unsigned-{context.node_id}", store=store)
+        party.restore()
+        return party
     assert settings.key_path is not None and settings.charter_path is not None
     from chaos_flwr.identity import Identity
 
     ident = Identity.load(settings.key_path)
     peer, out = _build_peer(ident, settings)
-    party = Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign)
+    party = Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign, store=store)
+    party.restore()
     party.pending.extend(out)
     return party
 

@@ -47,7 +47,7 @@ from chaos_flwr.defaults import (
     FLOWER_RESUME_MIN_RECEIPTS,
 )
 from chaos_flwr.errors import DecodeError
-from chaos_flwr.flower.client import arrays_digest, receipt_bytes
+from chaos_flwr.flower.client import certified_digest, receipt_bytes
 from chaos_flwr.flower.relay import Relay, exchange, server_record, split_chaos, with_chaos
 
 __all__ = ["ChaosStrategy", "ReceiptVerifier", "RoundLog", "keyring_verifier"]
@@ -394,7 +394,7 @@ class ChaosStrategy(Strategy):
             if res0 is not None:
                 result.evaluate_metrics_serverapp[0] = res0
         arrays = initial_arrays
-        digest = arrays_digest(arrays)
+        digest = certified_digest(arrays, 0)
 
         known = self._wait_for_nodes(grid, timeout)
         resumed = self._resume(grid, known, timeout) if self.resume else None
@@ -443,7 +443,7 @@ class ChaosStrategy(Strategy):
                     result.arrays = agg_arrays
                 if agg_metrics is not None:
                     result.train_metrics_clientapp[rnd] = agg_metrics
-            digest = arrays_digest(arrays)
+            digest = certified_digest(arrays, rnd)
             rlog.digest = digest
 
             # certify + evaluate: the new state goes to every live node, receipts come back
@@ -521,7 +521,7 @@ class ChaosStrategy(Strategy):
                 split_chaos(reply)
                 got = reply.content.array_records
                 arrays = next(iter(got.values()), None)
-                if arrays is not None and arrays_digest(arrays) == dig:
+                if arrays is not None and certified_digest(arrays, rnd) == dig:
                     hello.server_round = rnd
                     hello.digest = dig
                     hello.holders = sorted(self.holders[n][0] for n in nodes)
