@@ -35,9 +35,19 @@ _MAP = 0x08
 _I64 = struct.Struct(">q")
 _F64 = struct.Struct(">d")
 _U32 = struct.Struct(">I")
+_TAG_I64 = struct.Struct(">Bq").pack
+_TAG_F64 = struct.Struct(">Bd").pack
+_TAG_LEN = struct.Struct(">BI").pack
+_unpack_i64 = _I64.unpack_from
+_unpack_f64 = _F64.unpack_from
+_unpack_u32 = _U32.unpack_from
 _INT_MIN = -(2**63)
 _INT_MAX = 2**63 - 1
 _LEN_MAX = 2**32 - 1
+#: Map keys repeat a lot (field names): their encodings and decodings are memoised.
+_KEY_CACHE_MAX = 4096
+_enc_keys: dict[str, tuple[bytes, bytes]] = {}
+_dec_keys: dict[bytes, str] = {}
 
 
 def encode(value: Any) -> bytes:
@@ -65,58 +75,94 @@ def encode(value: Any) -> bytes:
     return bytes(out)
 
 
+def _key_parts(key: str) -> tuple[bytes, bytes]:
+    """(raw UTF-8 bytes, full encoding) of a map key, memoised."""
+    parts = _enc_keys.get(key)
+    if parts is None:
+        if not isinstance(key, str):
+            raise TypeError(f"map keys must be str, got {type(key).__name__}")
+        raw = key.encode("utf-8")
+        if len(raw) > _LEN_MAX:
+            raise ValueError(f"length {len(raw)} exceeds the 32-bit limit")
+        parts = (raw, _TAG_LEN(_STR, len(raw)) + raw)
+        if type(key) is str:
+            if len(_enc_keys) >= _KEY_CACHE_MAX:
+                _enc_keys.clear()
+            _enc_keys[key] = parts
+    return parts
+
+
 def _encode_into(out: bytearray, value: Any, depth: int) -> None:
     if depth > CODEC_MAX_DEPTH:
         raise ValueError(f"value nests deeper than {CODEC_MAX_DEPTH} levels")
-    if value is None:
+    kind = type(value)
+    # Fast paths for the exact built-in types; subclasses take the general path below.
+    if kind is str:
+        raw = value.encode("utf-8")
+        if len(raw) > _LEN_MAX:
+            raise ValueError(f"length {len(raw)} exceeds the 32-bit limit")
+        out += _TAG_LEN(_STR, len(raw))
+        out += raw
+    elif kind is int:
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise ValueError(f"integer {value} does not fit in a signed 64-bit field")
+        out += _TAG_I64(_INT, value)
+    elif kind is dict:
+        if len(value) > _LEN_MAX:
+            raise ValueError(f"length {len(value)} exceeds the 32-bit limit")
+        items = [(_key_parts(k), v) for k, v in value.items()]
+        items.sort(key=lambda kv: kv[0][0])
+        out += _TAG_LEN(_MAP, len(items))
+        inner = depth + 1
+        for (_, key_enc), item in items:
+            out += key_enc
+            _encode_into(out, item, inner)
+    elif kind is list or kind is tuple:
+        if len(value) > _LEN_MAX:
+            raise ValueError(f"length {len(value)} exceeds the 32-bit limit")
+        out += _TAG_LEN(_LIST, len(value))
+        inner = depth + 1
+        for item in value:
+            _encode_into(out, item, inner)
+    elif kind is bytes:
+        if len(value) > _LEN_MAX:
+            raise ValueError(f"length {len(value)} exceeds the 32-bit limit")
+        out += _TAG_LEN(_BYTES, len(value))
+        out += value
+    elif value is None:
         out.append(_NONE)
     elif value is True:
         out.append(_TRUE)
     elif value is False:
         out.append(_FALSE)
-    elif isinstance(value, int):
-        if not _INT_MIN <= value <= _INT_MAX:
-            raise ValueError(f"integer {value} does not fit in a signed 64-bit field")
-        out.append(_INT)
-        out += _I64.pack(value)
+    elif kind is float:
+        if value != value:
+            raise ValueError("NaN has no canonical encoding")
+        out += _TAG_F64(_FLOAT, value)
+    else:
+        _encode_general(out, value, depth)
+
+
+def _encode_general(out: bytearray, value: Any, depth: int) -> None:
+    if isinstance(value, int):
+        _encode_into(out, int(value), depth)
     elif isinstance(value, float):
         if math.isnan(value):
             raise ValueError("NaN has no canonical encoding")
-        out.append(_FLOAT)
-        out += _F64.pack(value)
+        out += _TAG_F64(_FLOAT, float(value))
     elif isinstance(value, str):
-        raw = value.encode("utf-8")
-        _put_len(out, _STR, len(raw))
-        out += raw
+        _encode_into(out, str(value), depth)
     elif isinstance(value, bytes | bytearray | memoryview):
-        raw_b = bytes(value)
-        _put_len(out, _BYTES, len(raw_b))
-        out += raw_b
+        _encode_into(out, bytes(value), depth)
     elif isinstance(value, Mapping):
-        items = []
-        for key, item in value.items():
+        for key in value:
             if not isinstance(key, str):
                 raise TypeError(f"map keys must be str, got {type(key).__name__}")
-            items.append((key.encode("utf-8"), item))
-        items.sort(key=lambda kv: kv[0])
-        _put_len(out, _MAP, len(items))
-        for key_raw, item in items:
-            _put_len(out, _STR, len(key_raw))
-            out += key_raw
-            _encode_into(out, item, depth + 1)
+        _encode_into(out, {str(k): v for k, v in value.items()}, depth)
     elif isinstance(value, Sequence):
-        _put_len(out, _LIST, len(value))
-        for item in value:
-            _encode_into(out, item, depth + 1)
+        _encode_into(out, list(value), depth)
     else:
         raise TypeError(f"cannot encode a value of type {type(value).__name__}")
-
-
-def _put_len(out: bytearray, tag: int, n: int) -> None:
-    if n > _LEN_MAX:
-        raise ValueError(f"length {n} exceeds the 32-bit limit")
-    out.append(tag)
-    out += _U32.pack(n)
 
 
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None) -> Any:
@@ -141,82 +187,98 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None
     DecodeError
         If the bytes are truncated, malformed, not canonical, or have trailing bytes.
     """
-    view = memoryview(data)
-    if max_bytes is not None and len(view) > max_bytes:
-        raise OversizeError(f"input is {len(view)} bytes, the limit is {max_bytes}")
-    value, pos = _decode_at(view, 0, 0)
-    if pos != len(view):
-        raise DecodeError(f"{len(view) - pos} trailing bytes after the encoded value")
+    if max_bytes is not None and len(data) > max_bytes:
+        raise OversizeError(f"input is {len(data)} bytes, the limit is {max_bytes}")
+    raw = data if type(data) is bytes else bytes(data)
+    value, pos = _decode_at(raw, 0, 0)
+    if pos != len(raw):
+        raise DecodeError(f"{len(raw) - pos} trailing bytes after the encoded value")
     return value
 
 
-def _need(view: memoryview, pos: int, n: int) -> None:
-    if pos + n > len(view):
-        have = len(view) - pos
-        raise DecodeError(f"truncated input: need {n} bytes at offset {pos}, have {have}")
+def _truncated(data: bytes, pos: int, n: int) -> DecodeError:
+    have = len(data) - pos
+    return DecodeError(f"truncated input: need {n} bytes at offset {pos}, have {have}")
 
 
-def _decode_at(view: memoryview, pos: int, depth: int) -> tuple[Any, int]:
+def _decode_at(data: bytes, pos: int, depth: int) -> tuple[Any, int]:
     if depth > CODEC_MAX_DEPTH:
         raise DecodeError(f"input nests deeper than {CODEC_MAX_DEPTH} levels")
-    _need(view, pos, 1)
-    tag = view[pos]
+    size = len(data)
+    if pos >= size:
+        raise _truncated(data, pos, 1)
+    tag = data[pos]
     pos += 1
+    if tag == _INT:
+        if pos + 8 > size:
+            raise _truncated(data, pos, 8)
+        return _unpack_i64(data, pos)[0], pos + 8
+    if tag in _SIZED:
+        if pos + 4 > size:
+            raise _truncated(data, pos, 4)
+        n = _unpack_u32(data, pos)[0]
+        pos += 4
+        # Every element takes at least one byte: a count past the end is malformed.
+        end = pos + n
+        if end > size:
+            raise _truncated(data, pos, n)
+        if tag == _STR:
+            return _utf8(data, pos, end), end
+        if tag == _BYTES:
+            return data[pos:end], end
+        inner = depth + 1
+        if tag == _LIST:
+            items: list[Any] = []
+            append = items.append
+            for _ in range(n):
+                item, pos = _decode_at(data, pos, inner)
+                append(item)
+            return items, pos
+        result: dict[str, Any] = {}
+        previous = b""
+        for i in range(n):
+            if pos + 5 > size:
+                raise _truncated(data, pos, 5)
+            if data[pos] != _STR:
+                raise DecodeError(f"map key at offset {pos} is not a string")
+            klen = _unpack_u32(data, pos + 1)[0]
+            pos += 5
+            kend = pos + klen
+            if kend > size:
+                raise _truncated(data, pos, klen)
+            key_raw = data[pos:kend]
+            if i and key_raw <= previous:
+                raise DecodeError(f"map keys not in strictly increasing order at offset {pos}")
+            previous = key_raw
+            key = _dec_keys.get(key_raw)
+            if key is None:
+                key = _utf8(data, pos, kend)
+                if len(_dec_keys) >= _KEY_CACHE_MAX:
+                    _dec_keys.clear()
+                _dec_keys[key_raw] = key
+            result[key], pos = _decode_at(data, kend, inner)
+        return result, pos
     if tag == _NONE:
         return None, pos
     if tag == _FALSE:
         return False, pos
     if tag == _TRUE:
         return True, pos
-    if tag == _INT:
-        _need(view, pos, 8)
-        return _I64.unpack_from(view, pos)[0], pos + 8
     if tag == _FLOAT:
-        _need(view, pos, 8)
-        number = _F64.unpack_from(view, pos)[0]
-        if math.isnan(number):
+        if pos + 8 > size:
+            raise _truncated(data, pos, 8)
+        number = _unpack_f64(data, pos)[0]
+        if number != number:
             raise DecodeError("NaN is not a canonical float")
         return number, pos + 8
-    if tag in (_STR, _BYTES, _LIST, _MAP):
-        _need(view, pos, 4)
-        n = _U32.unpack_from(view, pos)[0]
-        pos += 4
-        if tag == _STR:
-            _need(view, pos, n)
-            return _utf8(view[pos : pos + n], pos), pos + n
-        if tag == _BYTES:
-            _need(view, pos, n)
-            return bytes(view[pos : pos + n]), pos + n
-        # Every element takes at least one byte: a count past the end is malformed.
-        _need(view, pos, n)
-        if tag == _LIST:
-            items = []
-            for _ in range(n):
-                item, pos = _decode_at(view, pos, depth + 1)
-                items.append(item)
-            return items, pos
-        result: dict[str, Any] = {}
-        previous: bytes | None = None
-        for _ in range(n):
-            _need(view, pos, 5)
-            if view[pos] != _STR:
-                raise DecodeError(f"map key at offset {pos} is not a string")
-            klen = _U32.unpack_from(view, pos + 1)[0]
-            pos += 5
-            _need(view, pos, klen)
-            key_raw = bytes(view[pos : pos + klen])
-            if previous is not None and key_raw <= previous:
-                raise DecodeError(f"map keys not in strictly increasing order at offset {pos}")
-            previous = key_raw
-            key = _utf8(memoryview(key_raw), pos)
-            pos += klen
-            result[key], pos = _decode_at(view, pos, depth + 1)
-        return result, pos
     raise DecodeError(f"unknown type tag 0x{tag:02x} at offset {pos - 1}")
 
 
-def _utf8(raw: memoryview, pos: int) -> str:
+_SIZED = frozenset({_STR, _BYTES, _LIST, _MAP})
+
+
+def _utf8(data: bytes, start: int, end: int) -> str:
     try:
-        return bytes(raw).decode("utf-8")
+        return data[start:end].decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DecodeError(f"invalid UTF-8 in string at offset {pos}") from exc
+        raise DecodeError(f"invalid UTF-8 in string at offset {start}") from exc

@@ -83,6 +83,56 @@ def test_roundtrip_and_reencode_identical(value: Any) -> None:
     assert codec.encode(back) == data
 
 
+def _reference(value: Any) -> bytes:
+    """A deliberately naive encoder written from the format (tag, big-endian fields, sorted
+    keys); the optimised codec must produce the same bytes."""
+    if value is None:
+        return b"\x00"
+    if isinstance(value, bool):
+        return b"\x02" if value else b"\x01"
+    if isinstance(value, int):
+        return b"\x03" + value.to_bytes(8, "big", signed=True)
+    if isinstance(value, float):
+        return b"\x04" + struct.pack(">d", value)
+    if isinstance(value, str):
+        raw = value.encode("utf-8")
+        return b"\x05" + len(raw).to_bytes(4, "big") + raw
+    if isinstance(value, bytes):
+        return b"\x06" + len(value).to_bytes(4, "big") + value
+    if isinstance(value, list):
+        return b"\x07" + len(value).to_bytes(4, "big") + b"".join(_reference(v) for v in value)
+    assert isinstance(value, dict)
+    entries = sorted((k.encode("utf-8"), v) for k, v in value.items())
+    return (
+        b"\x08"
+        + len(entries).to_bytes(4, "big")
+        + b"".join(b"\x05" + len(k).to_bytes(4, "big") + k + _reference(v) for k, v in entries)
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(values)
+def test_encoding_matches_reference(value: Any) -> None:
+    assert codec.encode(value) == _reference(value)
+
+
+def test_subclasses_encode_as_their_base_types() -> None:
+    import collections
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Name(str):
+        pass
+
+    assert codec.encode(Level.HIGH) == codec.encode(3)
+    assert codec.encode(Name("x")) == codec.encode("x")
+    assert codec.encode({Name("k"): 1}) == codec.encode({"k": 1})
+    assert codec.encode(collections.OrderedDict(b=1, a=2)) == codec.encode({"a": 2, "b": 1})
+    assert codec.encode(range(3)) == codec.encode([0, 1, 2])
+
+
 def test_tuples_and_bytearrays_normalise() -> None:
     assert codec.decode(codec.encode((1, 2))) == [1, 2]
     assert codec.encode((1, 2)) == codec.encode([1, 2])
