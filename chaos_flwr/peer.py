@@ -173,6 +173,7 @@ class _PendingJoin:
     sponsors: tuple[str, ...]
     sent_at: float
     done: Record | None = None
+    synced: bool = False
 
 
 @dataclass
@@ -346,6 +347,7 @@ class Peer:
         if self.is_member:
             raise PolicyError(f"party {self.party_id} is already an active member")
         self._bump_incarnation()
+        self._joins.clear()  # a new request supersedes any earlier one
         body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
         rid = record_id_of(body)
         sig = self.identity.sign(signing_bytes(body))
@@ -589,7 +591,6 @@ class Peer:
                 self.applied.append(change)
                 if self.on_apply is not None:
                     self.on_apply(change)
-                self._joins.pop(record.record_id, None)
                 self._links.pop(record.record_id, None)
                 self._votes.pop(record.record_id, None)
         if new:
@@ -660,7 +661,10 @@ class Peer:
     def _retries(self, now: float) -> list[Outgoing]:
         out: list[Outgoing] = []
         for rid, join in list(self._joins.items()):
-            if rid in self.records or now - join.sent_at < PEER_RETRY_INTERVAL_S:
+            if join.synced:
+                del self._joins[rid]
+                continue
+            if now - join.sent_at < PEER_RETRY_INTERVAL_S:
                 continue
             join.sent_at = now
             if join.done is not None:
@@ -676,30 +680,45 @@ class Peer:
                     self._broadcast(missing, "join_req", {"body": join.body, "sig": sig}, now)
                 )
         for rid, link in list(self._links.items()):
-            if rid in self.records or now - link.sent_at < PEER_RETRY_INTERVAL_S:
+            other = self.records.member(link.other)
+            if not self.is_member or other is None or other.status != ACTIVE:
+                del self._links[rid]  # an end is gone: the request is moot
+                continue
+            if now - link.sent_at < PEER_RETRY_INTERVAL_S:
                 continue
             link.sent_at = now
             out.append(
                 self._send(link.other, "link_req", {"body": link.body, "sig": link.sig}, now)
             )
-        if self.is_member:
-            for vote in self._votes.values():
-                if vote.mine and now - vote.sent_at >= PEER_RETRY_INTERVAL_S:
-                    vote.sent_at = now
-                    out.extend(
-                        self._broadcast(
-                            self._vote_targets(vote.body["subject"]),
-                            "vote",
-                            {"body": vote.body, "sig": vote.sigs[self.party_id]},
-                            now,
-                        )
+        for rid, vote in list(self._votes.items()):
+            subject = self.records.member(vote.body["subject"])
+            if (
+                subject is None
+                or subject.status != ACTIVE
+                or subject.incarnation != vote.body["incarnation"]
+            ):
+                del self._votes[rid]  # that incarnation is over (or unknown): nothing to vote on
+                continue
+            if self.is_member and vote.mine and now - vote.sent_at >= PEER_RETRY_INTERVAL_S:
+                vote.sent_at = now
+                out.extend(
+                    self._broadcast(
+                        self._vote_targets(vote.body["subject"]),
+                        "vote",
+                        {"body": vote.body, "sig": vote.sigs[self.party_id]},
+                        now,
                     )
+                )
         return out
 
     # --- internals: message handlers ---------------------------------------------------------
 
     def _on_rec(self, env: Envelope, now: float) -> list[Outgoing]:
         self._apply(self._check_records(env.payload.get("records")), now, validated=True)
+        for rid, join in self._joins.items():
+            # A sponsor's sync after our join record exists: the join has landed.
+            if env.sender in join.sponsors and rid in self.records:
+                join.synced = True
         return []
 
     def _on_hb(self, env: Envelope, now: float) -> list[Outgoing]:

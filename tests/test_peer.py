@@ -202,6 +202,24 @@ def test_join_needs_enough_sponsors_and_waits() -> None:
     assert all(J[0].party_id not in p2.view().members for p2 in net.live() if p2 is not p)
 
 
+def test_lost_join_done_is_sent_again() -> None:
+    net, ch = cluster(sponsors=2)
+    p = Peer(J[0], ch)
+    net.add(p)
+    sigs = []
+    for out in p.request_join(net.now, [F[0].party_id, F[1].party_id]):
+        sigs.extend(net.peers[out.to].handle(out.data, net.now))
+    done = [o for s in sigs for o in p.handle(s.data, net.now)]
+    assert p.is_member and {o.to for o in done} == {F[0].party_id, F[1].party_id}
+    # The join_done envelopes are lost; nobody else knows the joiner yet.
+    assert all(p.party_id not in net.peers[f.party_id].view().members for f in F)
+    net.send(p.party_id, p.tick(net.now + 1.5))  # retry interval passed
+    net.run()
+    assert all(statuses(net.peers[f.party_id])[p.party_id] == "active" for f in F)
+    p.tick(net.now + 1.6)
+    assert p._joins == {}  # the sponsors' sync ended the retries
+
+
 def test_two_joins_at_once() -> None:
     net, ch = cluster()
     a, b = Peer(J[0], ch), Peer(J[1], ch)
