@@ -200,6 +200,27 @@ def charter_verify(
     )
 
 
+@bench_app.command("wire")
+def bench_wire(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    repeats: Annotated[int | None, typer.Option("--repeats", help="Iterations per run.")] = None,
+) -> None:
+    """Time seal, open and the replay guard (the envelope hot path) per payload size."""
+    from .bench.wire import run_wire
+    from .defaults import WIRE_BENCH_REPEATS
+
+    result = run_wire(repeats=WIRE_BENCH_REPEATS if repeats is None else repeats)
+    if as_json:
+        _print_json(result)
+        return
+    for row in result["sizes"]:
+        typer.echo(
+            f"{row['envelope_bytes']:>8} B  seal {row['seal_us']:.1f} us  open "
+            f"{row['open_us']:.1f} us  seal+open+guard {row['roundtrip_us']:.1f} us  "
+            f"(Ed25519 sign {row['sign_us']:.1f} / verify {row['verify_us']:.1f} us)"
+        )
+
+
 # --- simulate / bench events -----------------------------------------------------------------
 # (section owned by the simulator and the peer protocol)
 
