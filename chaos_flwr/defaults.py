@@ -135,12 +135,16 @@ FLOWER_RUN_TIMEOUT_S: float = 300.0
 FLOWER_STOP_GRACE_S: float = 5.0
 #: Verified receipts a state needs before a restarted ServerApp resumes from it.
 FLOWER_RESUME_MIN_RECEIPTS: int = 2
-#: Holders a restarted ServerApp asks at once for the certified state.
-FLOWER_RESUME_FETCH_FROM: int = 3
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
+#: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
+FLOWER_PULL_DATA_KEY: str = "chaos-pull"
+#: Link rate assumed for every holder when a restarted ServerApp plans a pull (no estimates yet).
+FLOWER_PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
+#: Smallest shard of a restarted ServerApp's pull, in bytes.
+FLOWER_PULL_MIN_SHARD_BYTES: int = 64 * 1024
 
 # --- state / store / transfer ----------------------------------------------------------------
 #: Alignment of each array's data inside a serialised state, in bytes (zero-copy numpy views).

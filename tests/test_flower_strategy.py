@@ -369,3 +369,46 @@ def test_parties_restarted_with_their_disks_let_a_new_server_resume(tmp_path: Pa
     assert made[1002].held_round == -1 and made[1002].errors
     for key, arr in _arrays(first.arrays).items():
         np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)
+
+
+class _LosesShards(Party):
+    """A holder that answers receipts and size/manifest requests but never sends shards."""
+
+    def serve(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
+        if request.get("op") == "shards":
+            return None
+        return super().serve(record, request)
+
+
+def test_resume_pulls_shares_from_several_holders_and_survives_a_lost_one() -> None:
+    keys = {f"p{1001 + i}": _keypair() for i in range(4)}
+    verifier = keyring_verifier({p: pk for p, (_, pk) in keys.items()})
+    parties: dict[str, Party] = {}
+    lossy = {"p1003"}
+
+    def factory(ctx: Context) -> Party:
+        pid = f"p{ctx.node_id}"
+        cls = _LosesShards if pid in lossy else Party
+        party = parties.get(pid) or cls(party_id=pid, signer=keys[pid][0].sign)
+        parties[pid] = party
+        return party
+
+    clock = VClock()
+    grid = _grid(True, n=4, clock=clock, factory=factory)
+    first = _fresh(verifier, clock).start(grid, _initial(), num_rounds=2, timeout=60)
+    again = ChaosStrategy(
+        FedAvg(min_available_nodes=3, min_train_nodes=3),
+        receipt_verifier=verifier,
+        resume_min_shard_bytes=16,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    res = again.start(grid, _initial(), num_rounds=2, timeout=60)
+    report = again.last_pull
+    assert report is not None and again.rounds[0].server_round == 2
+    total = len(parties["p1001"]._bytes)
+    assert sum(report.shares.values()) >= total
+    assert len([p for p, b in report.shares.items() if b > 0]) >= 2  # several holders at once
+    assert "p1003" in report.lost and "p1003" not in report.shares
+    for key, arr in _arrays(first.arrays).items():
+        np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)

@@ -28,7 +28,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from chaos_flwr import codec
-from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY
+from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY, FLOWER_PULL_DATA_KEY
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
 from chaos_flwr.state import TrainingState, from_array_record, to_array_record
@@ -166,6 +166,8 @@ class Party:
     errors: list[str] = field(default_factory=list)
     pending: list[OutgoingLike] = field(default_factory=list)
     store: ReplicaStore | None = None
+    _bytes: bytes = field(default=b"", repr=False)
+    _bytes_round: int = field(default=-1, repr=False)
 
     def _receipt(self) -> bytes:
         if self.signer is None or self.held_round < 0:
@@ -201,6 +203,24 @@ class Party:
         self.held_digest = state.digest()
         self.held_arrays = to_array_record(state)
         return True
+
+    def serve(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
+        """Answer a pull request from the held replica, if it is the state the request names."""
+        if self.held_arrays is None:
+            return None
+        if record.get("round") != self.held_round or record.get("digest") != self.held_digest:
+            return None
+        if self._bytes_round != self.held_round:
+            state = from_array_record(self.held_arrays, round=self.held_round)
+            self._bytes = state.to_bytes()
+            self._bytes_round = self.held_round
+        from chaos_flwr.flower.pull import serve_request
+
+        try:
+            return serve_request(self._bytes, request)
+        except ChaosError as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return None
 
     def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
         """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
@@ -364,8 +384,15 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
         party = parties(context)
         out = party.process(record, first)
         content = RecordDict({FLOWER_CHAOS_RECORD_KEY: out})
-        if record is not None and record.get("phase") == "fetch" and party.held_arrays is not None:
-            content["arrays"] = party.held_arrays  # the replica, checked by its digest
+        request = message.content.get(FLOWER_PULL_DATA_KEY)
+        if (
+            record is not None
+            and record.get("phase") == "pull"
+            and isinstance(request, ConfigRecord)
+        ):
+            served = party.serve(record, request)
+            if served is not None:
+                content[FLOWER_PULL_DATA_KEY] = served
         return Message(content, reply_to=message)
 
     return app

@@ -43,11 +43,12 @@ from chaos_flwr.defaults import (
     FLOWER_CHAOS_TTL_PHASES,
     FLOWER_PHASE_TIMEOUT_S,
     FLOWER_POLL_INTERVAL_S,
-    FLOWER_RESUME_FETCH_FROM,
+    FLOWER_PULL_MIN_SHARD_BYTES,
     FLOWER_RESUME_MIN_RECEIPTS,
 )
-from chaos_flwr.errors import DecodeError
+from chaos_flwr.errors import ChaosError, DecodeError
 from chaos_flwr.flower.client import certified_digest, receipt_bytes
+from chaos_flwr.flower.pull import PullReport, pull_state
 from chaos_flwr.flower.relay import Relay, exchange, server_record, split_chaos, with_chaos
 
 __all__ = ["ChaosStrategy", "ReceiptVerifier", "RoundLog", "keyring_verifier"]
@@ -166,10 +167,11 @@ class ChaosStrategy(Strategy):
         to the server (sampling is then by receipts only).
     relay:
         The envelope router (a fresh one by default).
-    resume, resume_min_receipts, resume_fetch_from:
+    resume, resume_min_receipts, resume_min_shard_bytes:
         On start, rebuild the latest state that at least ``resume_min_receipts`` parties
-        certified (verified receipts only) from up to ``resume_fetch_from`` of them at once,
-        and go on at the next round (a restarted ServerApp keeps no checkpoint).
+        certified (verified receipts only), pulled in shards from all its holders at once
+        (:mod:`chaos_flwr.flower.pull`), and go on at the next round (a restarted ServerApp
+        keeps no checkpoint).
     """
 
     def __init__(
@@ -183,7 +185,7 @@ class ChaosStrategy(Strategy):
         relay: Relay | None = None,
         resume: bool = True,
         resume_min_receipts: int = FLOWER_RESUME_MIN_RECEIPTS,
-        resume_fetch_from: int = FLOWER_RESUME_FETCH_FROM,
+        resume_min_shard_bytes: int = FLOWER_PULL_MIN_SHARD_BYTES,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -201,7 +203,8 @@ class ChaosStrategy(Strategy):
         self.relay = relay or Relay()
         self.resume = resume
         self.resume_min_receipts = resume_min_receipts
-        self.resume_fetch_from = resume_fetch_from
+        self.resume_min_shard_bytes = resume_min_shard_bytes
+        self.last_pull: PullReport | None = None
         self.clock = clock
         self.sleep = sleep
         self.suspects: set[int] = set()
@@ -485,10 +488,10 @@ class ChaosStrategy(Strategy):
         """Rebuild the latest certified state from the parties (a restarted ServerApp).
 
         Asks every party for its receipt; the newest (round, digest) that at least
-        ``resume_min_receipts`` parties certified with *verified* signatures is fetched from
-        up to ``resume_fetch_from`` of its holders at once, and the first copy whose digest
-        matches is taken. Without a receipt verifier nothing is resumed: unsigned claims are
-        not proof.
+        ``resume_min_receipts`` parties certified with *verified* signatures is pulled in
+        planner-sized shares from all its holders at once; the manifest and the assembled state
+        must match the certified digest (else the next older candidate is tried). Without a
+        receipt verifier nothing is resumed: unsigned claims are not proof.
         """
         if self.receipt_verifier is None:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
@@ -506,28 +509,28 @@ class ChaosStrategy(Strategy):
         for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
             if len(nodes) < self.resume_min_receipts:
                 continue
-            msgs = [
-                self._chaos_msg(n, "fetch", rnd, dig, None) for n in nodes[: self.resume_fetch_from]
-            ]
-            res = exchange(
-                grid,
-                msgs,
-                timeout_s=min(timeout, self.phase_timeout_s),
-                poll_interval_s=self.poll_interval_s,
-                clock=self.clock,
-                sleep=self.sleep,
-            )
-            for node, reply in res.replies.items():
-                split_chaos(reply)
-                got = reply.content.array_records
-                arrays = next(iter(got.values()), None)
-                if arrays is not None and certified_digest(arrays, rnd) == dig:
-                    hello.server_round = rnd
-                    hello.digest = dig
-                    hello.holders = sorted(self.holders[n][0] for n in nodes)
-                    log(INFO, "Chaos: resumed at round %d from party %d's replica", rnd, node)
-                    return rnd, arrays, dig
-                log(WARNING, "Chaos: node %d sent a replica that does not match its receipt", node)
+            holders = [(n, self.holders[n][0]) for n in nodes]
+            try:
+                arrays, report = pull_state(
+                    grid,
+                    holders,
+                    server_round=rnd,
+                    digest=dig,
+                    timeout_s=min(timeout, self.phase_timeout_s),
+                    poll_interval_s=self.poll_interval_s,
+                    min_shard_bytes=self.resume_min_shard_bytes,
+                    clock=self.clock,
+                    sleep=self.sleep,
+                )
+            except ChaosError as exc:
+                log(WARNING, "Chaos: pulling round %d from its holders failed: %s", rnd, exc)
+                continue
+            hello.server_round = rnd
+            hello.digest = dig
+            hello.holders = sorted(p for _, p in holders)
+            self.last_pull = report
+            log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
+            return rnd, arrays, dig
         return None
 
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
