@@ -414,7 +414,7 @@ class Peer:
         record = Record.sign(body, [self.identity])
         targets = self.records.view().active()
         self._apply([record], now)
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
+        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=other)
 
     # --- driving -----------------------------------------------------------------------------
 
@@ -523,11 +523,21 @@ class Peer:
         return Outgoing(to, self._seal(kind, payload, now, to))
 
     def _broadcast(
-        self, targets: Iterable[str], kind: str, payload: Mapping[str, Any], now: float
+        self,
+        targets: Iterable[str],
+        kind: str,
+        payload: Mapping[str, Any],
+        now: float,
+        *,
+        first: str | None = None,
     ) -> list[Outgoing]:
+        """One envelope to every target, sorted by id; ``first`` (if a target) goes first."""
         dests = sorted(set(targets) - {self.party_id})
         if not dests:
             return []
+        if first is not None and first in dests:
+            dests.remove(first)
+            dests.insert(0, first)
         data = self._seal(kind, payload, now, None)
         return [Outgoing(d, data) for d in dests]
 
@@ -856,7 +866,9 @@ class Peer:
         record = Record(body=body, signatures={env.sender: sig, self.party_id: mine})
         targets = self.records.view().active()
         self._apply([record], now)
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
+        return self._broadcast(
+            targets, "rec", {"records": [record.to_wire()]}, now, first=env.sender
+        )
 
     def _on_vote(self, env: Envelope, now: float) -> list[Outgoing]:
         body, sig = self._body_and_sig(env, "fail")

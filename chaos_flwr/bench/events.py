@@ -16,7 +16,8 @@ type ``repeats`` times:
 
 For each event the wall-clock time from the trigger until **every active member** (every party
 whose view changes: membership and the neighbour graph are both part of every view) has applied
-the record is measured with ``time.perf_counter``; the JSON reports p50/p99 per type.
+the record is measured with ``time.perf_counter``; the JSON reports p50/p99 per type. Link
+events also report ``ends_p50_ms``/``ends_p99_ms``: until both ends of the link applied it.
 
 All peers run in this one process, on one thread; peers' ``now`` is a virtual clock (they are
 sans-I/O), the measured times are wall-clock. Carriers:
@@ -184,9 +185,11 @@ class _Wait:
     kind: str
     subject: str
     remaining: set[str]
+    ends: set[str]
     t0: float
     done: asyncio.Event
     t1: float = 0.0
+    t_ends: float = 0.0
 
 
 @dataclass
@@ -200,12 +203,17 @@ class _Cluster:
     wait: _Wait | None = None
     cache: SignatureCache = field(default_factory=SignatureCache)
     handle_s: list[float] = field(default_factory=list)
+    ends_ms: dict[str, list[float]] = field(default_factory=dict)
 
     def on_apply(self, pid: str) -> Callable[[AppliedChange], None]:
         def hook(change: AppliedChange) -> None:
             w = self.wait
             if w is not None and change.kind == w.kind and change.subject == w.subject:
                 w.remaining.discard(pid)
+                if pid in w.ends:
+                    w.ends.discard(pid)
+                    if not w.ends:
+                        w.t_ends = time.perf_counter()
                 if not w.remaining and not w.done.is_set():
                     w.t1 = time.perf_counter()
                     w.done.set()
@@ -233,7 +241,8 @@ class _Cluster:
         self, kind: str, subject: str, affected: Iterable[str], trigger: Callable[[], Any]
     ) -> float:
         """Run ``trigger`` (an async callable) and return ms until all ``affected`` applied."""
-        w = _Wait(kind, subject, set(affected), 0.0, asyncio.Event())
+        ends = set(subject.split("|")) if "|" in subject else set()
+        w = _Wait(kind, subject, set(affected), set(ends), 0.0, asyncio.Event())
         gc.collect()
         gc.disable()  # as timeit does: no collector pause inside a timed window
         self.wait = w
@@ -250,6 +259,8 @@ class _Cluster:
             self.wait = None
             gc.enable()
         await self.carrier.settle()
+        if "|" in subject:
+            self.ends_ms.setdefault(kind, []).append((w.t_ends - w.t0) * 1000.0)
         return (w.t1 - w.t0) * 1000.0
 
     async def heartbeat_round(self, dt: float, skip: Iterable[str] = ()) -> None:
@@ -458,6 +469,14 @@ async def _run(peers: int, repeats: int, seed: int, carrier_kind: str) -> dict[s
                 "p99_ms": round(_percentile(vals, 99), 3),
                 "mean_ms": round(statistics.fmean(vals), 3),
                 "max_ms": round(max(vals), 3),
+                **(
+                    {
+                        "ends_p50_ms": round(_percentile(cl.ends_ms[name], 50), 3),
+                        "ends_p99_ms": round(_percentile(cl.ends_ms[name], 99), 3),
+                    }
+                    if name in cl.ends_ms
+                    else {}
+                ),
             }
             for name, vals in samples.items()
         },
