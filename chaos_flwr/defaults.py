@@ -198,7 +198,7 @@ SCALE_OUT_RUNS: int = 3
 #: Longest one scale-out transfer may take before the benchmark gives up, in seconds.
 SCALE_OUT_TIMEOUT_S: float = 300.0
 #: Link speed of every donor in the donor-count sweep, in MB/s.
-SCALE_OUT_SWEEP_MB_S: float = 10.0
+SCALE_OUT_SWEEP_MB_S: float = 5.0
 #: Donor counts of the sweep.
 SCALE_OUT_SWEEP_DONORS: tuple[int, ...] = (2, 4, 8, 16)
 #: Longest a donor process may take to start and report its port, in seconds.

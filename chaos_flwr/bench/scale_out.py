@@ -1,0 +1,759 @@
+"""``chaos-flwr bench scale-out``: move a real training state to a joiner over shaped sockets.
+
+Setup
+-----
+* A :class:`~chaos_flwr.state.TrainingState` of random float32 arrays (``state_mib`` MiB) is
+  serialised once and written to a file, the donors' certified replica.
+* Every donor is a **separate OS process** running a :class:`~chaos_flwr.transport.GrpcCarrier`
+  on 127.0.0.1 with a :class:`~chaos_flwr.transport.Shaper` for its own party of the WAN profile
+  (uplink token bucket, access latency). It answers shard requests from the replica (``mmap``,
+  through a :class:`~chaos_flwr.transfer.ShardServer`), so a donor's serving never shares the
+  joiner's event loop. Donors stop when the benchmark closes their stdin, and are killed by pid.
+* The joiner runs in this process: its carrier shapes its downlink and its latency.
+* Manifests (per-shard SHA-256) are what donors sign in their state receipts ahead of any
+  join, so each donor computes them before the timer starts; the joiner still fetches the
+  manifest over the network inside the timed window.
+
+Methods
+-------
+``chaos``
+    :func:`~chaos_flwr.planner.plan_transfer` + :class:`~chaos_flwr.transfer.PullSession` (pull
+    queue, stealing, re-planning on donor loss).
+``uniform``
+    Equal contiguous split over all donors, no stealing (Elan-like).
+``single``
+    The fastest donor sends everything (Autoscaling/EDL-like).
+``checkpoint``
+    Training stops; the fastest donor writes its replica to a storage file through the storage
+    link (``min(donor uplink, storage down)``), the joiner reads it back (``min(storage up,
+    joiner down)``), each leg paying the storage latency once; training restarts. Every donor is
+    idle the whole time, so ``idle_s = donors * delay_s``.
+
+``delay_s`` runs from the join request (planning included) to a verified state (digest checked).
+``lower_bound_s`` is :func:`~chaos_flwr.planner.lower_bound` over the donors' modelled links,
+with a donor's latency taken as its round trip to the joiner (a pull needs a request before the
+first byte) and the joiner's downlink as ingress. ``idle_s`` is 0 for the replica-serving methods:
+donors serve from immutable replica files while their training continues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from ..defaults import (
+    SCALE_OUT_DONOR_STARTUP_S,
+    SCALE_OUT_RUNS,
+    SCALE_OUT_STATE_MIB,
+    SCALE_OUT_STORAGE_MB_S,
+    SCALE_OUT_SWEEP_DONORS,
+    SCALE_OUT_SWEEP_MB_S,
+    SCALE_OUT_TIMEOUT_S,
+    SHAPING_BURST_BYTES,
+)
+from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
+from ..planner import Donor, lower_bound, plan_transfer
+from ..state import Manifest, TrainingState, state_digest
+from ..transfer import CancelRequest, PullSession, ShardRequest, ShardServer
+from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
+
+__all__ = ["default_profile_path", "donors_of", "main", "run_scale_out"]
+
+JOINER = "joiner"
+#: Shard requests in flight per donor (enough to cover an 80 ms access latency at 20 MB/s).
+WINDOW = 6
+#: Largest shard count planned (1 MiB shards for 1 GiB; 256 KiB for the default 256 MiB).
+MAX_SHARDS = 1024
+#: Smallest shard planned, in bytes (keeps per-request Python/grpc cost small next to the link).
+MIN_SHARD_BYTES = 256 * 1024
+#: Chunk size of the checkpoint's storage reads and writes, in bytes.
+STORAGE_CHUNK = 1024 * 1024
+METHODS = ("chaos", "uniform", "single", "checkpoint")
+
+
+def default_profile_path() -> Path:
+    """The shipped default profile ``chaos_flwr/bench/profiles/wan8.yaml``."""
+    return Path(str(resources.files("chaos_flwr.bench") / "profiles" / "wan8.yaml"))
+
+
+def donors_of(profile: WanProfile) -> list[str]:
+    """The donor parties of a profile (every party except ``joiner``), sorted."""
+    if JOINER not in profile.parties:
+        raise ConfigError("parties: a scale-out profile needs a party named 'joiner'")
+    names = sorted(p for p in profile.parties if p != JOINER)
+    if not names:
+        raise ConfigError("parties: a scale-out profile needs at least one donor besides 'joiner'")
+    return names
+
+
+def _planner_donors(profile: WanProfile, names: Sequence[str]) -> list[Donor]:
+    out = []
+    for name in names:
+        bps = profile.path_bps(name, JOINER)
+        if not np.isfinite(bps):
+            raise ConfigError(f"parties.{name}.up_mb_s: a donor needs a finite uplink")
+        out.append(Donor(name, bps, latency=2 * profile.one_way_s(JOINER, name)))
+    return out
+
+
+def _ingress(profile: WanProfile) -> float | None:
+    return profile.link(JOINER).down_bps
+
+
+# --- the donor process -----------------------------------------------------------------------
+
+
+class _MmapSource:
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "rb")  # noqa: SIM115 - lives as long as the donor process
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+
+    @property
+    def total_bytes(self) -> int:
+        return len(self._map)
+
+    def read(self, start: int, end: int) -> bytes:
+        return self._map[start:end]
+
+
+async def _donor(party: str, profile_path: Path, state_path: Path) -> None:
+    profile = load_profile(profile_path)
+    source = _MmapSource(state_path)
+    server = ShardServer(source)
+    waiters: dict[tuple[str, int], asyncio.Event] = {}
+    grants: dict[tuple[str, int], Any] = {}
+    manifests: dict[tuple[int, int], bytes] = {}
+    stop = asyncio.Event()
+
+    def granted(uploads: Sequence[Any]) -> None:
+        for u in uploads:
+            grants[(u.requester, u.index)] = u
+            ev = waiters.get((u.requester, u.index))
+            if ev is not None:
+                ev.set()
+
+    async def handle(src: str, data: bytes) -> bytes:
+        words = data.decode().split()
+        if words[0] == "shard":
+            index, start, end = (int(w) for w in words[1:4])
+            key = (src, index)
+            ev = waiters[key] = asyncio.Event()
+            granted(server.request(src, index, start, end))
+            await ev.wait()
+            upload = grants.pop(key)
+            try:
+                return server.read(upload)
+            finally:
+                waiters.pop(key, None)
+                granted(server.finish(upload))
+        if words[0] == "manifest":
+            k = (int(words[1]), int(words[2]))
+            if k not in manifests:
+                manifests[k] = server.manifest(k[0], num_shards=k[1]).to_bytes()
+            return manifests[k]
+        if words[0] == "checkpoint":
+            await _write_checkpoint(profile, party, source, Path(words[1]))
+            return b"ok"
+        if words[0] == "ping":
+            return b"pong"
+        if words[0] == "stop":
+            stop.set()
+            return b"bye"
+        raise ValueError(f"unknown request {words[0]!r}")
+
+    carrier = GrpcCarrier(party, shaper=Shaper(profile, party))
+    await carrier.start(handle)
+    print(carrier.address, flush=True)
+    try:
+        await asyncio.wait_for(stop.wait(), SCALE_OUT_TIMEOUT_S * 20)
+    finally:
+        await carrier.close()
+
+
+def _storage_rate(profile: WanProfile, write: bool, party: str) -> tuple[float, float]:
+    storage = profile.storage
+    default = SCALE_OUT_STORAGE_MB_S * 1e6
+    if write:
+        store_side = storage.down_bps if storage and storage.down_bps else default
+        own = profile.link(party).up_bps
+    else:
+        store_side = storage.up_bps if storage and storage.up_bps else default
+        own = profile.link(party).down_bps
+    rate = store_side if own is None else min(store_side, own)
+    latency = (storage.latency_s if storage else 0.0) + profile.link(party).latency_s
+    return rate, latency
+
+
+async def _write_checkpoint(
+    profile: WanProfile, party: str, source: _MmapSource, path: Path
+) -> None:
+    rate, latency = _storage_rate(profile, True, party)
+    bucket = TokenBucket(rate, SHAPING_BURST_BYTES)
+    await asyncio.sleep(latency)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        for start in range(0, source.total_bytes, STORAGE_CHUNK):
+            chunk = source.read(start, min(start + STORAGE_CHUNK, source.total_bytes))
+            await bucket.acquire(len(chunk))
+            fh.write(chunk)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Donor process entry: ``python -m chaos_flwr.bench.scale_out PARTY PROFILE STATE``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    party, profile_path, state_path = args
+
+    def watch_stdin() -> None:  # the parent closing our stdin (or dying) stops us
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    asyncio.run(_donor(party, Path(profile_path), Path(state_path)))
+
+
+# --- the joiner side -------------------------------------------------------------------------
+
+
+class _DonorSet:
+    """Donor processes of one profile, started in parallel, stopped by pid."""
+
+    def __init__(self, names: Sequence[str], profile_path: Path, state_path: Path) -> None:
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.addresses: dict[str, str] = {}
+        env = dict(os.environ)
+        for name in names:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "chaos_flwr.bench.scale_out", name, str(profile_path),
+                 str(state_path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )  # fmt: skip
+        deadline = time.monotonic() + SCALE_OUT_DONOR_STARTUP_S
+        try:
+            for name, proc in self.procs.items():
+                assert proc.stdout is not None
+                line = proc.stdout.readline().strip()
+                if not line.startswith("127.0.0.1:") or time.monotonic() > deadline:
+                    raise TransportError(f"donor {name!r} did not start (said {line!r})")
+                self.addresses[name] = line
+        except BaseException:
+            self.close()
+            raise
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.close()
+                    proc.wait(timeout=3)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+
+async def _joiner(profile: WanProfile, donors: _DonorSet, names: Sequence[str]) -> GrpcCarrier:
+    async def refuse(src: str, data: bytes) -> bytes:
+        raise ValueError("the joiner serves nothing in this benchmark")
+
+    carrier = GrpcCarrier(JOINER, shaper=Shaper(profile, JOINER))
+    await carrier.start(refuse)
+    for name in names:
+        carrier.add_peer(name, donors.addresses[name])
+    return carrier
+
+
+async def _prepare(carrier: GrpcCarrier, names: Sequence[str], shard: int, k: int) -> None:
+    """Warm the channels and let each donor compute its manifest (receipts exist beforehand)."""
+    await asyncio.gather(
+        *(carrier.request(n, f"manifest {shard} {k}".encode(), timeout=120) for n in names)
+    )
+
+
+async def _fetch_manifest(carrier: GrpcCarrier, donor: str, shard: int, k: int) -> Manifest:
+    return Manifest.from_bytes(await carrier.request(donor, f"manifest {shard} {k}".encode()))
+
+
+async def _pull_chaos(
+    carrier: GrpcCarrier,
+    manifest: Manifest,
+    plan: Any,
+    donors: Sequence[Donor],
+    expected: bytes,
+    *,
+    kill_at: float | None = None,
+    kill: Callable[[], None] | None = None,
+) -> tuple[bytes, dict[str, int], dict[str, Any]]:
+    loop = asyncio.get_running_loop()
+    clock = loop.time
+    session = PullSession(
+        manifest, plan, donors, now=clock(), expected_digest=expected, window=WINDOW
+    )
+    tasks: dict[asyncio.Task[bytes], tuple[str, int]] = {}
+    by_key: dict[tuple[str, int], asyncio.Task[bytes]] = {}
+    info: dict[str, Any] = {"lost": [], "cancelled": 0}
+
+    def launch(actions: Sequence[ShardRequest | CancelRequest]) -> None:
+        for a in actions:
+            if isinstance(a, ShardRequest):
+                req = f"shard {a.index} {a.start} {a.end}".encode()
+                t = asyncio.ensure_future(carrier.request(a.donor, req))
+                tasks[t] = (a.donor, a.index)
+                by_key[(a.donor, a.index)] = t
+            else:
+                old = by_key.pop((a.donor, a.index), None)
+                if old is not None:
+                    old.cancel()
+                    tasks.pop(old, None)
+                    info["cancelled"] += 1
+
+    launch(session.poll(clock()))
+    killed = False
+    try:
+        while not session.done:
+            if not tasks:
+                raise TransferError("no shard request in flight and shards missing")
+            dl = session.next_deadline()
+            timeout = None if dl is None else max(0.0, dl - clock())
+            done, _ = await asyncio.wait(
+                tasks.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            for t in done:
+                donor, index = tasks.pop(t)
+                by_key.pop((donor, index), None)
+                if t.cancelled():
+                    continue
+                exc = t.exception()
+                if exc is not None:
+                    if donor not in info["lost"]:
+                        info["lost"].append(donor)
+                    launch(session.on_donor_lost(donor, clock()))
+                else:
+                    launch(session.on_shard(donor, index, t.result(), clock()))
+            launch(session.tick(clock()))
+            fraction = session.progress(clock()).fraction
+            if kill is not None and not killed and kill_at is not None and fraction >= kill_at:
+                kill()
+                killed = True
+                info["killed_at_fraction"] = fraction
+        data = session.assemble()
+    finally:
+        for t in tasks:
+            t.cancel()
+    return data, dict(session.progress(clock()).bytes_by_donor), info
+
+
+async def _pull_static(
+    carrier: GrpcCarrier,
+    manifest: Manifest,
+    assignment: Mapping[str, Sequence[int]],
+    expected: bytes,
+) -> tuple[bytes, dict[str, int]]:
+    buf = bytearray(manifest.total_bytes)
+    sent: dict[str, int] = {d: 0 for d in assignment}
+
+    async def worker(donor: str, queue: list[int]) -> None:
+        while queue:
+            index = queue.pop(0)
+            start, end = manifest.shard_range(index)
+            data = await carrier.request(donor, f"shard {index} {start} {end}".encode())
+            manifest.verify_shard(index, data)
+            buf[start:end] = data
+            sent[donor] += len(data)
+
+    jobs: list[Any] = []
+    for donor, shards in assignment.items():
+        queue = list(shards)
+        jobs.extend(worker(donor, queue) for _ in range(WINDOW))
+    await asyncio.gather(*jobs)
+    if state_digest(buf) != expected:
+        raise ShardIntegrityError("assembled state does not match the certified digest")
+    return bytes(buf), sent
+
+
+async def _checkpoint(
+    profile: WanProfile, carrier: GrpcCarrier, writer: str, path: Path, expected: bytes
+) -> int:
+    await carrier.request(writer, f"checkpoint {path}".encode(), timeout=SCALE_OUT_TIMEOUT_S)
+    rate, latency = _storage_rate(profile, False, JOINER)
+    bucket = TokenBucket(rate, SHAPING_BURST_BYTES)
+    await asyncio.sleep(latency)
+    parts = []
+    with open(path, "rb") as fh:
+        while chunk := fh.read(STORAGE_CHUNK):
+            await bucket.acquire(len(chunk))
+            parts.append(chunk)
+    data = b"".join(parts)
+    if state_digest(data) != expected:
+        raise ShardIntegrityError(f"{path}: checkpoint does not match the certified digest")
+    return len(data)
+
+
+def _split(k: int, names: Sequence[str]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    base, extra = divmod(k, len(names))
+    pos = 0
+    for i, name in enumerate(names):
+        n = base + (1 if i < extra else 0)
+        out[name] = list(range(pos, pos + n))
+        pos += n
+    return out
+
+
+async def _run_method(
+    method: str,
+    profile: WanProfile,
+    carrier: GrpcCarrier,
+    names: Sequence[str],
+    total: int,
+    expected: bytes,
+    workdir: Path,
+    *,
+    donor_set: _DonorSet | None = None,
+    kill_at: float | None = None,
+) -> dict[str, Any]:
+    donors = _planner_donors(profile, names)
+    ingress = _ingress(profile)
+    bound = lower_bound(total, donors, ingress=ingress)
+    fastest = max(donors, key=lambda d: (d.bandwidth, -d.latency, d.id)).id
+    extra: dict[str, Any] = {}
+    t0 = time.monotonic()
+    if method == "chaos":
+        plan = plan_transfer(
+            total, donors, max_shards=MAX_SHARDS, min_shard_bytes=MIN_SHARD_BYTES, ingress=ingress
+        )
+        manifest = await _fetch_manifest(carrier, fastest, plan.shard_bytes, plan.num_shards)
+        kill = None
+        victim = None
+        if kill_at is not None and donor_set is not None:
+            victim = fastest
+
+            def kill() -> None:
+                donor_set.kill(fastest)
+
+        data, by_donor, info = await _pull_chaos(
+            carrier, manifest, plan, donors, expected, kill_at=kill_at, kill=kill
+        )
+        extra = {
+            "num_shards": plan.num_shards,
+            "shard_bytes": plan.shard_bytes,
+            "planned_makespan_s": plan.makespan,
+            "lost_donors": info["lost"],
+            "cancelled_requests": info["cancelled"],
+        }
+        if victim is not None:
+            extra["killed_donor"] = victim
+            extra["killed_at_fraction"] = info.get("killed_at_fraction")
+        idle = 0.0
+    elif method in ("uniform", "single"):
+        plan = plan_transfer(
+            total, donors, max_shards=MAX_SHARDS, min_shard_bytes=MIN_SHARD_BYTES, ingress=ingress
+        )
+        k, shard = plan.num_shards, plan.shard_bytes
+        manifest = await _fetch_manifest(carrier, fastest, shard, k)
+        assignment = _split(k, names) if method == "uniform" else {fastest: list(range(k))}
+        data, by_donor = await _pull_static(carrier, manifest, assignment, expected)
+        extra = {"num_shards": k, "shard_bytes": shard}
+        idle = 0.0
+    elif method == "checkpoint":
+        path = workdir / "checkpoint.bin"
+        n = await _checkpoint(profile, carrier, fastest, path, expected)
+        path.unlink(missing_ok=True)
+        by_donor = {fastest: n}
+        data = b""
+        extra = {"writer": fastest}
+    else:
+        raise ConfigError(f"method: unknown method {method!r}; use one of {', '.join(METHODS)}")
+    delay = time.monotonic() - t0
+    if method == "checkpoint":
+        idle = delay * len(names)
+    else:
+        assert len(data) == total
+    return {
+        "delay_s": delay,
+        "lower_bound_s": bound,
+        "ratio_to_bound": delay / bound if bound > 0 else None,
+        "idle_s": idle,
+        "bytes_by_donor": {d: int(by_donor.get(d, 0)) for d in names},
+        "digest_ok": True,
+        **extra,
+    }
+
+
+def _make_state(state_mib: int) -> tuple[bytes, bytes]:
+    rng = np.random.default_rng(20250512)
+    total = state_mib * 1024 * 1024
+    sizes = [total // 2, total // 4, total // 8]
+    sizes.append(max(1, total - sum(sizes) - 4096))
+    arrays = {
+        f"layer{i}.weight": rng.standard_normal(n // 4, dtype=np.float32)
+        for i, n in enumerate(sizes)
+    }
+    state = TrainingState(arrays=arrays, round=7, strategy_state=b"fedavg", meta={"bench": 1})
+    data = state.to_bytes()
+    return data, state_digest(data)
+
+
+def _write_profile(profile: WanProfile, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(profile.model_dump(mode="json")), encoding="utf-8")
+    return path
+
+
+async def _session(
+    profile: WanProfile,
+    profile_path: Path,
+    state_path: Path,
+    total: int,
+    expected: bytes,
+    workdir: Path,
+    plan: Sequence[tuple[str, str, WanProfile, float | None]],
+) -> list[tuple[str, dict[str, Any]]]:
+    """Start one donor set for ``profile`` and run ``(label, method, joiner_profile, kill_at)``."""
+    names = donors_of(profile)
+    results: list[tuple[str, dict[str, Any]]] = []
+    donor_set = await asyncio.to_thread(_DonorSet, names, profile_path, state_path)
+    try:
+        for label, method, joiner_profile, kill_at in plan:
+            carrier = await _joiner(joiner_profile, donor_set, names)
+            try:
+                p = plan_transfer(
+                    total,
+                    _planner_donors(joiner_profile, names),
+                    max_shards=MAX_SHARDS,
+                    min_shard_bytes=MIN_SHARD_BYTES,
+                    ingress=_ingress(joiner_profile),
+                )
+                live = [n for n in names if donor_set.procs[n].poll() is None]
+                await _prepare(carrier, live, p.shard_bytes, p.num_shards)
+                result = await asyncio.wait_for(
+                    _run_method(
+                        method,
+                        joiner_profile,
+                        carrier,
+                        names,
+                        total,
+                        expected,
+                        workdir,
+                        donor_set=donor_set,
+                        kill_at=kill_at,
+                    ),
+                    SCALE_OUT_TIMEOUT_S,
+                )
+                results.append((label, result))
+            finally:
+                await carrier.close()
+    finally:
+        await asyncio.to_thread(donor_set.close)
+    return results
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = sorted(rows, key=lambda r: r["delay_s"])
+    mid = dict(rows[len(rows) // 2])
+    if len(rows) > 1:
+        mid["runs_delay_s"] = [r["delay_s"] for r in rows]
+        mid["median_ratio_to_bound"] = statistics.median(
+            r["ratio_to_bound"] for r in rows if r["ratio_to_bound"] is not None
+        )
+    return mid
+
+
+def _summary(methods: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    chaos = methods["chaos"]["delay_s"]
+    out: dict[str, Any] = {
+        "chaos_ratio_to_bound": methods["chaos"].get(
+            "median_ratio_to_bound", methods["chaos"]["ratio_to_bound"]
+        )
+    }
+    for other in ("single", "uniform", "checkpoint"):
+        if other in methods:
+            out[f"speedup_vs_{other}"] = methods[other]["delay_s"] / chaos
+    out["targets"] = {
+        "ratio_to_bound_le_1.15": out["chaos_ratio_to_bound"] <= 1.15,
+        "speedup_vs_single_ge_3": out.get("speedup_vs_single", 0.0) >= 3.0,
+        "speedup_vs_uniform_ge_1.5": out.get("speedup_vs_uniform", 0.0) >= 1.5,
+    }
+    return out
+
+
+def _sweep_profile(n: int, mb_s: float, joiner: Any) -> WanProfile:
+    parties: dict[str, Any] = {JOINER: joiner.model_dump()}
+    for i in range(n):
+        parties[f"s{i + 1:02d}"] = {"up_mb_s": mb_s, "latency_ms": 20.0}
+    return parse_profile({"name": f"sweep{n}", "parties": parties})
+
+
+def run_scale_out(
+    *,
+    profile_path: Path | str | None = None,
+    wan: str = "shaped",
+    state_mib: int = SCALE_OUT_STATE_MIB,
+    runs: int = SCALE_OUT_RUNS,
+    methods: Sequence[str] = METHODS,
+    extras: bool = True,
+    sweep_donors: Sequence[int] = SCALE_OUT_SWEEP_DONORS,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the scale-out benchmark and return its JSON-ready result.
+
+    Parameters
+    ----------
+    profile_path : path or None, optional
+        WAN profile YAML (a ``joiner`` party and donors); ``None`` = the shipped ``wan8.yaml``.
+    wan : str, optional
+        ``"shaped"`` (token buckets on loopback grpc). ``"netns"`` is refused: this benchmark
+        shapes links with token buckets only (see the report).
+    state_mib : int, optional
+        State size in MiB (>= 1).
+    runs : int, optional
+        Runs of ``chaos`` (its median is reported); the baselines run once.
+    methods : sequence of str, optional
+        Which methods to run.
+    extras : bool, optional
+        Also run the donor sweep, the donor-death run and the joiner-bottleneck run.
+    sweep_donors : sequence of int, optional
+        Donor counts of the sweep.
+    progress : callable or None, optional
+        Called with a line of text as each run finishes.
+
+    Raises
+    ------
+    ConfigError
+        Bad option or profile (the message names it).
+    """
+    if wan != "shaped":
+        raise ConfigError(
+            f"wan: {wan!r} is not supported by bench scale-out; use 'shaped' (netns links are "
+            "tested by tests/test_netns.py, not driven by this benchmark yet)"
+        )
+    if isinstance(state_mib, bool) or not isinstance(state_mib, int) or state_mib < 1:
+        raise ConfigError(f"state_mib: give an int >= 1, got {state_mib!r}")
+    if runs < 1:
+        raise ConfigError(f"runs: give an int >= 1, got {runs!r}")
+    for m in methods:
+        if m not in METHODS:
+            raise ConfigError(f"methods: unknown method {m!r}; use {', '.join(METHODS)}")
+    say = progress or (lambda _line: None)
+    path = Path(profile_path) if profile_path is not None else default_profile_path()
+    profile = load_profile(path)
+    names = donors_of(profile)
+    data, expected = _make_state(state_mib)
+    total = len(data)
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-scale-")))
+        state_path = workdir / "replica.bin"
+        state_path.write_bytes(data)
+        del data
+        main_plan: list[tuple[str, str, WanProfile, float | None]] = []
+        for m in methods:
+            for r in range(runs if m == "chaos" else 1):
+                main_plan.append((f"{m}#{r}", m, profile, None))
+        if extras and "chaos" in methods:
+            joiner = profile.link(JOINER)
+            agg = sum(profile.path_bps(n, JOINER) for n in names)
+            cap = round(agg / 3e6, 3)  # the joiner's downlink at a third of the donors' sum
+            tight = parse_profile(
+                {
+                    **profile.model_dump(mode="json"),
+                    "parties": {
+                        **profile.model_dump(mode="json")["parties"],
+                        JOINER: {**joiner.model_dump(mode="json"), "down_mb_s": cap},
+                    },
+                }
+            )
+            main_plan.append(("bottleneck#chaos", "chaos", tight, None))
+            main_plan.append(("bottleneck#uniform", "uniform", tight, None))
+            main_plan.append(("bottleneck#single", "single", tight, None))
+        t_start = time.monotonic()
+        rows = asyncio.run(_session(profile, path, state_path, total, expected, workdir, main_plan))
+        for label, row in rows:
+            say(f"{label}: {row['delay_s']:.2f} s (bound {row['lower_bound_s']:.2f} s)")
+        grouped: dict[str, list[dict[str, Any]]] = {}
+        for label, row in rows:
+            key = label if label.startswith("bottleneck") else label.split("#")[0]
+            grouped.setdefault(key, []).append(row)
+        methods_out = {m: _median_row(grouped[m]) for m in methods}
+        result: dict[str, Any] = {
+            "profile": profile.name,
+            "profile_path": str(path),
+            "wan": wan,
+            "state_bytes": total,
+            "donors": len(names),
+            "lower_bound_s": methods_out[methods[0]]["lower_bound_s"],
+            "methods": methods_out,
+            "process_model": "donors: one OS process each; joiner: this process (asyncio)",
+            "window_per_donor": WINDOW,
+            "cpu_count": os.cpu_count(),
+        }
+        if "chaos" in methods:
+            result["summary"] = _summary(methods_out)
+        if extras and "chaos" in methods:
+            result["joiner_bottleneck"] = {
+                "down_mb_s": cap,
+                "methods": {
+                    k.split("#")[1]: grouped[k][0] for k in grouped if k.startswith("bottleneck")
+                },
+            }
+            death = asyncio.run(
+                _session(
+                    profile,
+                    path,
+                    state_path,
+                    total,
+                    expected,
+                    workdir,
+                    [("death#chaos", "chaos", profile, 0.5)],
+                )
+            )
+            result["donor_death"] = death[0][1]
+            say(f"donor death: {death[0][1]['delay_s']:.2f} s")
+            sweep: dict[str, Any] = {}
+            for n in sweep_donors:
+                sp = _sweep_profile(n, SCALE_OUT_SWEEP_MB_S, profile.link(JOINER))
+                sp_path = _write_profile(sp, workdir / f"sweep{n}.yaml")
+                got = asyncio.run(
+                    _session(
+                        sp, sp_path, state_path, total, expected, workdir,
+                        [(f"sweep{n}", "chaos", sp, None)],
+                    )
+                )  # fmt: skip
+                row = got[0][1]
+                sweep[str(n)] = {
+                    "delay_s": row["delay_s"],
+                    "lower_bound_s": row["lower_bound_s"],
+                    "ratio_to_bound": row["ratio_to_bound"],
+                }
+                say(f"sweep {n} donors: {row['delay_s']:.2f} s")
+            result["donor_sweep"] = {"link_mb_s": SCALE_OUT_SWEEP_MB_S, "by_donors": sweep}
+        result["wall_s"] = time.monotonic() - t_start
+    return result
+
+
+if __name__ == "__main__":
+    main()
