@@ -317,3 +317,34 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+@app.command()
+def status(
+    state_dir: str = typer.Option("", help="A party's chaos-state-dir to inspect (optional)."),
+) -> None:
+    """Show the strategy profiles available and, with --state-dir, a party's replicas (JSON)."""
+    from pathlib import Path
+
+    from chaos_flwr.flower.profiles import available_profiles, load_profile
+
+    out: dict[str, Any] = {
+        "profiles": {
+            name: {"strategy": load_profile(name).strategy, "chaos": load_profile(name).chaos}
+            for name in available_profiles()
+        }
+    }
+    if state_dir:
+        from chaos_flwr.store import ReplicaStore
+
+        directory = Path(state_dir) / "replicas"
+        if not directory.is_dir():
+            raise typer.BadParameter(f"no replica store at {directory}", param_hint="--state-dir")
+        store = ReplicaStore(directory)
+        latest = store.latest()
+        out["replicas"] = {
+            "rounds": store.rounds(),
+            "latest_round": latest.round if latest is not None else None,
+            "latest_digest": latest.digest().hex() if latest is not None else None,
+        }
+    _print_json(out)
+
+
