@@ -257,6 +257,48 @@ def bench_events(
 # --- bench scale-out -------------------------------------------------------------------------
 # (section owned by state transfer)
 
+
+@bench_app.command("scale-out")
+def bench_scale_out(
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="WAN profile YAML (default: wan8).")
+    ] = None,
+    wan: Annotated[str, typer.Option("--wan", help="Link mode: shaped.")] = "shaped",
+    state_mib: Annotated[int | None, typer.Option("--state-mib", help="State size, MiB.")] = None,
+    runs: Annotated[int | None, typer.Option("--runs", help="Runs of chaos (median).")] = None,
+    extras: Annotated[
+        bool, typer.Option("--extras/--no-extras", help="Sweep, donor death, bottleneck runs.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Move a real state to a joiner over shaped loopback links: chaos vs the baselines."""
+    from .bench.scale_out import run_scale_out
+    from .defaults import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
+    from .errors import ChaosError
+
+    try:
+        result = run_scale_out(
+            profile_path=profile,
+            wan=wan,
+            state_mib=SCALE_OUT_STATE_MIB if state_mib is None else state_mib,
+            runs=SCALE_OUT_RUNS if runs is None else runs,
+            extras=extras,
+            progress=None if as_json else typer.echo,
+        )
+    except ChaosError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        _print_json(result)
+        return
+    typer.echo(f"{result['state_bytes']} bytes, bound {result['lower_bound_s']:.3f} s")
+    for name, row in result["methods"].items():
+        typer.echo(
+            f"  {name:<10} {row['delay_s']:8.3f} s  x{row['ratio_to_bound']:.2f} of bound  "
+            f"idle {row['idle_s']:.1f} s"
+        )
+
+
 # --- demo / status ---------------------------------------------------------------------------
 # (section owned by the Flower integration)
 
