@@ -76,6 +76,7 @@ from .defaults import (
     PEER_MAX_REJECTIONS_LOGGED,
     PEER_PROBE_EVERY_HEARTBEATS,
     PEER_RETRY_INTERVAL_S,
+    WIRE_MAX_ENVELOPE_BYTES,
 )
 from .errors import (
     ChaosError,
@@ -215,6 +216,8 @@ class Peer:
         What this party declares about itself in heartbeats.
     on_apply : Callable[[AppliedChange], None], optional
         Called for every :class:`AppliedChange`, as it is appended to :attr:`applied`.
+    max_envelope_bytes : int, optional
+        Larger envelopes are refused unparsed (``OversizeError`` in :attr:`rejections`).
 
     Attributes
     ----------
@@ -241,6 +244,7 @@ class Peer:
         accept_link: Callable[[str], bool] | None = None,
         resources: Resources | None = None,
         on_apply: Callable[[AppliedChange], None] | None = None,
+        max_envelope_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
     ) -> None:
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise PolicyError(f"'incarnation' must be an integer >= 0, got {incarnation!r}")
@@ -275,6 +279,7 @@ class Peer:
         if resources is not None:
             self.monitor.declare(self.party_id, resources)
         self._guard = ReplayGuard()
+        self._max_envelope = max_envelope_bytes
         self._seq = 0
         self._joins: dict[str, _PendingJoin] = {}
         self._links: dict[str, _PendingLink] = {}
@@ -437,7 +442,7 @@ class Peer:
         """
         env: Envelope | None = None
         try:
-            env = open_sealed(data, self._keyring)
+            env = open_sealed(data, self._keyring, max_bytes=self._max_envelope)
             if env.sender == self.party_id:
                 raise PolicyError("envelope claims to come from this party itself")
             if env.to is not None and env.to != self.party_id:

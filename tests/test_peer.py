@@ -19,6 +19,7 @@ from chaos_flwr.charter import Charter
 from chaos_flwr.errors import (
     CharterError,
     DecodeError,
+    OversizeError,
     PolicyError,
     ReplayError,
     SignatureError,
@@ -541,6 +542,14 @@ def test_forged_altered_and_garbage_envelopes_are_rejected() -> None:
         p, seal(outsider, incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={}), Exception
     )
     assert isinstance(p.rejections[-1].error, UnknownPartyError)
+
+
+def test_oversized_envelope_is_refused_unparsed() -> None:
+    ch = charter(F, J)
+    p = Peer(F[0], ch, max_envelope_bytes=512)
+    p.bootstrap(0.0)
+    big = seal(F[1], incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={"rd": b"x" * 600})
+    _assert_rejected(p, big, OversizeError)
 
 
 def test_replayed_envelope_is_rejected() -> None:
