@@ -156,7 +156,6 @@ class _Peer:
         "inflight",
         "last_recv",
         "latency",
-        "pipeline_free",
         "queue",
         "rate",
         "status",
@@ -169,7 +168,6 @@ class _Peer:
         self.queue: deque[int] = deque()
         # index -> (sent_at, expected_done, deadline)
         self.inflight: dict[int, tuple[float, float, float]] = {}
-        self.pipeline_free = 0.0
         self.last_recv: float | None = None
         self.status = DonorStatus.LIVE
         self.bytes_ok = 0
@@ -259,7 +257,6 @@ class PullSession:
             if not (math.isfinite(rate) and rate > 0):
                 raise TransferError(f"bandwidth: donor {d.id!r} has {rate!r}; must be > 0")
             peer = _Peer(d.id, float(rate), float(d.latency))
-            peer.pipeline_free = now
             self._peers[d.id] = peer
         self._order = sorted(self._peers)
         assigned: set[int] = set()
@@ -393,6 +390,8 @@ class PullSession:
         ):
             return self._mark_bad(peer, now)
         if self._shards[index] is not None:
+            if sent is not None:
+                peer.last_recv = now
             return self._fill(now)
         try:
             self.manifest.verify_shard(index, data)
@@ -404,8 +403,12 @@ class PullSession:
         self._bytes_done += len(blob)
         peer.bytes_ok += len(blob)
         if sent is not None and blob:
-            begin = sent[0] if peer.last_recv is None else max(sent[0], peer.last_recv)
-            seconds = now - begin
+            if peer.last_recv is None or sent[0] >= peer.last_recv:
+                # The link was idle when this was requested: take the round trip out.
+                raw = now - sent[0]
+                seconds = max(raw - self._rtt(peer), 0.1 * raw)
+            else:
+                seconds = now - peer.last_recv
             if seconds > 0:
                 self._observations.append(Observation(donor, len(blob), seconds, now))
                 sample = len(blob) / seconds
@@ -487,19 +490,53 @@ class PullSession:
     def _service(self, peer: _Peer) -> float:
         return self.shard_bytes / peer.rate
 
+    def _pace(self, peer: _Peer, now: float) -> tuple[float, float]:
+        """Return ``(start, per_shard)``: in-flight shard ``i`` is expected at
+        ``start + (i + 1) * per_shard``.
+
+        ``start`` is when the donor's next in-flight shard began to flow (its request's round
+        trip, or the previous delivery). On schedule, ``per_shard`` is the service time at the
+        estimated rate. When the next shard is overdue it has taken ``now - start`` already and
+        is expected to take as long again, so a stalled donor looks slower and slower and its
+        shards become worth stealing or duplicating.
+        """
+        service = self._service(peer)
+        if not peer.inflight:
+            return now + self._rtt(peer) - service, service
+        first_sent = next(iter(peer.inflight.values()))[0]
+        start = first_sent + self._rtt(peer)
+        if peer.last_recv is not None:
+            start = max(start, peer.last_recv)
+        if now <= start + service:
+            return start, service
+        return start, 2.0 * (now - start)
+
+    def _pipeline_free(self, peer: _Peer, now: float) -> float:
+        """Estimated arrival of the donor's last in-flight shard."""
+        start, per_shard = self._pace(peer, now)
+        return start + len(peer.inflight) * per_shard
+
     def _backlog_finish(self, peer: _Peer, now: float) -> float:
-        return max(now, peer.pipeline_free) + len(peer.queue) * self._service(peer)
+        start, per_shard = self._pace(peer, now)
+        return start + (len(peer.inflight) + len(peer.queue)) * per_shard
 
     def _expected_done(self, peer: _Peer, index: int, now: float) -> float:
-        _sent, expected, _dl = peer.inflight[index]
-        if expected < now:  # overdue: assume it still needs a full service time
-            return now + self._service(peer)
-        return expected
+        start, per_shard = self._pace(peer, now)
+        return start + (list(peer.inflight).index(index) + 1) * per_shard
+
+    def _rtt(self, peer: _Peer) -> float:
+        return 2.0 * peer.latency
+
+    def _window_of(self, peer: _Peer) -> int:
+        # Enough requests in flight to cover the bandwidth-delay product, never fewer than
+        # ``window``: a pull over a long link would otherwise idle for a round trip per shard.
+        if self.shard_bytes <= 0:
+            return self._window
+        bdp = self._rtt(peer) * peer.rate / self.shard_bytes
+        return self._window + math.ceil(bdp)
 
     def _send(self, peer: _Peer, index: int, now: float) -> ShardRequest:
-        start_at = now + peer.latency if not peer.inflight else now
-        expected = max(start_at, peer.pipeline_free) + self._service(peer)
-        peer.pipeline_free = expected
+        expected = max(self._pipeline_free(peer, now), now + self._rtt(peer)) + self._service(peer)
         timeout = max(self._min_timeout, self._timeout_factor * (expected - now))
         peer.inflight[index] = (now, expected, now + timeout)
         self._holders.setdefault(index, set()).add(peer.id)
@@ -507,8 +544,7 @@ class PullSession:
         return ShardRequest(peer.id, index, start, end)
 
     def _steal(self, thief: _Peer, now: float) -> int | None:
-        lead = now + thief.latency if not thief.inflight else max(now, thief.pipeline_free)
-        mine = max(lead, thief.pipeline_free) + self._service(thief)
+        mine = max(self._pipeline_free(thief, now), now + self._rtt(thief)) + self._service(thief)
         victim: _Peer | None = None
         worst = -math.inf
         for donor in self._order:
@@ -543,7 +579,7 @@ class PullSession:
             progress = False
             for donor in self._order:
                 peer = self._peers[donor]
-                if peer.status != DonorStatus.LIVE or len(peer.inflight) >= self._window:
+                if peer.status != DonorStatus.LIVE or len(peer.inflight) >= self._window_of(peer):
                     continue
                 index: int | None = None
                 while peer.queue and index is None:
@@ -605,7 +641,7 @@ class PullSession:
             Donor(
                 id=p.id,
                 bandwidth=p.rate,
-                latency=0.0 if p.inflight else p.latency,
+                latency=0.0,
                 ready=max(0.0, self._backlog_finish(p, now) - now),
             )
             for p in live
