@@ -19,17 +19,23 @@ test; it does no I/O and reads no clock.
 
 Scheduling
 ----------
-* Each donor starts with the plan's shards as a queue and keeps at most ``window`` requests in
-  flight, so requests overlap the link latency.
+* Each donor starts with the plan's shards as a queue and keeps up to ``window`` plus its
+  bandwidth-delay product (``2 * latency * rate / shard_bytes``, rounded up) requests in
+  flight, so a long link never idles for a round trip between shards. ``Donor.latency`` is
+  taken as one-way; a request therefore costs one round trip before its first byte, one
+  latency more than the planner's model, which a carrier can save by sending the first
+  requests together with the join message.
 * **Pull queue.** A donor whose queue is empty takes the *tail* of the queue of the donor with
   the latest estimated finish, when it would finish that shard earlier than that donor would;
   once no queued shard is left, it may duplicate the in-flight shard expected last (each shard
-  at most twice); the first verified copy wins and the other is cancelled.
+  at most twice); the first verified copy wins and the other copy is cancelled.
 * **Estimates.** A donor's rate starts at the plan's rate (or its bandwidth) and is smoothed with
   every shard it delivers (``TRANSFER_RATE_EWMA_ALPHA``). The seconds of a shard are counted
-  from the later of its request and the donor's previous delivery, so pipelined shards measure
-  the link, not the queue. :meth:`PullSession.observations` returns ``(donor, bytes, seconds)``
-  for the monitor.
+  from the donor's previous delivery, or from its request minus the round trip when the link
+  was idle, so samples measure the link, not the queue or the latency.
+  :meth:`PullSession.observations` returns ``(donor, bytes, seconds)`` for the monitor. A shard
+  that is overdue (no delivery for longer than one service time) is expected to take as long
+  again as it already has, so a stalled donor looks slower and slower and its shards move.
 * **Faults.** A shard that fails verification marks its donor bad (nothing more is taken from
   it). A lost, bad or timed-out donor's missing shards are re-planned over the live donors with
   :func:`~chaos_flwr.planner.plan_transfer` (each donor's current backlog as its ``ready``
