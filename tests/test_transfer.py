@@ -427,3 +427,122 @@ def test_shard_server_caps_concurrent_uploads_and_reads_only_the_range() -> None
     assert m == Manifest.build(data, 4096)
     with pytest.raises(TransferError, match="max_concurrent_uploads"):
         ShardServer(data, max_concurrent_uploads=0)
+
+
+# --- over loopback: asyncio + TCP on 127.0.0.1 -----------------------------------------------
+
+
+async def _serve_donor(
+    data: bytes, *, corrupt: bool, stop_after: int | None
+) -> tuple[Any, int, dict[str, int]]:
+    """A tiny donor: lines ``index start end`` in, ``index length`` + bytes out."""
+    import asyncio
+
+    server_state = {"served": 0}
+    shard_server = ShardServer(data, max_concurrent_uploads=2)
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lock = asyncio.Lock()
+
+        async def upload(u: Any) -> None:
+            payload = shard_server.read(u)
+            if corrupt and payload:
+                payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+            async with lock:
+                writer.write(f"{u.index} {len(payload)}\n".encode() + payload)
+                await writer.drain()
+            server_state["served"] += 1
+            for nxt in shard_server.finish(u):
+                tasks.add(asyncio.ensure_future(upload(nxt)))
+
+        tasks: set[Any] = set()
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                if stop_after is not None and server_state["served"] >= stop_after:
+                    break  # the donor "crashes": drop the connection
+                index, start, end = (int(x) for x in line.split())
+                for u in shard_server.request("joiner", index, start, end):
+                    tasks.add(asyncio.ensure_future(upload(u)))
+        finally:
+            for t in tasks:
+                t.cancel()
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, port, server_state
+
+
+@pytest.mark.timeout(60)
+def test_pull_over_loopback_with_a_bad_and_a_crashing_donor() -> None:
+    import asyncio
+    import time
+
+    data = _data(3_000_000, seed=5)
+    digest = hashlib.sha256(data).digest()
+
+    async def main() -> PullSession:
+        specs = {"good": (False, None), "liar": (True, None), "crash": (False, 3)}
+        servers, conns = [], {}
+        for name, (corrupt, stop_after) in specs.items():
+            server, port, _ = await _serve_donor(data, corrupt=corrupt, stop_after=stop_after)
+            servers.append(server)
+            conns[name] = await asyncio.open_connection("127.0.0.1", port)
+        donors = [Donor(n, 50e6, 0.001) for n in specs]
+        plan = plan_transfer(len(data), donors, max_shards=64, min_shard_bytes=16 * 1024)
+        manifest = Manifest.build(data, plan.shard_bytes, num_shards=plan.num_shards)
+        clock = time.monotonic
+        session = PullSession(manifest, plan, donors, now=clock(), expected_digest=digest)
+        changed = asyncio.Event()
+
+        def act(actions: list[Any]) -> None:
+            for a in actions:
+                if isinstance(a, ShardRequest):
+                    writer = conns[a.donor][1]
+                    if not writer.is_closing():
+                        writer.write(f"{a.index} {a.start} {a.end}\n".encode())
+            changed.set()
+
+        async def reader_loop(name: str) -> None:
+            reader = conns[name][0]
+            try:
+                while True:
+                    head = await reader.readline()
+                    if not head:
+                        break
+                    index, n = (int(x) for x in head.split())
+                    payload = await reader.readexactly(n)
+                    act(session.on_shard(name, index, payload, clock()))
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            if not session.done:
+                act(session.on_donor_lost(name, clock()))  # the carrier saw the link drop
+
+        readers = [asyncio.ensure_future(reader_loop(n)) for n in specs]
+        act(session.poll(clock()))
+        deadline = clock() + 30
+        while not session.done and clock() < deadline:
+            changed.clear()
+            try:
+                await asyncio.wait_for(changed.wait(), 0.05)
+            except TimeoutError:
+                act(session.tick(clock()))
+        for r in readers:
+            r.cancel()
+        for _, writer in conns.values():
+            writer.close()
+        for server in servers:
+            server.close()
+            await server.wait_closed()
+        return session
+
+    session = asyncio.run(main())
+    assert session.done
+    assert hashlib.sha256(session.assemble()).digest() == digest
+    assert session.status("liar") == DonorStatus.BAD
+    assert session.status("crash") == DonorStatus.LOST
+    got = session.progress(0.0).bytes_by_donor
+    assert got["liar"] == 0 and got["good"] > 0
