@@ -345,8 +345,12 @@ async def _pull_chaos(
                 tasks.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             for t in done:
-                donor, index = tasks.pop(t)
-                by_key.pop((donor, index), None)
+                entry = tasks.pop(t, None)
+                if entry is None:  # cancelled by an action earlier in this batch
+                    continue
+                donor, index = entry
+                if by_key.get(entry) is t:
+                    del by_key[entry]
                 if t.cancelled():
                     continue
                 exc = t.exception()
