@@ -423,9 +423,6 @@ class PullSession:
         for other in sorted(self._holders.pop(index, set())):
             self._peers[other].inflight.pop(index, None)
             actions.append(CancelRequest(other, index))
-        for p in self._peers.values():  # a stale queued copy (after re-plans) is dropped
-            if index in p.queue:
-                p.queue.remove(index)
         actions.extend(self._fill(now))
         return actions
 
@@ -561,7 +558,13 @@ class PullSession:
             if finish > worst:
                 worst, victim = finish, p
         if victim is not None:
-            return victim.queue.pop() if mine < worst else None
+            if mine >= worst:
+                return None
+            while victim.queue:  # skip copies that a re-plan left behind and that are done
+                index = victim.queue.pop()
+                if self._shards[index] is None and index not in thief.inflight:
+                    return index
+            return None
         # Endgame: duplicate the in-flight shard expected last, if we would beat it.
         best: tuple[float, int] | None = None
         for donor in self._order:
