@@ -333,6 +333,8 @@ async def _pull_chaos(
                     tasks.pop(old, None)
                     info["cancelled"] += 1
 
+    t_begin = clock()
+    last_at: dict[str, float] = {}
     launch(session.poll(clock()))
     killed = False
     try:
@@ -360,13 +362,18 @@ async def _pull_chaos(
                     launch(session.on_donor_lost(donor, clock()))
                 else:
                     launch(session.on_shard(donor, index, t.result(), clock()))
+                    last_at[donor] = clock() - t_begin
             launch(session.tick(clock()))
             fraction = session.progress(clock()).fraction
             if kill is not None and not killed and kill_at is not None and fraction >= kill_at:
                 kill()
                 killed = True
                 info["killed_at_fraction"] = fraction
+        info["pull_s"] = clock() - t_begin
         data = session.assemble()
+        info["assemble_s"] = clock() - t_begin - info["pull_s"]
+        info["last_shard_at_s"] = dict(sorted(last_at.items()))
+        info["donor_status"] = {d.id: session.status(d.id) for d in donors}
     finally:
         for t in tasks:
             t.cancel()
@@ -470,6 +477,11 @@ async def _run_method(
             "planned_makespan_s": plan.makespan,
             "lost_donors": info["lost"],
             "cancelled_requests": info["cancelled"],
+            "pull_s": info["pull_s"],
+            "pull_ratio_to_bound": info["pull_s"] / bound if bound > 0 else None,
+            "assemble_s": info["assemble_s"],
+            "last_shard_at_s": info["last_shard_at_s"],
+            "donor_status": info["donor_status"],
         }
         if victim is not None:
             extra["killed_donor"] = victim
