@@ -181,3 +181,33 @@ def test_slow_handler_times_out_and_bad_config_is_refused() -> None:
         GrpcCarrier("")
     with pytest.raises(ConfigError, match="chunk_bytes"):
         GrpcCarrier("a", chunk_bytes=0)
+
+
+def test_a_restarted_peer_is_reached_at_its_new_address() -> None:
+    async def run() -> None:
+        def replier(tag: bytes):  # type: ignore[no-untyped-def]
+            async def handle(src: str, data: bytes) -> bytes:
+                return tag + data
+
+            return handle
+
+        old = GrpcCarrier("x")
+        await old.start(replier(b"old:"))
+        caller = GrpcCarrier("y")
+        try:
+            assert old.address is not None
+            caller.add_peer("x", old.address)
+            assert await caller.request("x", b"1") == b"old:1"
+            await old.close()
+            with pytest.raises(TransportError):
+                await caller.request("x", b"2", timeout=5)
+            new = GrpcCarrier("x")
+            await new.start(replier(b"new:"))
+            assert new.address is not None and new.address != old.address
+            caller.add_peer("x", new.address)
+            assert await caller.request("x", b"3") == b"new:3"
+            await new.close()
+        finally:
+            await caller.close()
+
+    asyncio.run(run())

@@ -108,6 +108,7 @@ class GrpcCarrier(Carrier):
         self._server: grpc.aio.Server | None = None
         self._handler: Handler | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self.address: str | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -117,7 +118,12 @@ class GrpcCarrier(Carrier):
         if self.directory.get(party_id) != address:
             old = self._channels.pop(party_id, None)
             if old is not None:
-                asyncio.get_running_loop().create_task(old.close())
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # no loop: the channel is dropped with its loop
+                    loop = None
+                if loop is not None:
+                    self._closing.add(loop.create_task(old.close()))
         self.directory[party_id] = address
 
     # --- serving -----------------------------------------------------------------------------
@@ -237,5 +243,8 @@ class GrpcCarrier(Carrier):
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+        closing, self._closing = self._closing, set()
+        for task in closing:
+            await task
         if server is not None:
             await server.stop(TRANSPORT_STOP_GRACE_S)
