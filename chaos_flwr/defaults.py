@@ -45,6 +45,8 @@ WIRE_MAX_AGE_S: float | None = None
 WIRE_BENCH_PAYLOAD_BYTES: tuple[int, ...] = (64, 1024, 16 * 1024, 256 * 1024)
 #: Iterations per timed run of ``chaos-flwr bench wire``.
 WIRE_BENCH_REPEATS: int = 500
+#: Fewest iterations per timed run (large payloads run ``repeats * 1 KiB / size`` of them).
+WIRE_BENCH_MIN_REPEATS: int = 20
 #: Timed runs per figure of ``chaos-flwr bench wire`` (the median is reported).
 WIRE_BENCH_ROUNDS: int = 5
 

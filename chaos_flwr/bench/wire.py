@@ -25,7 +25,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..defaults import WIRE_BENCH_PAYLOAD_BYTES, WIRE_BENCH_REPEATS, WIRE_BENCH_ROUNDS
+from ..defaults import (
+    WIRE_BENCH_MIN_REPEATS,
+    WIRE_BENCH_PAYLOAD_BYTES,
+    WIRE_BENCH_REPEATS,
+    WIRE_BENCH_ROUNDS,
+)
 from ..identity import Identity, verify_signature
 from ..wire import DOMAIN, ReplayGuard, open_sealed, seal
 
@@ -71,19 +76,21 @@ def run_wire(
     sizes
         Approximate payload sizes in bytes.
     repeats, rounds
-        Iterations per timed run, and runs per figure (the median is reported).
+        Iterations per timed run (for payloads up to 1 KiB; larger ones run proportionally
+        fewer, at least ``WIRE_BENCH_MIN_REPEATS``), and runs per figure (median reported).
 
     Returns
     -------
     dict
-        ``{"sizes": [{"payload_bytes", "envelope_bytes", "seal_us", "open_us", "guard_us",
-        "roundtrip_us", "sign_us", "verify_us"}, ...], "repeats", "rounds"}``.
+        ``{"sizes": [{"payload_bytes", "repeats", "envelope_bytes", "seal_us", "open_us",
+        "guard_us", "roundtrip_us", "sign_us", "verify_us"}, ...], "repeats", "rounds"}``.
     """
     alice = Identity.from_seed(b"bench-wire-alice")
     keyring = {alice.party_id: alice.public_key}
     rows = []
     for size in sizes:
         payload = _payload(size)
+        runs = max(WIRE_BENCH_MIN_REPEATS, repeats * 1024 // max(1024, size))
         data = seal(alice, incarnation=0, seq=0, timestamp=0.0, kind="rec", payload=payload)
         head = DOMAIN + data[:-64]
         signature = data[-64:]
@@ -92,7 +99,7 @@ def run_wire(
                 seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload),
                 keyring,
             )
-            for i in range(repeats * rounds)
+            for i in range(runs * rounds)
         ]
         guard = ReplayGuard()
 
@@ -128,13 +135,14 @@ def run_wire(
         rows.append(
             {
                 "payload_bytes": size,
+                "repeats": runs,
                 "envelope_bytes": len(data),
-                "seal_us": round(_time(do_seal, repeats, rounds), 2),
-                "open_us": round(_time(do_open, repeats, rounds), 2),
-                "guard_us": round(_time(do_guard, repeats, rounds), 2),
-                "roundtrip_us": round(_time(do_round, repeats, rounds), 2),
-                "sign_us": round(_time(do_sign, repeats, rounds), 2),
-                "verify_us": round(_time(do_verify, repeats, rounds), 2),
+                "seal_us": round(_time(do_seal, runs, rounds), 2),
+                "open_us": round(_time(do_open, runs, rounds), 2),
+                "guard_us": round(_time(do_guard, runs, rounds), 2),
+                "roundtrip_us": round(_time(do_round, runs, rounds), 2),
+                "sign_us": round(_time(do_sign, runs, rounds), 2),
+                "verify_us": round(_time(do_verify, runs, rounds), 2),
             }
         )
     return {"sizes": rows, "repeats": repeats, "rounds": rounds}
