@@ -19,7 +19,9 @@ state against the header's digest, and the round inside the state against the fi
 mismatch raises :class:`~chaos_flwr.errors.StoreError`. Serving a byte range (a shard) reads
 only that range with ``os.pread`` from an open file descriptor; replica files are immutable
 once renamed, so a donor serves them while its training loop writes the next round, and a
-pruned file stays readable through descriptors that are already open.
+pruned file stays readable through descriptors that are already open. Opening a store removes
+temporary files only when the process that wrote them is gone (the writer's pid is in the
+name), so a reader that opens the directory never breaks a put in progress.
 
 This module does I/O (files); it reads no clock. One writer per directory.
 """
@@ -69,6 +71,20 @@ def _pread_exact(fd: int, n: int, offset: int, path: Path) -> bytes:
     if len(out) != n:
         raise StoreError(f"{path}: truncated (wanted {n} bytes at offset {offset})")
     return out
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    """True if the process that owns temporary file ``tmp_name`` still runs (keep its file)."""
+    parts = tmp_name[len(_TMP_PREFIX) :].split("-")
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -279,7 +295,7 @@ class ReplicaStore:
         except OSError as exc:
             raise StoreError(f"directory: cannot create {self.directory} ({exc})") from exc
         for entry in self.directory.iterdir():
-            if entry.name.startswith(_TMP_PREFIX):
+            if entry.name.startswith(_TMP_PREFIX) and not _writer_alive(entry.name):
                 with contextlib.suppress(OSError):
                     entry.unlink()
 
@@ -341,7 +357,7 @@ class ReplicaStore:
         }
         header = codec.encode(fields)
         prefix = REPLICA_MAGIC + _U32.pack(len(header))
-        tmp = self.directory / f"{_TMP_PREFIX}{state.round}-{uuid.uuid4().hex}"
+        tmp = self.directory / f"{_TMP_PREFIX}{state.round}-{os.getpid()}-{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:

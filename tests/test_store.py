@@ -151,10 +151,16 @@ def test_range_reads_and_manifest_from_replica(tmp_path: Path) -> None:
 def test_stale_temp_files_are_removed_on_open(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path)
     store.put(_state(1))
-    (tmp_path / ".tmp-round-2-deadbeef").write_bytes(b"half a replica")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".tmp-round-2-{dead.pid}-deadbeef").write_bytes(b"half a replica")
+    (tmp_path / ".tmp-round-3-junk").write_bytes(b"not ours either")
+    live = f".tmp-round-4-{os.getpid()}-cafe"  # a writer that is still running
+    (tmp_path / live).write_bytes(b"in progress")
     (tmp_path / "notes.txt").write_text("kept")
     ReplicaStore(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        live,
         "notes.txt",
         "round-000000000001.replica",
     ]
@@ -231,5 +237,5 @@ def test_sigkill_during_put_never_leaves_a_bad_replica(tmp_path: Path) -> None:
             assert loaded.round == kept
             assert np.all(loaded.arrays["w"] == np.float32(kept))
         assert present, "a crash must never remove the previous round"
-        assert all(not p.name.startswith(".tmp") for p in directory.iterdir())
+        assert all(not p.name.startswith(".tmp") for p in directory.iterdir())  # dead writer
     assert interrupted >= 3, "the kills should land inside put most of the time"
