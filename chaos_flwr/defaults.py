@@ -205,3 +205,9 @@ SCALE_OUT_SWEEP_MB_S: float = 5.0
 SCALE_OUT_SWEEP_DONORS: tuple[int, ...] = (2, 4, 8, 16)
 #: Longest a donor process may take to start and report its port, in seconds.
 SCALE_OUT_DONOR_STARTUP_S: float = 30.0
+#: The scale-out benchmark's request timeout factor (PullSession ``timeout_factor``); looser
+#: than the engine default because CPU stalls on a shared 2-core machine are not link failures
+#: (a killed donor is still detected at once: its connection closes).
+SCALE_OUT_TIMEOUT_FACTOR: float = 10.0
+#: ... and the benchmark's shortest request timeout (PullSession ``min_timeout_s``), seconds.
+SCALE_OUT_MIN_TIMEOUT_S: float = 5.0

@@ -58,11 +58,13 @@ import yaml
 
 from ..defaults import (
     SCALE_OUT_DONOR_STARTUP_S,
+    SCALE_OUT_MIN_TIMEOUT_S,
     SCALE_OUT_RUNS,
     SCALE_OUT_STATE_MIB,
     SCALE_OUT_STORAGE_MB_S,
     SCALE_OUT_SWEEP_DONORS,
     SCALE_OUT_SWEEP_MB_S,
+    SCALE_OUT_TIMEOUT_FACTOR,
     SCALE_OUT_TIMEOUT_S,
     SHAPING_BURST_BYTES,
 )
@@ -313,7 +315,14 @@ async def _pull_chaos(
     loop = asyncio.get_running_loop()
     clock = loop.time
     session = PullSession(
-        manifest, plan, donors, now=clock(), expected_digest=expected, window=WINDOW
+        manifest,
+        plan,
+        donors,
+        now=clock(),
+        expected_digest=expected,
+        window=WINDOW,
+        timeout_factor=SCALE_OUT_TIMEOUT_FACTOR,
+        min_timeout_s=SCALE_OUT_MIN_TIMEOUT_S,
     )
     tasks: dict[asyncio.Task[bytes], tuple[str, int]] = {}
     by_key: dict[tuple[str, int], asyncio.Task[bytes]] = {}
