@@ -437,6 +437,18 @@ async def _checkpoint(
     return len(data)
 
 
+def _baseline_shards(total: int, plan_shards: int, donors: int) -> tuple[int, int]:
+    """Shard size and count of the uniform/single baselines.
+
+    The chaos plan's shard count, but at least 64 shards per donor (capped by ``MAX_SHARDS`` and
+    ``MIN_SHARD_BYTES``), so an equal split reaches every donor even when the planner picked few
+    large shards (as it does when the joiner's downlink caps the transfer).
+    """
+    k = max(plan_shards, min(MAX_SHARDS, 64 * donors, -(-total // MIN_SHARD_BYTES)), 1)
+    shard = max(1, -(-total // k))
+    return shard, -(-total // shard)
+
+
 def _split(k: int, names: Sequence[str]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     base, extra = divmod(k, len(names))
@@ -502,7 +514,7 @@ async def _run_method(
         plan = plan_transfer(
             total, donors, max_shards=MAX_SHARDS, min_shard_bytes=MIN_SHARD_BYTES, ingress=ingress
         )
-        k, shard = plan.num_shards, plan.shard_bytes
+        shard, k = _baseline_shards(total, plan.num_shards, len(names))
         manifest = await _fetch_manifest(carrier, fastest, shard, k)
         assignment = _split(k, names) if method == "uniform" else {fastest: list(range(k))}
         data, by_donor = await _pull_static(carrier, manifest, assignment, expected)
@@ -578,6 +590,10 @@ async def _session(
                 )
                 live = [n for n in names if donor_set.procs[n].poll() is None]
                 await _prepare(carrier, live, p.shard_bytes, p.num_shards)
+                if method in ("uniform", "single"):
+                    await _prepare(
+                        carrier, live, *_baseline_shards(total, p.num_shards, len(names))
+                    )
                 result = await asyncio.wait_for(
                     _run_method(
                         method,
