@@ -54,6 +54,7 @@ donor's training loop: replicas are immutable files, so serving needs no lock an
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -277,6 +278,10 @@ class PullSession:
                 assigned.add(i)
             self._peers[donor_id].queue.extend(shards)
         self._shards: list[bytes | None] = [None] * self.num_shards
+        # The state digest is computed as shards arrive, over the longest verified prefix, so
+        # hashing overlaps the transfer instead of adding a full pass at the end.
+        self._prefix_hash = hashlib.sha256()
+        self._prefix = 0
         self._done_count = 0
         self._bytes_done = 0
         self._holders: dict[int, set[str]] = {}
@@ -405,6 +410,7 @@ class PullSession:
             return self._mark_bad(peer, now, also=[index])
         blob = data if isinstance(data, bytes) else bytes(data)
         self._shards[index] = blob
+        self._advance_prefix()
         self._done_count += 1
         self._bytes_done += len(blob)
         peer.bytes_ok += len(blob)
@@ -483,12 +489,29 @@ class PullSession:
                 "keep driving the session until done"
             )
         data = b"".join(s for s in self._shards if s is not None)
-        self.manifest.verify_state(data)
+        if (
+            len(data) != self.total_bytes
+            or self._prefix_hash.digest() != self.manifest.state_digest
+        ):
+            raise ShardIntegrityError(
+                "state: SHA-256 of the reassembled state differs from the certified state "
+                "digest (the manifest does not describe the certified state); fetch a manifest "
+                "from another donor and transfer again"
+            )
         if self._expected is not None:
             self.manifest.check_certified(self._expected)
         return data
 
     # --- internals -------------------------------------------------------------------------
+
+    def _advance_prefix(self) -> None:
+        shards = self._shards
+        while self._prefix < self.num_shards:
+            blob = shards[self._prefix]
+            if blob is None:
+                return
+            self._prefix_hash.update(blob)
+            self._prefix += 1
 
     def _service(self, peer: _Peer) -> float:
         return self.shard_bytes / peer.rate
