@@ -125,14 +125,31 @@ def test_large_k_agrees_with_heap_greedy() -> None:
 
 def test_tie_prefers_larger_bandwidth_then_smaller_id() -> None:
     # s = 1 byte: A finishes shards at 1.0, 1.5, 2.0, ...; B at 1.0, 2.0, 3.0, ... (exact floats)
-    a = Donor("A", bandwidth=2.0, latency=0.5)
-    b = Donor("B", bandwidth=1.0)
-    assert counts_of(fixed_k(1, [b, a], 1)) == {"A": 1}
-    assert counts_of(fixed_k(3, [b, a], 3)) == {"A": 2, "B": 1}
-    assert counts_of(fixed_k(4, [b, a], 4)) == {"A": 3, "B": 1}  # tie at 2.0 goes to A
+    # The faster donor has the larger id, so an id-only tie rule would give the other answer.
+    a = Donor("z-fast", bandwidth=2.0, latency=0.5)
+    b = Donor("a-slow", bandwidth=1.0)
+    assert counts_of(fixed_k(1, [b, a], 1)) == {"z-fast": 1}
+    assert counts_of(fixed_k(3, [b, a], 3)) == {"z-fast": 2, "a-slow": 1}
+    assert counts_of(fixed_k(4, [b, a], 4)) == {"z-fast": 3, "a-slow": 1}  # tie at 2.0
     # Equal bandwidth and equal times: the smaller id wins the odd shard.
     x, y = Donor("x", 10.0), Donor("y", 10.0)
     assert counts_of(fixed_k(30, [y, x], 3)) == {"x": 2, "y": 1}
+
+
+def test_exact_ties_everywhere_match_the_heap_greedy() -> None:
+    # Zero start and power-of-two bandwidth ratios make many finish values exactly equal.
+    rng = random.Random(13)
+    for _ in range(400):
+        donors = [
+            Donor(f"{rng.randrange(10**6):06d}-{i}", rng.choice([1000.0, 2000.0, 4000.0]))
+            for i in range(rng.randint(2, 9))
+        ]
+        k = rng.randint(1, 100)
+        total = k * rng.randint(1, 1000)
+        plan = fixed_k(total, donors, k)
+        value, counts = reference_greedy(total, donors, k)
+        assert counts_of(plan) == counts
+        assert plan.makespan == value
 
 
 def test_degenerate_float_ties_stay_exact() -> None:
