@@ -29,6 +29,53 @@ def _print_json(result: Any) -> None:
 # --- bench planner ---------------------------------------------------------------------------
 # (section owned by the planner)
 
+
+@bench_app.command("planner")
+def bench_planner(
+    json_out: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+    repeats: int = typer.Option(200, "--repeats", min=1, help="Timed plans per size."),
+    milp: bool = typer.Option(True, "--milp/--no-milp", help="Also time the exact MILP."),
+) -> None:
+    """Time the shard planner (m donors x max_shards) against the exact MILP."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.planner import run_planner_bench
+
+    result = run_planner_bench(repeats=repeats, milp=milp)
+    if json_out:
+        _print_json(result)
+        return
+    table = Table(title=f"shard planner, pinned core {result['pinned_core']}")
+    for col in (
+        "m",
+        "max_shards",
+        "K",
+        "makespan s",
+        "bound s",
+        "median ms",
+        "MILP ms",
+        "match",
+        "speedup",
+    ):
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        mi = r["milp"]
+        ok = mi["status"] == "optimal"
+        table.add_row(
+            str(r["m"]),
+            str(r["max_shards"]),
+            str(r["num_shards"]),
+            f"{r['makespan_s']:.4f}",
+            f"{r['lower_bound_s']:.4f}",
+            f"{r['median_ms']:.3f}",
+            f"{mi['time_ms']:.1f}" if ok else mi["status"],
+            str(mi["makespan_match"]) if ok else "-",
+            f"{mi['speedup']:.0f}x" if ok else "-",
+        )
+    Console().print(table)
+
+
 # --- identity / charter ----------------------------------------------------------------------
 # (section owned by identity and charter)
 
