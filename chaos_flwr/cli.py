@@ -6,6 +6,7 @@ package, the CLI only parses options, shows progress and prints results.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -305,6 +306,48 @@ def bench_events(
 # (section owned by state transfer)
 
 
+class _TransferBar:
+    """A rich progress bar per transfer: verified bytes, ETA, and the top donors' shares."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description:<18}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("eta {task.fields[eta]}"),
+            TextColumn("{task.fields[donors]}"),
+        )
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> _TransferBar:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def say(self, line: str) -> None:
+        self._progress.console.print(line)
+
+    def update(self, label: str, snapshot: Any) -> None:
+        task = self._tasks.get(label)
+        if task is None:
+            task = self._progress.add_task(label, total=snapshot.total_bytes, eta="?", donors="")
+            self._tasks[label] = task
+        shares = sorted(snapshot.bytes_by_donor.items(), key=lambda kv: -kv[1])
+        total = max(snapshot.total_bytes, 1)
+        donors = " ".join(f"{d}:{100 * n / total:.0f}%" for d, n in shares[:4] if n)
+        eta = "-" if snapshot.eta_s is None else f"{snapshot.eta_s:.1f}s"
+        self._progress.update(task, completed=snapshot.bytes_done, eta=eta, donors=donors)
+
+
 @bench_app.command("scale-out")
 def bench_scale_out(
     profile: Annotated[
@@ -323,15 +366,18 @@ def bench_scale_out(
     from .defaults import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
     from .errors import ChaosError
 
+    bar = None if as_json else _TransferBar()
     try:
-        result = run_scale_out(
-            profile_path=profile,
-            wan=wan,
-            state_mib=SCALE_OUT_STATE_MIB if state_mib is None else state_mib,
-            runs=SCALE_OUT_RUNS if runs is None else runs,
-            extras=extras,
-            progress=None if as_json else typer.echo,
-        )
+        with bar if bar is not None else contextlib.nullcontext():
+            result = run_scale_out(
+                profile_path=profile,
+                wan=wan,
+                state_mib=SCALE_OUT_STATE_MIB if state_mib is None else state_mib,
+                runs=SCALE_OUT_RUNS if runs is None else runs,
+                extras=extras,
+                progress=None if bar is None else bar.say,
+                on_transfer=None if bar is None else bar.update,
+            )
     except ChaosError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

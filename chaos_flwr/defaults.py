@@ -199,6 +199,8 @@ SCALE_OUT_STORAGE_MB_S: float = 20.0
 SCALE_OUT_RUNS: int = 3
 #: Longest one scale-out transfer may take before the benchmark gives up, in seconds.
 SCALE_OUT_TIMEOUT_S: float = 300.0
+#: Seconds between progress reports of a running scale-out transfer (CLI progress bar).
+SCALE_OUT_PROGRESS_INTERVAL_S: float = 0.1
 #: Link speed of every donor in the donor-count sweep, in MB/s.
 SCALE_OUT_SWEEP_MB_S: float = 5.0
 #: Donor counts of the sweep.

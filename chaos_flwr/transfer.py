@@ -72,6 +72,9 @@ from .errors import ShardIntegrityError, TransferError
 from .planner import Donor, TransferPlan, plan_transfer
 from .state import Manifest, shard_range
 
+#: Marks an arrived shard in ``PullSession._shards`` (its bytes live in the session buffer).
+_ARRIVED = b""
+
 __all__ = [
     "Action",
     "CancelRequest",
@@ -277,7 +280,10 @@ class PullSession:
                     raise TransferError(f"plan.assignment: shard {i} is out of range or repeated")
                 assigned.add(i)
             self._peers[donor_id].queue.extend(shards)
+        # Verified shards are copied into their place in one buffer as they arrive (the copy
+        # and the buffer's page faults overlap the transfer); ``_shards[i]`` marks arrival.
         self._shards: list[bytes | None] = [None] * self.num_shards
+        self._buffer = bytearray(self.total_bytes)
         # The state digest is computed as shards arrive, over the longest verified prefix, so
         # hashing overlaps the transfer instead of adding a full pass at the end.
         self._prefix_hash = hashlib.sha256()
@@ -408,13 +414,15 @@ class PullSession:
             self.manifest.verify_shard(index, data)
         except ShardIntegrityError:
             return self._mark_bad(peer, now, also=[index])
-        blob = data if isinstance(data, bytes) else bytes(data)
-        self._shards[index] = blob
+        start, end = self.manifest.shard_range(index)
+        self._buffer[start:end] = data
+        self._shards[index] = _ARRIVED
         self._advance_prefix()
         self._done_count += 1
-        self._bytes_done += len(blob)
-        peer.bytes_ok += len(blob)
-        if sent is not None and blob:
+        size = end - start
+        self._bytes_done += size
+        peer.bytes_ok += size
+        if sent is not None and size:
             if peer.last_recv is None or sent[0] >= peer.last_recv:
                 # The link was idle when this was requested: take the round trip out.
                 raw = now - sent[0]
@@ -422,8 +430,8 @@ class PullSession:
             else:
                 seconds = now - peer.last_recv
             if seconds > 0:
-                self._observations.append(Observation(donor, len(blob), seconds, now))
-                sample = len(blob) / seconds
+                self._observations.append(Observation(donor, size, seconds, now))
+                sample = size / seconds
                 peer.rate = (1 - self._alpha) * peer.rate + self._alpha * sample
         peer.last_recv = now
         for other in sorted(self._holders.pop(index, set())):
@@ -473,8 +481,8 @@ class PullSession:
         ]
         return min(deadlines) if deadlines else None
 
-    def assemble(self) -> bytes:
-        """Return the verified state bytes.
+    def assemble(self) -> bytearray:
+        """Return the verified state bytes (the session's buffer, handed over without a copy).
 
         Raises
         ------
@@ -488,11 +496,8 @@ class PullSession:
                 f"assemble: {self.num_shards - self._done_count} shards are still missing; "
                 "keep driving the session until done"
             )
-        data = b"".join(s for s in self._shards if s is not None)
-        if (
-            len(data) != self.total_bytes
-            or self._prefix_hash.digest() != self.manifest.state_digest
-        ):
+        data = self._buffer
+        if self._prefix_hash.digest() != self.manifest.state_digest:
             raise ShardIntegrityError(
                 "state: SHA-256 of the reassembled state differs from the certified state "
                 "digest (the manifest does not describe the certified state); fetch a manifest "
@@ -506,11 +511,12 @@ class PullSession:
 
     def _advance_prefix(self) -> None:
         shards = self._shards
+        view = memoryview(self._buffer)
         while self._prefix < self.num_shards:
-            blob = shards[self._prefix]
-            if blob is None:
+            if shards[self._prefix] is None:
                 return
-            self._prefix_hash.update(blob)
+            start, end = self.manifest.shard_range(self._prefix)
+            self._prefix_hash.update(view[start:end])
             self._prefix += 1
 
     def _service(self, peer: _Peer) -> float:

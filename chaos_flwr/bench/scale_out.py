@@ -39,6 +39,8 @@ donors serve from immutable replica files while their training continues.
 from __future__ import annotations
 
 import asyncio
+import functools
+import math
 import mmap
 import os
 import statistics
@@ -59,6 +61,7 @@ import yaml
 from ..defaults import (
     SCALE_OUT_DONOR_STARTUP_S,
     SCALE_OUT_MIN_TIMEOUT_S,
+    SCALE_OUT_PROGRESS_INTERVAL_S,
     SCALE_OUT_RUNS,
     SCALE_OUT_STATE_MIB,
     SCALE_OUT_STORAGE_MB_S,
@@ -71,7 +74,7 @@ from ..defaults import (
 from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
 from ..planner import Donor, lower_bound, plan_transfer
 from ..state import Manifest, TrainingState, state_digest
-from ..transfer import CancelRequest, PullSession, ShardRequest, ShardServer
+from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
 from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
 
 __all__ = ["default_profile_path", "donors_of", "main", "run_scale_out"]
@@ -313,7 +316,8 @@ async def _pull_chaos(
     *,
     kill_at: float | None = None,
     kill: Callable[[], None] | None = None,
-) -> tuple[bytes, dict[str, int], dict[str, Any]]:
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[bytes | bytearray, dict[str, int], dict[str, Any]]:
     loop = asyncio.get_running_loop()
     clock = loop.time
     session = PullSession(
@@ -348,6 +352,7 @@ async def _pull_chaos(
     last_at: dict[str, float] = {}
     launch(session.poll(clock()))
     killed = False
+    last_shown = -math.inf
     try:
         while not session.done:
             if not tasks:
@@ -375,7 +380,13 @@ async def _pull_chaos(
                     launch(session.on_shard(donor, index, t.result(), clock()))
                     last_at[donor] = clock() - t_begin
             launch(session.tick(clock()))
-            fraction = session.progress(clock()).fraction
+            snapshot = session.progress(clock())
+            fraction = snapshot.fraction
+            if on_progress is not None and (
+                session.done or clock() - last_shown >= SCALE_OUT_PROGRESS_INTERVAL_S
+            ):
+                on_progress(snapshot)
+                last_shown = clock()
             if kill is not None and not killed and kill_at is not None and fraction >= kill_at:
                 kill()
                 killed = True
@@ -471,6 +482,7 @@ async def _run_method(
     *,
     donor_set: _DonorSet | None = None,
     kill_at: float | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> dict[str, Any]:
     donors = _planner_donors(profile, names)
     ingress = _ingress(profile)
@@ -492,7 +504,14 @@ async def _run_method(
                 donor_set.kill(fastest)
 
         data, by_donor, info = await _pull_chaos(
-            carrier, manifest, plan, donors, expected, kill_at=kill_at, kill=kill
+            carrier,
+            manifest,
+            plan,
+            donors,
+            expected,
+            kill_at=kill_at,
+            kill=kill,
+            on_progress=on_progress,
         )
         extra = {
             "num_shards": plan.num_shards,
@@ -572,6 +591,7 @@ async def _session(
     expected: bytes,
     workdir: Path,
     plan: Sequence[tuple[str, str, WanProfile, float | None]],
+    on_transfer: Callable[[str, Progress], None] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """Start one donor set for ``profile`` and run ``(label, method, joiner_profile, kill_at)``."""
     names = donors_of(profile)
@@ -605,6 +625,9 @@ async def _session(
                         workdir,
                         donor_set=donor_set,
                         kill_at=kill_at,
+                        on_progress=(
+                            None if on_transfer is None else functools.partial(on_transfer, label)
+                        ),
                     ),
                     SCALE_OUT_TIMEOUT_S,
                 )
@@ -662,6 +685,7 @@ def run_scale_out(
     extras: bool = True,
     sweep_donors: Sequence[int] = SCALE_OUT_SWEEP_DONORS,
     progress: Callable[[str], None] | None = None,
+    on_transfer: Callable[[str, Progress], None] | None = None,
 ) -> dict[str, Any]:
     """Run the scale-out benchmark and return its JSON-ready result.
 
@@ -684,6 +708,10 @@ def run_scale_out(
         Donor counts of the sweep.
     progress : callable or None, optional
         Called with a line of text as each run finishes.
+    on_transfer : callable or None, optional
+        Called as ``on_transfer(run_label, snapshot)`` with the pull engine's
+        :class:`~chaos_flwr.transfer.Progress` (bytes, per donor, ETA) while a ``chaos`` run
+        transfers, at most every ``SCALE_OUT_PROGRESS_INTERVAL_S`` seconds and once when done.
 
     Raises
     ------
@@ -734,7 +762,9 @@ def run_scale_out(
             main_plan.append(("bottleneck#uniform", "uniform", tight, None))
             main_plan.append(("bottleneck#single", "single", tight, None))
         t_start = time.monotonic()
-        rows = asyncio.run(_session(profile, path, state_path, total, expected, workdir, main_plan))
+        rows = asyncio.run(
+            _session(profile, path, state_path, total, expected, workdir, main_plan, on_transfer)
+        )
         for label, row in rows:
             say(f"{label}: {row['delay_s']:.2f} s (bound {row['lower_bound_s']:.2f} s)")
         grouped: dict[str, list[dict[str, Any]]] = {}
@@ -772,6 +802,7 @@ def run_scale_out(
                     expected,
                     workdir,
                     [("death#chaos", "chaos", profile, 0.5)],
+                    on_transfer,
                 )
             )
             result["donor_death"] = death[0][1]
@@ -783,7 +814,7 @@ def run_scale_out(
                 got = asyncio.run(
                     _session(
                         sp, sp_path, state_path, total, expected, workdir,
-                        [(f"sweep{n}", "chaos", sp, None)],
+                        [(f"sweep{n}", "chaos", sp, None)], on_transfer,
                     )
                 )  # fmt: skip
                 row = got[0][1]
