@@ -1,0 +1,463 @@
+"""Run a scenario: build the parties, play the timeline, let it settle, check the invariants.
+
+What counts as an *event* (``events`` in the result, and events/s in ``bench sim``): every
+callback the engine pops from its queue, i.e. one message delivery (genuine, duplicate or
+forged), one peer tick, or one timeline action.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..charter import Charter
+from ..defaults import (
+    SIM_BENCH_RUNS,
+    SIM_FOUNDERS,
+    SIM_REJOIN_INTERVAL_S,
+    SIM_SOAK_MAX_PARTIES,
+    SIM_TICK_INTERVAL_S,
+)
+from ..errors import ChaosError, ConfigError
+from ..identity import Identity
+from ..membership import ACTIVE, Policy, SignatureCache, validate_record
+from ..peer import Outgoing, Peer
+from .engine import Engine, SimBoundError
+from .nemesis import Nemesis
+from .network import Faults, Network
+from .scenario import Event, Scenario, load_scenario, parse_scenario
+
+__all__ = ["Simulation", "bench_sim", "random_scenario", "run_scenario", "soak"]
+
+
+class Simulation:
+    """One simulated federation: peers, network, engine and nemesis.
+
+    Parameters
+    ----------
+    scenario : Scenario
+        What to build and play.
+    seed : int
+        Seed of the engine's RNG (the run is a pure function of scenario and seed).
+    """
+
+    def __init__(self, scenario: Scenario, seed: int) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.engine = Engine(
+            seed, max_virtual_s=scenario.max_virtual_s, max_events=scenario.max_events
+        )
+        n = scenario.parties
+        self.identities_list = [
+            Identity.from_seed(f"chaos-sim-party-{i}".encode(), name=f"p{i}") for i in range(n)
+        ]
+        self.pids = [ident.party_id for ident in self.identities_list]
+        self.identities = {ident.party_id: ident for ident in self.identities_list}
+        founders = self.identities_list[: min(SIM_FOUNDERS, n)]
+        self.founders = [f.party_id for f in founders]
+        self.charter = Charter.create(
+            f"sim-{scenario.name}",
+            founders,
+            self.identities_list[len(founders) :],
+            sponsors_required=scenario.sponsors_required,
+            failure_quorum=scenario.failure_quorum,
+            heartbeat_interval_s=scenario.heartbeat_interval_s,
+            suspicion_timeout_s=scenario.suspicion_timeout_s,
+        )
+        self.cache = SignatureCache()
+        self.net = Network(
+            self.engine,
+            self._deliver,
+            latency_s=scenario.latency_s,
+            bandwidth_bps=scenario.bandwidth_bps,
+        )
+        self.nemesis = Nemesis(self)
+        self.peers: dict[str, Peer] = {}
+        self.generation: dict[str, int] = {}
+        self.left: set[str] = set()
+        self.wants: set[str] = set()  # parties that should be members (rejoin when they are not)
+        self._last_join: dict[str, float] = {}
+        self.last_delivered: dict[str, bytes] = {}
+        self.last_sender: dict[str, str] = {}
+        self.skipped: list[str] = []
+
+    # --- parties -----------------------------------------------------------------------------
+
+    def live(self) -> list[str]:
+        """Parties with a running peer (not crashed), sorted."""
+        return sorted(p for p in self.peers if p not in self.net.crashed)
+
+    def _new_peer(self, pid: str, incarnation: int) -> Peer:
+        peer = Peer(
+            self.identities[pid], self.charter, incarnation=incarnation, signature_cache=self.cache
+        )
+        self.peers[pid] = peer
+        self.net.crashed.discard(pid)
+        gen = self.generation.get(pid, 0) + 1
+        self.generation[pid] = gen
+        phase = self.engine.rng.uniform(0.0, SIM_TICK_INTERVAL_S)
+        self.engine.after(phase, lambda: self._tick(pid, gen))
+        return peer
+
+    def _sponsors(self, pid: str) -> list[str]:
+        members = [p for p in self.live() if p != pid and self.peers[p].is_member]
+        if not members:
+            return []
+        k = min(len(members), self.scenario.sponsors_required + 2)
+        return sorted(self.engine.rng.sample(members, k))
+
+    def _join(self, pid: str) -> None:
+        peer = self.peers[pid]
+        now = self.engine.now
+        self.wants.add(pid)
+        self.left.discard(pid)
+        self._last_join[pid] = now
+        sponsors = self._sponsors(pid)
+        try:
+            if not sponsors and pid in self.founders:
+                out = peer.bootstrap(now)
+            elif sponsors:
+                out = peer.request_join(now, sponsors)
+            else:
+                out = []
+        except ChaosError as exc:
+            self.skipped.append(f"{now:g} join {pid[:12]}: {exc}")
+            return
+        self._send(pid, out)
+
+    def restart_peer(self, pid: str, *, disk: bool) -> None:
+        """Replace ``pid``'s peer by a new one (higher incarnation), with or without its records."""
+        old = self.peers.get(pid)
+        if old is None or pid not in self.net.crashed:
+            self.skipped.append(f"{self.engine.now:g} restart {pid[:12]}: not crashed")
+            return
+        peer = self._new_peer(pid, old.incarnation + 1)
+        if disk:
+            for record in old.records:
+                peer.records.add(record, validated=True)
+        if pid in self.wants:
+            self._join(pid)
+
+    # --- traffic -----------------------------------------------------------------------------
+
+    def _send(self, src: str, out: Sequence[Outgoing]) -> None:
+        send = self.net.send
+        for o in out:
+            send(src, o.to, o.data)
+
+    def _deliver(self, src: str, dst: str, data: bytes) -> None:
+        peer = self.peers.get(dst)
+        if peer is None:
+            return
+        now = self.engine.now
+        kind = self.nemesis.is_forged(data)
+        if kind is not None:
+            self.nemesis.check_delivery(peer, data, kind, now)
+            return
+        self.last_delivered[dst] = data
+        self.last_sender[dst] = src
+        self._send(dst, peer.handle(data, now))
+
+    def _tick(self, pid: str, gen: int) -> None:
+        if self.generation.get(pid) != gen or pid in self.net.crashed:
+            return
+        peer = self.peers[pid]
+        now = self.engine.now
+        self._send(pid, peer.tick(now))
+        if (
+            pid in self.wants
+            and not peer.is_member
+            and now - self._last_join.get(pid, -1e18) >= SIM_REJOIN_INTERVAL_S
+        ):
+            self._join(pid)
+        self.engine.after(SIM_TICK_INTERVAL_S, lambda: self._tick(pid, gen))
+
+    # --- timeline ----------------------------------------------------------------------------
+
+    def _act(self, ev: Event) -> None:
+        now = self.engine.now
+        p = self.pids[ev.party] if ev.party is not None else ""
+        self.net.note(f"act {now!r} {ev.action} {ev.party} {ev.a} {ev.b}")
+        try:
+            if ev.action == "join":
+                if p not in self.peers:
+                    self._new_peer(p, 0)
+                if p in self.net.crashed:
+                    raise ChaosError("party is crashed")
+                self._join(p)
+            elif ev.action == "leave":
+                if p not in self.peers or p in self.net.crashed:
+                    raise ChaosError("party is not running")
+                self.wants.discard(p)
+                self.left.add(p)
+                self._send(p, self.peers[p].leave(now))
+            elif ev.action in ("link_up", "link_down"):
+                assert ev.a is not None and ev.b is not None
+                a, b = self.pids[ev.a], self.pids[ev.b]
+                if a not in self.peers or a in self.net.crashed:
+                    raise ChaosError("party a is not running")
+                peer = self.peers[a]
+                out = peer.connect(b, now) if ev.action == "link_up" else peer.disconnect(b, now)
+                self._send(a, out)
+            elif ev.action == "crash":
+                self.nemesis.crash(p)
+            elif ev.action == "restart":
+                self.nemesis.restart(p, disk=ev.disk)
+            elif ev.action == "partition":
+                self.nemesis.partition([self.pids[i] for i in ev.group or []])
+            elif ev.action == "heal":
+                self.nemesis.heal()
+            elif ev.action == "faults":
+                self.nemesis.faults(
+                    Faults(ev.drop, ev.duplicate, ev.reorder, ev.reorder_max_s, ev.delay_s)
+                )
+            elif ev.action == "forge":
+                if p not in self.peers:
+                    raise ChaosError("party has no peer")
+                self.nemesis.forge(p, ev.count)
+        except ChaosError as exc:
+            self.skipped.append(f"{now:g} {ev.action} {ev.party}: {exc}")
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Play the scenario, settle, check the invariants; return a JSON-able result."""
+        sc = self.scenario
+        eng = self.engine
+        for i in range(sc.members_at_start):
+            pid = self.pids[i]
+            self._new_peer(pid, 0)
+        for pid in self.founders:
+            if self.pids.index(pid) < sc.members_at_start:
+                self.wants.add(pid)
+                self._last_join[pid] = 0.0
+                self._send(pid, self.peers[pid].bootstrap(0.0))
+        for i in range(len(self.founders), sc.members_at_start):
+            pid = self.pids[i]
+            eng.at(0.5 + eng.rng.uniform(0.0, 1.0), lambda pid=pid: self._join(pid))
+        for ev in sorted(sc.events, key=lambda e: e.at):
+            eng.at(ev.at, lambda ev=ev: self._act(ev))
+        end = sc.last_event_at + sc.settle_s
+        bound: str | None = None
+        try:
+            eng.run(end)
+        except SimBoundError as exc:
+            bound = str(exc)
+        invariants = {
+            "converged": self._check_converged(),
+            "signatures": self._check_signatures(),
+            "forged_rejected": self._check_forged(),
+        }
+        ok = bound is None and all(v["ok"] for v in invariants.values())
+        for pid in self.live():
+            self.net.note(f"final {pid[:12]} {self.peers[pid].view().digest.hex()}")
+        return {
+            "scenario": sc.name,
+            "seed": self.seed,
+            "parties": sc.parties,
+            "ok": ok,
+            "bound": bound,
+            "invariants": invariants,
+            "virtual_s": eng.now,
+            "events": eng.events,
+            "messages": {
+                "sent": self.net.sent,
+                "delivered": self.net.delivered,
+                "dropped": self.net.dropped,
+            },
+            "skipped_actions": self.skipped,
+            "trace_digest": self.net.trace_digest(),
+        }
+
+    def _check_converged(self) -> dict[str, Any]:
+        groups: dict[int, list[str]] = {}
+        for pid in self.live():
+            if pid in self.left or pid not in self.wants:
+                continue
+            groups.setdefault(self.net.group_of(pid), []).append(pid)
+        problems: list[str] = []
+        digests: dict[str, str] = {}
+        for gid, members in sorted(groups.items()):
+            seen: dict[str, list[str]] = {}
+            for pid in members:
+                peer = self.peers[pid]
+                if not peer.is_member:
+                    problems.append(f"{pid[:12]} is live but not an active member")
+                seen.setdefault(peer.view().digest.hex(), []).append(pid[:12])
+            if len(seen) > 1:
+                problems.append(f"group {gid}: {len(seen)} distinct view digests {seen}")
+            digests[str(gid)] = sorted(seen)[0] if len(seen) == 1 else "diverged"
+        return {
+            "ok": not problems,
+            "detail": problems or f"{sum(map(len, groups.values()))} live parties agree",
+            "groups": digests,
+        }
+
+    def _check_signatures(self) -> dict[str, Any]:
+        policy = Policy.from_charter(self.charter)
+        cache = SignatureCache()
+        checked: set[tuple[str, tuple[tuple[str, bytes], ...]]] = set()
+        bad: list[str] = []
+        for pid in self.live():
+            for record in self.peers[pid].records:
+                key = (record.record_id, tuple(sorted(record.signatures.items())))
+                if key in checked:
+                    continue
+                checked.add(key)
+                try:
+                    validate_record(record, policy, cache)
+                except ChaosError as exc:
+                    bad.append(f"{pid[:12]} holds {record.kind} {record.record_id[:12]}: {exc}")
+        return {
+            "ok": not bad,
+            "detail": bad or f"{len(checked)} distinct records re-verified",
+            "records": len(checked),
+        }
+
+    def _check_forged(self) -> dict[str, Any]:
+        checks = self.nemesis.checks
+        bad = [
+            f"{c.kind} to {c.target[:12]} at {c.at:g}: rejected={c.rejected} unchanged={c.unchanged}"
+            for c in checks
+            if not (c.rejected and c.unchanged)
+        ]
+        return {
+            "ok": not bad,
+            "detail": bad or f"{len(checks)} forged envelopes refused with no state change",
+            "delivered": len(checks),
+            "errors": sorted({c.error for c in checks}),
+        }
+
+
+def run_scenario(scenario: Scenario | str, seed: int) -> dict[str, Any]:
+    """Run one scenario (a :class:`Scenario`, a file path or a shipped name) with ``seed``.
+
+    Returns
+    -------
+    dict
+        JSON-able: ``ok``, ``invariants`` (each with ``ok`` and ``detail``), ``bound`` (the
+        bound that ended the run, or ``None``), ``events``, ``messages``, ``trace_digest`` and
+        ``wall_s`` (measured around the run, never read inside it).
+    """
+    sc = load_scenario(scenario) if isinstance(scenario, str) else scenario
+    t0 = time.perf_counter()
+    result = Simulation(sc, seed).run()
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def random_scenario(seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES) -> Scenario:
+    """A random schedule over 5..``max_parties`` parties (a pure function of ``seed``)."""
+    if max_parties < 5:
+        raise ConfigError(f"'max_parties' must be >= 5, got {max_parties}")
+    rng = random.Random(seed)
+    n = rng.randint(5, max_parties)
+    initial = n - rng.randint(0, 2)
+    events: list[dict[str, Any]] = []
+    t = 4.0
+    for j in range(initial, n):
+        events.append({"at": t + rng.uniform(0, 3), "action": "join", "party": j})
+    for _ in range(rng.randint(2, 6)):
+        t += rng.uniform(1.0, 4.0)
+        choice = rng.choice(["crash", "partition", "faults", "link", "forge", "leave"])
+        p = rng.randrange(initial)
+        if choice == "crash":
+            events.append({"at": t, "action": "crash", "party": p})
+            t += rng.uniform(2.0, 8.0)
+            events.append({"at": t, "action": "restart", "party": p, "disk": rng.random() < 0.5})
+        elif choice == "partition":
+            group = sorted(rng.sample(range(n), rng.randint(1, max(1, n // 2 - 1))))
+            events.append({"at": t, "action": "partition", "group": group})
+            t += rng.uniform(2.0, 8.0)
+            events.append({"at": t, "action": "heal"})
+        elif choice == "faults":
+            events.append(
+                {
+                    "at": t,
+                    "action": "faults",
+                    "drop": round(rng.uniform(0, 0.2), 3),
+                    "duplicate": round(rng.uniform(0, 0.2), 3),
+                    "reorder": round(rng.uniform(0, 0.5), 3),
+                    "reorder_max_s": round(rng.uniform(0, 0.5), 3),
+                    "delay_s": round(rng.uniform(0, 0.05), 3),
+                }
+            )
+        elif choice == "link":
+            a, b = rng.sample(range(initial), 2)
+            events.append({"at": t, "action": "link_up", "a": a, "b": b})
+            if rng.random() < 0.5:
+                events.append({"at": t + 2.0, "action": "link_down", "a": b, "b": a})
+        elif choice == "forge":
+            events.append({"at": t, "action": "forge", "party": p, "count": rng.randint(1, 4)})
+        elif choice == "leave" and p >= SIM_FOUNDERS:
+            events.append({"at": t, "action": "leave", "party": p})
+    t += 1.0
+    events.append({"at": t, "action": "faults"})
+    events.append({"at": t, "action": "heal"})
+    return parse_scenario(
+        {"name": f"soak-{seed}", "parties": n, "initial": initial, "events": events},
+        f"soak seed {seed}",
+    )
+
+
+def soak(runs: int, seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES) -> dict[str, Any]:
+    """Run ``runs`` random schedules (seeds ``seed .. seed+runs-1``); report failures."""
+    failures: list[dict[str, Any]] = []
+    events = 0
+    wall = 0.0
+    for s in range(seed, seed + runs):
+        result = run_scenario(random_scenario(s, max_parties), s)
+        events += int(result["events"])
+        wall += float(result["wall_s"])
+        if not result["ok"]:
+            failures.append(
+                {
+                    "seed": s,
+                    "bound": result["bound"],
+                    "invariants": {k: v["detail"] for k, v in result["invariants"].items()},
+                    "replay": f"chaos-flwr simulate --soak 1 --seed {s} --max-parties "
+                    f"{max_parties} --json",
+                }
+            )
+    return {
+        "runs": runs,
+        "seeds": [seed, seed + runs - 1],
+        "max_parties": max_parties,
+        "events": events,
+        "events_per_s": events / wall if wall > 0 else 0.0,
+        "failures": failures,
+        "ok": not failures,
+    }
+
+
+def bench_sim(parties: int = 200, runs: int = SIM_BENCH_RUNS, seed: int = 0) -> dict[str, Any]:
+    """Simulator throughput on the shipped ``scale-200`` timeline resized to ``parties``.
+
+    An event is one engine callback: a message delivery, a peer tick or a timeline action.
+    """
+    base = load_scenario("scale-200")
+    data = base.model_dump()
+    data["parties"] = parties
+    data["events"] = [e for e in data["events"] if all(
+        (e.get(k) is None or e.get(k) < parties) for k in ("party", "a", "b")
+    )]
+    data["name"] = f"scale-{parties}"
+    sc = parse_scenario(data, "bench sim")
+    rows = [run_scenario(sc, seed) for _ in range(runs)]
+    rates = [r["events"] / r["wall_s"] for r in rows]
+    return {
+        "parties": parties,
+        "runs": runs,
+        "event": "one engine callback: a message delivery, a peer tick or a timeline action",
+        "events": rows[0]["events"],
+        "deliveries": rows[0]["messages"]["delivered"],
+        "virtual_s": rows[0]["virtual_s"],
+        "events_per_s": statistics.median(rates),
+        "events_per_s_runs": rates,
+        "wall_s_runs": [r["wall_s"] for r in rows],
+        "deterministic": len({r["trace_digest"] for r in rows}) == 1,
+        "ok": all(r["ok"] for r in rows),
+    }
