@@ -213,3 +213,25 @@ SCALE_OUT_DONOR_STARTUP_S: float = 30.0
 SCALE_OUT_TIMEOUT_FACTOR: float = 10.0
 #: ... and the benchmark's shortest request timeout (PullSession ``min_timeout_s``), seconds.
 SCALE_OUT_MIN_TIMEOUT_S: float = 5.0
+
+# --- sim (deterministic simulator) -----------------------------------------------------------
+#: Most virtual seconds one simulated run may cover before it ends as a failure.
+SIM_MAX_VIRTUAL_S: float = 3600.0
+#: Most events (deliveries, ticks, timeline actions) one simulated run may process.
+SIM_MAX_EVENTS: int = 5_000_000
+#: One-way latency of a simulated link without an override, in seconds.
+SIM_DEFAULT_LATENCY_S: float = 0.02
+#: Uplink bandwidth of a simulated party without an override, in bytes/s (100 Mbit/s).
+SIM_DEFAULT_BANDWIDTH_BPS: float = 12.5e6
+#: Virtual seconds between two ticks of one simulated peer.
+SIM_TICK_INTERVAL_S: float = 0.25
+#: Virtual seconds the runner lets a scenario settle after its last event before checking.
+SIM_DEFAULT_SETTLE_S: float = 30.0
+#: Founders of a simulated federation (the first parties; the rest join with sponsors).
+SIM_FOUNDERS: int = 3
+#: Shortest pause between two automatic rejoins of a party its view shows as failed, in seconds.
+SIM_REJOIN_INTERVAL_S: float = 3.0
+#: Default largest number of parties of a ``chaos-flwr simulate --soak`` schedule.
+SIM_SOAK_MAX_PARTIES: int = 12
+#: Runs of ``chaos-flwr bench sim`` (the median is reported).
+SIM_BENCH_RUNS: int = 3
