@@ -131,9 +131,9 @@ class Nemesis:
                 kind = "unknown_sender"
             elif kind == "garbled":
                 pos = rng.randrange(len(real))
-                data = bytearray(real)
-                data[pos] ^= 1 + rng.randrange(255)
-                return src, bytes(data)
+                flipped = bytearray(real)
+                flipped[pos] ^= 1 + rng.randrange(255)
+                return src, bytes(flipped)
             else:
                 return src, real[: len(real) // 2]
         if kind == "unknown_sender":

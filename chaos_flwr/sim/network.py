@@ -81,9 +81,7 @@ class Network:
         self._deliver = deliver
         self.latency_s = float(latency_s)
         self.bandwidth_bps = float(bandwidth_bps)
-        self._link_latency = {
-            tuple(sorted(k)): float(v) for k, v in (link_latency_s or {}).items()
-        }
+        self._link_latency = {tuple(sorted(k)): float(v) for k, v in (link_latency_s or {}).items()}
         self._uplink = {k: float(v) for k, v in (uplink_bps or {}).items()}
         self._uplink_free: dict[str, float] = {}
         self._group: dict[str, int] = {}
@@ -159,18 +157,15 @@ class Network:
             extra = f.delay_s
             if f.reorder > 0.0 and rng.random() < f.reorder:
                 extra += rng.uniform(0.0, f.reorder_max_s)
-            self.engine.at(
-                done + self.latency(src, dst) + extra, _Delivery(self, src, dst, data)
-            )
+            self.engine.at(done + self.latency(src, dst) + extra, _Delivery(self, src, dst, data))
 
     def _arrive(self, src: str, dst: str, data: bytes) -> None:
         if not self.reachable(src, dst):
             self.dropped += 1
             return
         self.delivered += 1
-        self.note(
-            f"{self.engine.now!r} {src[:12]} {dst[:12]} {hashlib.blake2b(data, digest_size=8).hexdigest()}"
-        )
+        tag = hashlib.blake2b(data, digest_size=8).hexdigest()
+        self.note(f"{self.engine.now!r} {src[:12]} {dst[:12]} {tag}")
         self._deliver(src, dst, data)
 
 

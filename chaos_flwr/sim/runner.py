@@ -7,6 +7,7 @@ forged), one peer tick, or one timeline action.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -23,7 +24,7 @@ from ..defaults import (
 )
 from ..errors import ChaosError, ConfigError
 from ..identity import Identity
-from ..membership import ACTIVE, Policy, SignatureCache, validate_record
+from ..membership import Policy, SignatureCache, validate_record
 from ..peer import Outgoing, Peer
 from .engine import Engine, SimBoundError
 from .nemesis import Nemesis
@@ -223,8 +224,8 @@ class Simulation:
 
     # --- the run -----------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        """Play the scenario, settle, check the invariants; return a JSON-able result."""
+    def setup(self) -> None:
+        """Create the initial peers and schedule the founders, initial joins and the timeline."""
         sc = self.scenario
         eng = self.engine
         for i in range(sc.members_at_start):
@@ -237,9 +238,15 @@ class Simulation:
                 self._send(pid, self.peers[pid].bootstrap(0.0))
         for i in range(len(self.founders), sc.members_at_start):
             pid = self.pids[i]
-            eng.at(0.5 + eng.rng.uniform(0.0, 1.0), lambda pid=pid: self._join(pid))
+            eng.at(0.5 + eng.rng.uniform(0.0, 1.0), functools.partial(self._join, pid))
         for ev in sorted(sc.events, key=lambda e: e.at):
-            eng.at(ev.at, lambda ev=ev: self._act(ev))
+            eng.at(ev.at, functools.partial(self._act, ev))
+
+    def run(self) -> dict[str, Any]:
+        """Play the scenario, settle, check the invariants; return a JSON-able result."""
+        sc = self.scenario
+        eng = self.engine
+        self.setup()
         end = sc.last_event_at + sc.settle_s
         bound: str | None = None
         try:
@@ -320,7 +327,8 @@ class Simulation:
     def _check_forged(self) -> dict[str, Any]:
         checks = self.nemesis.checks
         bad = [
-            f"{c.kind} to {c.target[:12]} at {c.at:g}: rejected={c.rejected} unchanged={c.unchanged}"
+            f"{c.kind} to {c.target[:12]} at {c.at:g}: "
+            f"rejected={c.rejected} unchanged={c.unchanged}"
             for c in checks
             if not (c.rejected and c.unchanged)
         ]
@@ -441,9 +449,11 @@ def bench_sim(parties: int = 200, runs: int = SIM_BENCH_RUNS, seed: int = 0) -> 
     base = load_scenario("scale-200")
     data = base.model_dump()
     data["parties"] = parties
-    data["events"] = [e for e in data["events"] if all(
-        (e.get(k) is None or e.get(k) < parties) for k in ("party", "a", "b")
-    )]
+    data["events"] = [
+        e
+        for e in data["events"]
+        if all((e.get(k) is None or e.get(k) < parties) for k in ("party", "a", "b"))
+    ]
     data["name"] = f"scale-{parties}"
     sc = parse_scenario(data, "bench sim")
     rows = [run_scenario(sc, seed) for _ in range(runs)]
