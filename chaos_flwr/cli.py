@@ -302,6 +302,70 @@ def bench_events(
         )
 
 
+@app.command("simulate")
+def simulate(
+    scenario: str | None = typer.Option(None, "--scenario", help="Scenario file or shipped name."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the run (or first seed of a soak)."),
+    soak_runs: int = typer.Option(0, "--soak", min=0, help="Run N random schedules instead."),
+    max_parties: int | None = typer.Option(None, "--max-parties", help="Soak: most parties."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Run a deterministic simulation, check its invariants (exit code 1 if one fails)."""
+    from .defaults import SIM_SOAK_MAX_PARTIES
+    from .errors import ChaosError
+    from .sim.runner import run_scenario, soak
+
+    try:
+        if soak_runs:
+            result = soak(soak_runs, seed, max_parties or SIM_SOAK_MAX_PARTIES)
+        elif scenario is None:
+            raise typer.BadParameter("give --scenario FILE_OR_NAME or --soak N")
+        else:
+            result = run_scenario(scenario, seed)
+    except ChaosError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(result)
+    elif soak_runs:
+        typer.echo(
+            f"soak: seeds {result['seeds'][0]}..{result['seeds'][1]} ({result['runs']} runs), "
+            f"{result['events']} events, {result['events_per_s']:.0f} events/s"
+        )
+        for f in result["failures"]:
+            typer.echo(f"  FAILED seed {f['seed']}: {f['invariants']} bound={f['bound']}")
+            typer.echo(f"    replay: {f['replay']}")
+    else:
+        verdict = "ok" if result["ok"] else "FAILED"
+        typer.echo(f"{result['scenario']} seed {result['seed']}: {verdict}")
+        if result["bound"]:
+            typer.echo(f"  bound: {result['bound']}")
+        for name, inv in result["invariants"].items():
+            typer.echo(f"  {name:<16} {'pass' if inv['ok'] else 'FAIL'}  {inv['detail']}")
+        typer.echo(f"  {result['events']} events, trace {result['trace_digest']}")
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+@bench_app.command("sim")
+def bench_sim_cmd(
+    parties: int = typer.Option(200, "--parties", min=5, help="Simulated parties."),
+    runs: int | None = typer.Option(None, "--runs", min=1, help="Runs (median reported)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Simulator throughput: events/s (an event = one delivery, peer tick or timeline action)."""
+    from .defaults import SIM_BENCH_RUNS
+    from .sim.runner import bench_sim
+
+    result = bench_sim(parties, SIM_BENCH_RUNS if runs is None else runs)
+    if as_json:
+        _print_json(result)
+        return
+    typer.echo(
+        f"{result['parties']} parties: {result['events_per_s']:.0f} events/s (median of "
+        f"{result['runs']}), {result['events']} events per run"
+    )
+
+
 # --- bench scale-out -------------------------------------------------------------------------
 # (section owned by state transfer)
 
