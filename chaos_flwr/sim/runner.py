@@ -247,6 +247,12 @@ class Simulation:
         sc = self.scenario
         eng = self.engine
         self.setup()
+        return self.run_rest()
+
+    def run_rest(self) -> dict[str, Any]:
+        """After :meth:`setup` (and possibly a partial ``engine.run``): finish and check."""
+        sc = self.scenario
+        eng = self.engine
         end = sc.last_event_at + sc.settle_s
         bound: str | None = None
         try:
