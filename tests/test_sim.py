@@ -11,7 +11,6 @@ from chaos_flwr.sim.engine import Engine, SimBoundError
 from chaos_flwr.sim.network import Faults, Network
 from chaos_flwr.sim.scenario import load_scenario, parse_scenario, scenario_names
 
-
 # --- engine ------------------------------------------------------------------------------------
 
 

@@ -244,8 +244,6 @@ class Simulation:
 
     def run(self) -> dict[str, Any]:
         """Play the scenario, settle, check the invariants; return a JSON-able result."""
-        sc = self.scenario
-        eng = self.engine
         self.setup()
         return self.run_rest()
 
