@@ -179,3 +179,24 @@ def test_cli_soak_and_bench_sim() -> None:
     bench = json.loads(res.output)
     assert bench["parties"] == 8 and bench["runs"] == 2 and bench["events_per_s"] > 0
     assert bench["deterministic"] and bench["ok"]
+
+
+def test_trace_is_identical_across_processes_with_different_hash_seeds() -> None:
+    """A run does not depend on set iteration order (str hashing differs per process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from chaos_flwr.sim.runner import run_scenario;"
+        "print(run_scenario('partition-heal', 9)['trace_digest'])"
+    )
+    digests = set()
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.strip())
+    assert digests == {run_scenario("partition-heal", 9)["trace_digest"]}
