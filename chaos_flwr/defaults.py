@@ -187,6 +187,8 @@ SHAPING_BURST_BYTES: int = 64 * 1024
 SHAPING_MAX_PROFILE_BYTES: int = 1024 * 1024
 #: Default tbf bucket of a netns-shaped veth, in bytes.
 NETNS_TBF_BURST_BYTES: int = 32 * 1024
+#: tbf bucket of a netns star link in seconds of its rate (at least NETNS_TBF_BURST_BYTES).
+NETNS_TBF_BURST_S: float = 0.002
 #: Default tbf queue limit (bytes queued before drop) of a netns-shaped veth.
 NETNS_TBF_LIMIT_BYTES: int = 256 * 1024
 #: Longest one ``ip``/``tc`` command may take, in seconds.

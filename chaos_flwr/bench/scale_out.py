@@ -29,6 +29,21 @@ Methods
     joiner down)``), each leg paying the storage latency once; training restarts. Every donor is
     idle the whole time, so ``idle_s = donors * delay_s``.
 
+Link modes
+----------
+``--wan shaped`` (default) is the setup above. ``--wan netns`` shapes real kernel links
+(:func:`~chaos_flwr.transport.netns.star`): each donor process runs inside its own network
+namespace (``ip netns exec``) and its server binds only its namespace-local address; every donor
+namespace has a veth to a bridge in a hub namespace, and the root namespace (the joiner, this
+process) has one veth on that bridge. A donor's egress is shaped by ``tbf`` at its uplink (or
+its ``donor -> joiner`` pair cap), the bridge's port toward the joiner at the joiner's downlink,
+the joiner's own veth at its uplink; each rate is the wire rate whose TCP payload rate is the
+profile's figure (``tbf`` counts Ethernet/IP/TCP headers). netem is not available, so the kernel
+adds no latency; the carriers keep the profile's latency model with every rate removed
+(:func:`latency_only`). The links as shaped are therefore the profile's links, and the lower
+bound is the same. The checkpoint's storage legs stay token buckets on files in both modes.
+Namespaces, veths and donor processes are removed on exit, error or Ctrl-C.
+
 ``delay_s`` runs from the join request (planning included) to a verified state (digest checked).
 ``lower_bound_s`` is :func:`~chaos_flwr.planner.lower_bound` over the donors' modelled links,
 with a donor's latency taken as its round trip to the joiner (a pull needs a request before the
@@ -55,6 +70,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import grpc
+import grpc.aio
 import numpy as np
 import yaml
 
@@ -76,8 +93,17 @@ from ..planner import Donor, lower_bound, plan_transfer
 from ..state import Manifest, TrainingState, state_digest
 from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
 from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
+from ..transport.grpc_carrier import grpc_options
+from ..transport.netns import TCP_WIRE_FACTOR, NetnsStar, star, wire_rate_bit_s
 
-__all__ = ["default_profile_path", "donors_of", "main", "run_scale_out"]
+__all__ = [
+    "default_profile_path",
+    "donors_of",
+    "latency_only",
+    "main",
+    "netns_rates_bit_s",
+    "run_scale_out",
+]
 
 JOINER = "joiner"
 #: Shard requests in flight per donor. Enough to cover the round trip (rate x RTT is about one
@@ -138,7 +164,52 @@ class _MmapSource:
         return self._map[start:end]
 
 
-async def _donor(party: str, profile_path: Path, state_path: Path) -> None:
+class _HostCarrier(GrpcCarrier):
+    """A :class:`GrpcCarrier` whose server binds ``host`` (a namespace-local address) instead
+    of 127.0.0.1; used only inside a donor's own network namespace in ``--wan netns`` mode."""
+
+    def __init__(self, party_id: str, host: str, *, shaper: Shaper | None = None) -> None:
+        super().__init__(party_id, shaper=shaper)
+        self.host = host
+
+    async def start(self, handler: Any) -> None:
+        """Listen on ``host`` and serve ``handler``; sets :attr:`address`."""
+        if self._server is not None:
+            raise TransportError(f"carrier {self.party_id!r} is already started")
+        self._handler = handler
+        server = grpc.aio.server(options=grpc_options(self._max))
+        rpc = grpc.unary_stream_rpc_method_handler(
+            self._serve, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("chaos.Carrier", {"Call": rpc}),)
+        )
+        try:
+            port = server.add_insecure_port(f"{self.host}:0")
+        except RuntimeError as err:
+            raise TransportError(f"host: cannot listen on {self.host} ({err})") from None
+        if port == 0:
+            raise TransportError(f"host: cannot listen on {self.host}; check the namespace")
+        await server.start()
+        self._server = server
+        self.address = f"{self.host}:{port}"
+
+
+def latency_only(profile: WanProfile) -> WanProfile:
+    """``profile`` with every rate removed: only the access latencies remain.
+
+    In ``--wan netns`` mode the kernel links (``tbf``) carry the bandwidth; the carriers' shapers
+    add only the latency model (netem is not available to do it in the kernel).
+    """
+    return parse_profile(
+        {
+            "name": f"{profile.name}-latency",
+            "parties": {p: {"latency_ms": link.latency_ms} for p, link in profile.parties.items()},
+        }
+    )
+
+
+async def _donor(party: str, profile_path: Path, state_path: Path, host: str | None = None) -> None:
     profile = load_profile(profile_path)
     source = _MmapSource(state_path)
     server = ShardServer(source)
@@ -183,7 +254,11 @@ async def _donor(party: str, profile_path: Path, state_path: Path) -> None:
             return b"bye"
         raise ValueError(f"unknown request {words[0]!r}")
 
-    carrier = GrpcCarrier(party, shaper=Shaper(profile, party))
+    carrier: GrpcCarrier
+    if host is None:
+        carrier = GrpcCarrier(party, shaper=Shaper(profile, party))
+    else:
+        carrier = _HostCarrier(party, host, shaper=Shaper(latency_only(profile), party))
     await carrier.start(handle)
     print(carrier.address, flush=True)
     try:
@@ -224,16 +299,21 @@ async def _write_checkpoint(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Donor process entry: ``python -m chaos_flwr.bench.scale_out PARTY PROFILE STATE``."""
+    """Donor process entry: ``python -m chaos_flwr.bench.scale_out PARTY PROFILE STATE [HOST]``.
+
+    With ``HOST`` (netns mode) the donor binds that namespace-local address and its carrier
+    shapes latency only (its namespace's ``tbf`` shapes its uplink).
+    """
     args = list(sys.argv[1:] if argv is None else argv)
-    party, profile_path, state_path = args
+    party, profile_path, state_path = args[:3]
+    host = args[3] if len(args) > 3 else None
 
     def watch_stdin() -> None:  # the parent closing our stdin (or dying) stops us
         sys.stdin.read()
         os._exit(0)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    asyncio.run(_donor(party, Path(profile_path), Path(state_path)))
+    asyncio.run(_donor(party, Path(profile_path), Path(state_path), host))
 
 
 # --- the joiner side -------------------------------------------------------------------------
@@ -242,25 +322,35 @@ def main(argv: Sequence[str] | None = None) -> None:
 class _DonorSet:
     """Donor processes of one profile, started in parallel, stopped by pid."""
 
-    def __init__(self, names: Sequence[str], profile_path: Path, state_path: Path) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        profile_path: Path,
+        state_path: Path,
+        topo: NetnsStar | None = None,
+    ) -> None:
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.addresses: dict[str, str] = {}
         env = dict(os.environ)
-        for name in names:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "chaos_flwr.bench.scale_out", name, str(profile_path),
-                 str(state_path)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-            )  # fmt: skip
+        try:
+            for name in names:
+                argv = [sys.executable, "-m", "chaos_flwr.bench.scale_out", name,
+                        str(profile_path), str(state_path)]  # fmt: skip
+                if topo is not None:
+                    argv = topo.exec_argv(name, [*argv, topo.addresses[name]])
+                self.procs[name] = subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+                )
+        except BaseException:
+            self.close()
+            raise
         deadline = time.monotonic() + SCALE_OUT_DONOR_STARTUP_S
         try:
             for name, proc in self.procs.items():
                 assert proc.stdout is not None
+                host = "127.0.0.1" if topo is None else topo.addresses[name]
                 line = proc.stdout.readline().strip()
-                if not line.startswith("127.0.0.1:") or time.monotonic() > deadline:
+                if not line.startswith(f"{host}:") or time.monotonic() > deadline:
                     raise TransportError(f"donor {name!r} did not start (said {line!r})")
                 self.addresses[name] = line
         except BaseException:
@@ -285,11 +375,14 @@ class _DonorSet:
                     proc.wait(timeout=10)
 
 
-async def _joiner(profile: WanProfile, donors: _DonorSet, names: Sequence[str]) -> GrpcCarrier:
+async def _joiner(
+    profile: WanProfile, donors: _DonorSet, names: Sequence[str], *, netns: bool = False
+) -> GrpcCarrier:
     async def refuse(src: str, data: bytes) -> bytes:
         raise ValueError("the joiner serves nothing in this benchmark")
 
-    carrier = GrpcCarrier(JOINER, shaper=Shaper(profile, JOINER))
+    shaper = Shaper(latency_only(profile) if netns else profile, JOINER)
+    carrier = GrpcCarrier(JOINER, shaper=shaper)
     await carrier.start(refuse)
     for name in names:
         carrier.add_peer(name, donors.addresses[name])
@@ -592,14 +685,22 @@ async def _session(
     workdir: Path,
     plan: Sequence[tuple[str, str, WanProfile, float | None]],
     on_transfer: Callable[[str, Progress], None] | None = None,
+    topo: NetnsStar | None = None,
+    procs: list[subprocess.Popen[str]] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """Start one donor set for ``profile`` and run ``(label, method, joiner_profile, kill_at)``."""
+    """Start one donor set for ``profile`` and run ``(label, method, joiner_profile, kill_at)``.
+
+    With ``topo`` (netns mode) every donor runs inside its own namespace of the star; the pids
+    donor processes are appended to ``procs`` (so a caller can make sure they are gone).
+    """
     names = donors_of(profile)
     results: list[tuple[str, dict[str, Any]]] = []
-    donor_set = await asyncio.to_thread(_DonorSet, names, profile_path, state_path)
+    donor_set = await asyncio.to_thread(_DonorSet, names, profile_path, state_path, topo)
+    if procs is not None:
+        procs.extend(donor_set.procs.values())
     try:
         for label, method, joiner_profile, kill_at in plan:
-            carrier = await _joiner(joiner_profile, donor_set, names)
+            carrier = await _joiner(joiner_profile, donor_set, names, netns=topo is not None)
             try:
                 p = plan_transfer(
                     total,
@@ -639,6 +740,29 @@ async def _session(
     return results
 
 
+def netns_rates_bit_s(profile: WanProfile) -> tuple[dict[str, int], int | None, int | None]:
+    """The ``tbf`` rates (bit/s) of the netns star for ``profile``.
+
+    Returns ``(donor -> rate of its link to the joiner, joiner downlink, joiner uplink)``. A
+    donor's rate is its uplink, or its ``donor -> joiner`` pair cap if lower; every rate is the
+    wire rate whose TCP payload rate equals the profile's figure
+    (:func:`~chaos_flwr.transport.netns.wire_rate_bit_s`), so the planner's links and the lower
+    bound keep the profile's numbers.
+    """
+    rates: dict[str, int] = {}
+    for name in donors_of(profile):
+        up = profile.link(name).up_bps
+        cap = profile.pair_cap_bps(name, JOINER)
+        known = [r for r in (up, cap) if r is not None]
+        if not known:
+            raise ConfigError(f"parties.{name}.up_mb_s: a donor needs a finite uplink")
+        rates[name] = wire_rate_bit_s(min(known))
+    joiner = profile.link(JOINER)
+    down = None if joiner.down_bps is None else wire_rate_bit_s(joiner.down_bps)
+    up = None if joiner.up_bps is None else wire_rate_bit_s(joiner.up_bps)
+    return rates, down, up
+
+
 def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     rows = sorted(rows, key=lambda r: r["delay_s"])
     mid = dict(rows[len(rows) // 2])
@@ -668,6 +792,14 @@ def _summary(methods: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _kill_leftovers(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Kill (by pid) any donor process still running, before its namespace is deleted."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 def _sweep_profile(n: int, mb_s: float, joiner: Any) -> WanProfile:
     parties: dict[str, Any] = {JOINER: joiner.model_dump()}
     for i in range(n):
@@ -694,8 +826,14 @@ def run_scale_out(
     profile_path : path or None, optional
         WAN profile YAML (a ``joiner`` party and donors); ``None`` = the shipped ``wan8.yaml``.
     wan : str, optional
-        ``"shaped"`` (token buckets on loopback grpc). ``"netns"`` is refused: this benchmark
-        shapes links with token buckets only (see the report).
+        ``"shaped"``: token buckets on loopback grpc. ``"netns"``: every donor process runs in
+        its own network namespace (``ip netns exec``), bound to its namespace-local address,
+        linked to the joiner (this process, root namespace) through a bridge; each donor's
+        egress is shaped by ``tbf`` at its uplink, the bridge's port toward the joiner at the
+        joiner's downlink (see :func:`netns_rates_bit_s`). The kernel adds no latency (no
+        netem): the carriers keep the profile's latency model with all rates removed
+        (:func:`latency_only`), so the lower bound is the same formula over the same figures.
+        Needs root; the main comparison only (``extras=False``).
     state_mib : int, optional
         State size in MiB (>= 1).
     runs : int, optional
@@ -718,10 +856,13 @@ def run_scale_out(
     ConfigError
         Bad option or profile (the message names it).
     """
-    if wan != "shaped":
+    if wan not in ("shaped", "netns"):
+        raise ConfigError(f"wan: {wan!r} is not a link mode; use 'shaped' or 'netns'")
+    if wan == "netns" and extras:
         raise ConfigError(
-            f"wan: {wan!r} is not supported by bench scale-out; use 'shaped' (netns links are "
-            "tested by tests/test_netns.py, not driven by this benchmark yet)"
+            "wan: 'netns' runs the main comparison only (the sweep, donor-death and "
+            "joiner-bottleneck runs are not wired to namespaces yet); pass extras=False "
+            "(--no-extras)"
         )
     if isinstance(state_mib, bool) or not isinstance(state_mib, int) or state_mib < 1:
         raise ConfigError(f"state_mib: give an int >= 1, got {state_mib!r}")
@@ -736,7 +877,13 @@ def run_scale_out(
     names = donors_of(profile)
     data, expected = _make_state(state_mib)
     total = len(data)
+    topo: NetnsStar | None = None
+    donor_procs: list[subprocess.Popen[str]] = []
     with ExitStack() as stack:
+        if wan == "netns":
+            rates, j_down, j_up = netns_rates_bit_s(profile)
+            topo = stack.enter_context(star(rates, joiner_down_bit_s=j_down, joiner_up_bit_s=j_up))
+            stack.callback(_kill_leftovers, donor_procs)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-scale-")))
         state_path = workdir / "replica.bin"
         state_path.write_bytes(data)
@@ -763,8 +910,11 @@ def run_scale_out(
             main_plan.append(("bottleneck#single", "single", tight, None))
         t_start = time.monotonic()
         rows = asyncio.run(
-            _session(profile, path, state_path, total, expected, workdir, main_plan, on_transfer)
-        )
+            _session(
+                profile, path, state_path, total, expected, workdir, main_plan, on_transfer,
+                topo, donor_procs,
+            )
+        )  # fmt: skip
         for label, row in rows:
             say(f"{label}: {row['delay_s']:.2f} s (bound {row['lower_bound_s']:.2f} s)")
         grouped: dict[str, list[dict[str, Any]]] = {}
@@ -786,6 +936,24 @@ def run_scale_out(
         }
         if "chaos" in methods:
             result["summary"] = _summary(methods_out)
+        if topo is not None:
+            result["process_model"] = (
+                "donors: one OS process each, each in its own network namespace "
+                "(ip netns exec); joiner: this process (asyncio, root namespace)"
+            )
+            result["netns"] = {
+                "hub": topo.hub,
+                "namespaces": sorted(topo.namespaces.values()),
+                "donor_addresses": topo.addresses,
+                "joiner_address": topo.joiner_address,
+                "tbf_rate_bit_s": topo.rates_bit_s,
+                "joiner_down_tbf_bit_s": topo.joiner_down_bit_s,
+                "joiner_up_tbf_bit_s": topo.joiner_up_bit_s,
+                "tcp_wire_factor": TCP_WIRE_FACTOR,
+                "latency": "carrier latency model (profile latencies, no rates); the kernel "
+                "links add none (no netem)",
+                "donor_pids": [p.pid for p in donor_procs],
+            }
         if extras and "chaos" in methods:
             result["joiner_bottleneck"] = {
                 "down_mb_s": cap,

@@ -16,19 +16,35 @@ says which is missing.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..defaults import NETNS_COMMAND_TIMEOUT_S, NETNS_TBF_BURST_BYTES, NETNS_TBF_LIMIT_BYTES
+from ..defaults import (
+    NETNS_COMMAND_TIMEOUT_S,
+    NETNS_TBF_BURST_BYTES,
+    NETNS_TBF_BURST_S,
+    NETNS_TBF_LIMIT_BYTES,
+)
 from ..errors import NetnsError
 
-__all__ = ["NetnsPair", "check_netns_available", "measure_tcp_rate", "run_cmd", "veth_pair"]
+__all__ = [
+    "TCP_WIRE_FACTOR",
+    "NetnsPair",
+    "NetnsStar",
+    "check_netns_available",
+    "measure_tcp_rate",
+    "run_cmd",
+    "star",
+    "veth_pair",
+    "wire_rate_bit_s",
+]
 
 _counter = itertools.count()
 
@@ -245,3 +261,175 @@ def measure_tcp_rate(
         if recv.poll() is None:
             recv.kill()
             recv.wait(timeout=5)
+
+
+#: Wire bytes per TCP payload byte on a veth with MTU 1500 (a 1514-byte frame, Ethernet header
+#: included, carries 1448 payload bytes with TCP timestamps); ``tbf`` counts wire bytes.
+TCP_WIRE_FACTOR = 1514 / 1448
+
+
+def wire_rate_bit_s(goodput_bytes_s: float) -> int:
+    """The ``tbf`` rate (bit/s) whose TCP payload rate is ``goodput_bytes_s`` bytes/s."""
+    return math.ceil(goodput_bytes_s * 8 * TCP_WIRE_FACTOR)
+
+
+def _burst_for(rate_bit_s: int) -> tuple[int, int]:
+    burst = max(NETNS_TBF_BURST_BYTES, int(rate_bit_s / 8 * NETNS_TBF_BURST_S))
+    return burst, max(NETNS_TBF_LIMIT_BYTES, 4 * burst)
+
+
+def _tbf(ns: str | None, dev: str, rate_bit_s: int) -> None:
+    if rate_bit_s <= 0:
+        raise NetnsError(f"rate_bit_s: must be > 0, got {rate_bit_s} (device {dev})")
+    burst, limit = _burst_for(rate_bit_s)
+    prefix = [] if ns is None else ["ip", "netns", "exec", ns]
+    run_cmd(
+        [
+            *prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+            "rate", f"{int(rate_bit_s)}bit", "burst", str(burst), "limit", str(limit),
+        ]
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class NetnsStar:
+    """Donor namespaces on one bridge, reached from the root namespace (see :func:`star`).
+
+    Attributes
+    ----------
+    hub : str
+        The namespace holding the bridge.
+    namespaces : dict
+        Donor name -> its namespace.
+    addresses : dict
+        Donor name -> its address inside its namespace (where its server binds).
+    joiner_address : str
+        The root namespace's address on the bridge (the joiner's end).
+    rates_bit_s : dict
+        Donor name -> ``tbf`` rate of its egress toward the bridge, bit/s.
+    joiner_down_bit_s, joiner_up_bit_s : int or None
+        ``tbf`` rates of the bridge -> joiner and joiner -> bridge directions (``None`` = none).
+    """
+
+    hub: str
+    namespaces: dict[str, str]
+    addresses: dict[str, str]
+    devices: dict[str, str]
+    joiner_address: str
+    joiner_device: str
+    rates_bit_s: dict[str, int]
+    joiner_down_bit_s: int | None
+    joiner_up_bit_s: int | None
+
+    def exec_argv(self, donor: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``donor``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[donor], *argv]
+
+    def qdiscs(self, donor: str) -> str:
+        """``tc qdisc show`` of ``donor``'s device."""
+        ns = self.namespaces[donor]
+        dev = self.devices[donor]
+        return run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev])
+
+
+@contextmanager
+def star(
+    donor_rates_bit_s: Mapping[str, int],
+    *,
+    joiner_down_bit_s: int | None = None,
+    joiner_up_bit_s: int | None = None,
+    name: str | None = None,
+) -> Iterator[NetnsStar]:
+    """One namespace per donor, all on a bridge in a hub namespace, joined to the root namespace.
+
+    Donor ``i`` gets a veth pair: one end (address ``169.254.<o>.<i+2>/24``) in its own
+    namespace, shaped with ``tbf`` at its rate on egress (donor -> joiner), the other end a port
+    of the bridge. The root namespace (the joiner) has one veth end on the bridge with address
+    ``169.254.<o>.1``; the bridge side of that pair is shaped at ``joiner_down_bit_s`` (every
+    donor's traffic to the joiner passes it: the joiner's downlink), the root side at
+    ``joiner_up_bit_s``. On exit, normal or by error, every namespace is deleted (which removes
+    the veths, the bridge and the qdiscs) and a veth left in the root namespace is removed.
+
+    Parameters
+    ----------
+    donor_rates_bit_s : Mapping[str, int]
+        Donor name -> uplink rate in bit/s (1 to 200 donors).
+    joiner_down_bit_s, joiner_up_bit_s : int or None, optional
+        The joiner's downlink and uplink rates in bit/s (``None`` = unshaped).
+    name : str or None, optional
+        Prefix of the names (at most 6 characters); default from the pid and a counter.
+
+    Raises
+    ------
+    NetnsError
+        Not root, tools missing, a bad rate, or a command failed (cleanup still runs).
+    """
+    check_netns_available()
+    if not 1 <= len(donor_rates_bit_s) <= 200:
+        raise NetnsError(f"donor_rates_bit_s: give 1 to 200 donors, got {len(donor_rates_bit_s)}")
+    k = next(_counter)
+    base = name or f"s{os.getpid() % 1000}{k % 100}"
+    if len(base) > 6:
+        raise NetnsError(f"name: at most 6 characters (device names are short), got {base!r}")
+    octet = 1 + (os.getpid() * 7 + k) % 250
+    donors = list(donor_rates_bit_s)
+    topo = NetnsStar(
+        hub=f"{base}hub",
+        namespaces={d: f"{base}d{i}" for i, d in enumerate(donors)},
+        addresses={d: f"169.254.{octet}.{i + 2}" for i, d in enumerate(donors)},
+        devices={d: f"{base}d{i}v" for i, d in enumerate(donors)},
+        joiner_address=f"169.254.{octet}.1",
+        joiner_device=f"{base}jv",
+        rates_bit_s={d: int(r) for d, r in donor_rates_bit_s.items()},
+        joiner_down_bit_s=joiner_down_bit_s,
+        joiner_up_bit_s=joiner_up_bit_s,
+    )
+    made_ns: list[str] = []
+    root_devs = [topo.joiner_device, f"{base}jb", *(f"{dv}b" for dv in topo.devices.values())]
+    try:
+        hub = topo.hub
+        run_cmd(["ip", "netns", "add", hub])
+        made_ns.append(hub)
+        run_cmd(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
+        run_cmd(["ip", "-n", hub, "link", "set", "br0", "up"])
+        # the joiner's end: root namespace <-> bridge
+        run_cmd(["ip", "link", "add", topo.joiner_device, "type", "veth", "peer", "name",
+                 f"{base}jb"])  # fmt: skip
+        run_cmd(["ip", "link", "set", f"{base}jb", "netns", hub])
+        run_cmd(["ip", "-n", hub, "link", "set", f"{base}jb", "master", "br0", "up"])
+        run_cmd(["ip", "addr", "add", f"{topo.joiner_address}/24", "dev", topo.joiner_device])
+        run_cmd(["ip", "link", "set", topo.joiner_device, "up"])
+        if joiner_down_bit_s is not None:
+            _tbf(hub, f"{base}jb", joiner_down_bit_s)
+        if joiner_up_bit_s is not None:
+            _tbf(None, topo.joiner_device, joiner_up_bit_s)
+        for d in donors:
+            ns, dev, addr = topo.namespaces[d], topo.devices[d], topo.addresses[d]
+            run_cmd(["ip", "netns", "add", ns])
+            made_ns.append(ns)
+            run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", f"{dev}b"])
+            run_cmd(["ip", "link", "set", dev, "netns", ns])
+            run_cmd(["ip", "link", "set", f"{dev}b", "netns", hub])
+            run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "master", "br0", "up"])
+            run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+            run_cmd(["ip", "-n", ns, "link", "set", dev, "up"])
+            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _tbf(ns, dev, topo.rates_bit_s[d])
+        yield topo
+    finally:
+        errors: list[str] = []
+        present = _namespaces()
+        for ns in reversed(made_ns):
+            if ns in present:
+                try:
+                    run_cmd(["ip", "netns", "del", ns])
+                except NetnsError as err:
+                    errors.append(str(err))
+        for dev in root_devs:
+            probe = subprocess.run(
+                ["ip", "link", "show", dev], capture_output=True, check=False, timeout=10
+            )
+            if probe.returncode == 0:
+                subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
+        if errors:
+            raise NetnsError("cleanup failed: " + "; ".join(errors))
