@@ -61,6 +61,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .defaults import (
     DONOR_MAX_CONCURRENT_UPLOADS,
     TRANSFER_MIN_TIMEOUT_S,
@@ -280,10 +282,11 @@ class PullSession:
                     raise TransferError(f"plan.assignment: shard {i} is out of range or repeated")
                 assigned.add(i)
             self._peers[donor_id].queue.extend(shards)
-        # Verified shards are copied into their place in one buffer as they arrive (the copy
-        # and the buffer's page faults overlap the transfer); ``_shards[i]`` marks arrival.
+        # Verified shards are copied into their place in one buffer as they arrive, so the copy
+        # overlaps the transfer; ``_shards[i]`` marks arrival. ``np.empty`` leaves the pages
+        # untouched until a shard lands (``bytearray(n)`` would zero all of them up front).
         self._shards: list[bytes | None] = [None] * self.num_shards
-        self._buffer = bytearray(self.total_bytes)
+        self._buffer = np.empty(self.total_bytes, dtype=np.uint8).data.cast("B")
         # The state digest is computed as shards arrive, over the longest verified prefix, so
         # hashing overlaps the transfer instead of adding a full pass at the end.
         self._prefix_hash = hashlib.sha256()
@@ -481,8 +484,8 @@ class PullSession:
         ]
         return min(deadlines) if deadlines else None
 
-    def assemble(self) -> bytearray:
-        """Return the verified state bytes (the session's buffer, handed over without a copy).
+    def assemble(self) -> memoryview:
+        """Return the verified state bytes: a read-only view of the session's buffer (no copy).
 
         Raises
         ------
@@ -496,7 +499,7 @@ class PullSession:
                 f"assemble: {self.num_shards - self._done_count} shards are still missing; "
                 "keep driving the session until done"
             )
-        data = self._buffer
+        data = self._buffer.toreadonly()
         if self._prefix_hash.digest() != self.manifest.state_digest:
             raise ShardIntegrityError(
                 "state: SHA-256 of the reassembled state differs from the certified state "
@@ -511,7 +514,7 @@ class PullSession:
 
     def _advance_prefix(self) -> None:
         shards = self._shards
-        view = memoryview(self._buffer)
+        view = self._buffer
         while self._prefix < self.num_shards:
             if shards[self._prefix] is None:
                 return

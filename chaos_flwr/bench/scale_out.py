@@ -410,7 +410,7 @@ async def _pull_chaos(
     kill_at: float | None = None,
     kill: Callable[[], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
-) -> tuple[bytes | bytearray, dict[str, int], dict[str, Any]]:
+) -> tuple[bytes | memoryview, dict[str, int], dict[str, Any]]:
     loop = asyncio.get_running_loop()
     clock = loop.time
     session = PullSession(
