@@ -189,6 +189,16 @@ SHAPING_MAX_PROFILE_BYTES: int = 1024 * 1024
 NETNS_TBF_BURST_BYTES: int = 32 * 1024
 #: tbf bucket of a netns star link in seconds of its rate (at least NETNS_TBF_BURST_BYTES).
 NETNS_TBF_BURST_S: float = 0.002
+#: tbf queue limit of a netns star link, bytes: above TCP's per-socket queue cap
+#: (net.ipv4.tcp_limit_output_bytes, 4 MiB here), so a shaped link delays and never drops (a
+#: 256 KiB limit dropped enough to stall a connection past the pull engine's 5 s timeout).
+NETNS_STAR_LIMIT_BYTES: int = 8 * 1024 * 1024
+#: TCP unsent-data cap (net.ipv4.tcp_notsent_lowat) inside a netns star's donor namespaces,
+#: bytes: keeps a donor's socket from buffering seconds of replies ahead of its link.
+NETNS_NOTSENT_LOWAT_BYTES: int = 128 * 1024
+#: MTU of a netns star's veths and bridge (jumbo frames: a sixth of the packets of 1500, which
+#: on 2 cores is the difference between a CPU-bound and a link-bound transfer).
+NETNS_STAR_MTU: int = 9000
 #: Default tbf queue limit (bytes queued before drop) of a netns-shaped veth.
 NETNS_TBF_LIMIT_BYTES: int = 256 * 1024
 #: Longest one ``ip``/``tc`` command may take, in seconds.

@@ -38,10 +38,14 @@ namespace has a veth to a bridge in a hub namespace, and the root namespace (the
 process) has one veth on that bridge. A donor's egress is shaped by ``tbf`` at its uplink (or
 its ``donor -> joiner`` pair cap), the bridge's port toward the joiner at the joiner's downlink,
 the joiner's own veth at its uplink; each rate is the wire rate whose TCP payload rate is the
-profile's figure (``tbf`` counts Ethernet/IP/TCP headers). netem is not available, so the kernel
-adds no latency; the carriers keep the profile's latency model with every rate removed
-(:func:`latency_only`). The links as shaped are therefore the profile's links, and the lower
-bound is the same. The checkpoint's storage legs stay token buckets on files in both modes.
+profile's figure (``tbf`` counts Ethernet/IP/TCP headers; veths use ``NETNS_STAR_MTU`` jumbo
+frames to keep the packet rate, and the kernel's CPU share, low). Unpaced by a token bucket, a
+donor's grpc server would interleave all its in-flight replies over the link; it streams them
+one at a time instead (FIFO, as one uplink does and as the pull engine models). netem is not
+available, so the kernel adds no latency; the carriers keep the profile's latency model with
+every rate removed (:func:`latency_only`). The links as shaped are therefore the profile's
+links, and the lower bound is the same. The checkpoint's storage legs stay token buckets on
+files in both modes.
 Namespaces, veths and donor processes are removed on exit, error or Ctrl-C.
 
 ``delay_s`` runs from the join request (planning included) to a verified state (digest checked).
@@ -64,11 +68,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import grpc.aio
@@ -76,6 +80,7 @@ import numpy as np
 import yaml
 
 from ..defaults import (
+    NETNS_STAR_MTU,
     SCALE_OUT_DONOR_STARTUP_S,
     SCALE_OUT_MIN_TIMEOUT_S,
     SCALE_OUT_PROGRESS_INTERVAL_S,
@@ -94,7 +99,7 @@ from ..state import Manifest, TrainingState, state_digest
 from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
 from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
 from ..transport.grpc_carrier import grpc_options
-from ..transport.netns import TCP_WIRE_FACTOR, NetnsStar, star, wire_rate_bit_s
+from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
 
 __all__ = [
     "default_profile_path",
@@ -171,6 +176,29 @@ class _HostCarrier(GrpcCarrier):
     def __init__(self, party_id: str, host: str, *, shaper: Shaper | None = None) -> None:
         super().__init__(party_id, shaper=shaper)
         self.host = host
+        self._send_lock = asyncio.Lock()
+
+    async def _serve(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        """Stream replies one at a time (FIFO), as a single uplink does.
+
+        Unpaced by a token bucket, grpc would queue every in-flight reply at once and
+        interleave them over the kernel link, so each shard would finish only when all of them
+        do; the pull engine (and the shaped mode) model a donor's uplink as a FIFO.
+        """
+        stream = cast(AsyncGenerator[bytes, None], super()._serve(request, context))
+        first = True
+        try:
+            async for chunk in stream:
+                if first:
+                    await self._send_lock.acquire()
+                    first = False
+                yield chunk
+        finally:
+            if not first:
+                self._send_lock.release()
+            await stream.aclose()
 
     async def start(self, handler: Any) -> None:
         """Listen on ``host`` and serve ``handler``; sets :attr:`address`."""
@@ -756,10 +784,10 @@ def netns_rates_bit_s(profile: WanProfile) -> tuple[dict[str, int], int | None, 
         known = [r for r in (up, cap) if r is not None]
         if not known:
             raise ConfigError(f"parties.{name}.up_mb_s: a donor needs a finite uplink")
-        rates[name] = wire_rate_bit_s(min(known))
+        rates[name] = wire_rate_bit_s(min(known), NETNS_STAR_MTU)
     joiner = profile.link(JOINER)
-    down = None if joiner.down_bps is None else wire_rate_bit_s(joiner.down_bps)
-    up = None if joiner.up_bps is None else wire_rate_bit_s(joiner.up_bps)
+    down = None if joiner.down_bps is None else wire_rate_bit_s(joiner.down_bps, NETNS_STAR_MTU)
+    up = None if joiner.up_bps is None else wire_rate_bit_s(joiner.up_bps, NETNS_STAR_MTU)
     return rates, down, up
 
 
@@ -949,7 +977,8 @@ def run_scale_out(
                 "tbf_rate_bit_s": topo.rates_bit_s,
                 "joiner_down_tbf_bit_s": topo.joiner_down_bit_s,
                 "joiner_up_tbf_bit_s": topo.joiner_up_bit_s,
-                "tcp_wire_factor": TCP_WIRE_FACTOR,
+                "mtu": topo.mtu,
+                "tcp_wire_factor": tcp_wire_factor(topo.mtu),
                 "latency": "carrier latency model (profile latencies, no rates); the kernel "
                 "links add none (no netem)",
                 "donor_pids": [p.pid for p in donor_procs],

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 
 from ..defaults import (
     NETNS_COMMAND_TIMEOUT_S,
+    NETNS_NOTSENT_LOWAT_BYTES,
+    NETNS_STAR_LIMIT_BYTES,
+    NETNS_STAR_MTU,
     NETNS_TBF_BURST_BYTES,
     NETNS_TBF_BURST_S,
     NETNS_TBF_LIMIT_BYTES,
@@ -42,6 +45,7 @@ __all__ = [
     "measure_tcp_rate",
     "run_cmd",
     "star",
+    "tcp_wire_factor",
     "veth_pair",
     "wire_rate_bit_s",
 ]
@@ -263,25 +267,34 @@ def measure_tcp_rate(
             recv.wait(timeout=5)
 
 
-#: Wire bytes per TCP payload byte on a veth with MTU 1500 (a 1514-byte frame, Ethernet header
-#: included, carries 1448 payload bytes with TCP timestamps); ``tbf`` counts wire bytes.
-TCP_WIRE_FACTOR = 1514 / 1448
+def tcp_wire_factor(mtu: int = 1500) -> float:
+    """Wire bytes per TCP payload byte on a veth of ``mtu`` (``tbf`` counts wire bytes).
+
+    A full frame is ``mtu + 14`` bytes (Ethernet header) and carries ``mtu - 52`` payload bytes
+    (IPv4 20, TCP 20, timestamps 12): 1514/1448 at MTU 1500.
+    """
+    return (mtu + 14) / (mtu - 52)
 
 
-def wire_rate_bit_s(goodput_bytes_s: float) -> int:
+#: :func:`tcp_wire_factor` at MTU 1500.
+TCP_WIRE_FACTOR = tcp_wire_factor(1500)
+
+
+def wire_rate_bit_s(goodput_bytes_s: float, mtu: int = 1500) -> int:
     """The ``tbf`` rate (bit/s) whose TCP payload rate is ``goodput_bytes_s`` bytes/s."""
-    return math.ceil(goodput_bytes_s * 8 * TCP_WIRE_FACTOR)
+    return math.ceil(goodput_bytes_s * 8 * tcp_wire_factor(mtu))
 
 
-def _burst_for(rate_bit_s: int) -> tuple[int, int]:
-    burst = max(NETNS_TBF_BURST_BYTES, int(rate_bit_s / 8 * NETNS_TBF_BURST_S))
-    return burst, max(NETNS_TBF_LIMIT_BYTES, 4 * burst)
+def _burst_for(rate_bit_s: int, mtu: int) -> tuple[int, int]:
+    # the bucket must hold a whole frame (tbf drops a packet larger than its bucket)
+    burst = max(NETNS_TBF_BURST_BYTES, int(rate_bit_s / 8 * NETNS_TBF_BURST_S), 2 * (mtu + 14))
+    return burst, max(NETNS_STAR_LIMIT_BYTES, 4 * burst)
 
 
-def _tbf(ns: str | None, dev: str, rate_bit_s: int) -> None:
+def _tbf(ns: str | None, dev: str, rate_bit_s: int, mtu: int) -> None:
     if rate_bit_s <= 0:
         raise NetnsError(f"rate_bit_s: must be > 0, got {rate_bit_s} (device {dev})")
-    burst, limit = _burst_for(rate_bit_s)
+    burst, limit = _burst_for(rate_bit_s, mtu)
     prefix = [] if ns is None else ["ip", "netns", "exec", ns]
     run_cmd(
         [
@@ -309,6 +322,8 @@ class NetnsStar:
         Donor name -> ``tbf`` rate of its egress toward the bridge, bit/s.
     joiner_down_bit_s, joiner_up_bit_s : int or None
         ``tbf`` rates of the bridge -> joiner and joiner -> bridge directions (``None`` = none).
+    mtu : int
+        MTU of every veth and the bridge.
     """
 
     hub: str
@@ -320,6 +335,7 @@ class NetnsStar:
     rates_bit_s: dict[str, int]
     joiner_down_bit_s: int | None
     joiner_up_bit_s: int | None
+    mtu: int
 
     def exec_argv(self, donor: str, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside ``donor``'s namespace."""
@@ -339,6 +355,7 @@ def star(
     joiner_down_bit_s: int | None = None,
     joiner_up_bit_s: int | None = None,
     name: str | None = None,
+    mtu: int = NETNS_STAR_MTU,
 ) -> Iterator[NetnsStar]:
     """One namespace per donor, all on a bridge in a hub namespace, joined to the root namespace.
 
@@ -358,6 +375,8 @@ def star(
         The joiner's downlink and uplink rates in bit/s (``None`` = unshaped).
     name : str or None, optional
         Prefix of the names (at most 6 characters); default from the pid and a counter.
+    mtu : int, optional
+        MTU of the veths and the bridge (576 to 65535).
 
     Raises
     ------
@@ -365,6 +384,8 @@ def star(
         Not root, tools missing, a bad rate, or a command failed (cleanup still runs).
     """
     check_netns_available()
+    if not 576 <= mtu <= 65535:
+        raise NetnsError(f"mtu: give 576 to 65535, got {mtu}")
     if not 1 <= len(donor_rates_bit_s) <= 200:
         raise NetnsError(f"donor_rates_bit_s: give 1 to 200 donors, got {len(donor_rates_bit_s)}")
     k = next(_counter)
@@ -383,6 +404,7 @@ def star(
         rates_bit_s={d: int(r) for d, r in donor_rates_bit_s.items()},
         joiner_down_bit_s=joiner_down_bit_s,
         joiner_up_bit_s=joiner_up_bit_s,
+        mtu=mtu,
     )
     made_ns: list[str] = []
     root_devs = [topo.joiner_device, f"{base}jb", *(f"{dv}b" for dv in topo.devices.values())]
@@ -391,18 +413,19 @@ def star(
         run_cmd(["ip", "netns", "add", hub])
         made_ns.append(hub)
         run_cmd(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
-        run_cmd(["ip", "-n", hub, "link", "set", "br0", "up"])
+        run_cmd(["ip", "-n", hub, "link", "set", "br0", "mtu", str(mtu), "up"])
         # the joiner's end: root namespace <-> bridge
         run_cmd(["ip", "link", "add", topo.joiner_device, "type", "veth", "peer", "name",
                  f"{base}jb"])  # fmt: skip
         run_cmd(["ip", "link", "set", f"{base}jb", "netns", hub])
-        run_cmd(["ip", "-n", hub, "link", "set", f"{base}jb", "master", "br0", "up"])
+        run_cmd(["ip", "-n", hub, "link", "set", f"{base}jb", "mtu", str(mtu), "master", "br0",
+                 "up"])  # fmt: skip
         run_cmd(["ip", "addr", "add", f"{topo.joiner_address}/24", "dev", topo.joiner_device])
-        run_cmd(["ip", "link", "set", topo.joiner_device, "up"])
+        run_cmd(["ip", "link", "set", topo.joiner_device, "mtu", str(mtu), "up"])
         if joiner_down_bit_s is not None:
-            _tbf(hub, f"{base}jb", joiner_down_bit_s)
+            _tbf(hub, f"{base}jb", joiner_down_bit_s, mtu)
         if joiner_up_bit_s is not None:
-            _tbf(None, topo.joiner_device, joiner_up_bit_s)
+            _tbf(None, topo.joiner_device, joiner_up_bit_s, mtu)
         for d in donors:
             ns, dev, addr = topo.namespaces[d], topo.devices[d], topo.addresses[d]
             run_cmd(["ip", "netns", "add", ns])
@@ -410,11 +433,16 @@ def star(
             run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", f"{dev}b"])
             run_cmd(["ip", "link", "set", dev, "netns", ns])
             run_cmd(["ip", "link", "set", f"{dev}b", "netns", hub])
-            run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "master", "br0", "up"])
+            run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "mtu", str(mtu), "master", "br0",
+                     "up"])  # fmt: skip
             run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
-            run_cmd(["ip", "-n", ns, "link", "set", dev, "up"])
+            run_cmd(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"])
             run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _tbf(ns, dev, topo.rates_bit_s[d])
+            # a donor's socket holds at most this much unsent data (else seconds of replies
+            # sit in its send buffer ahead of the link, past any cancel or re-plan)
+            run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                     f"net.ipv4.tcp_notsent_lowat={NETNS_NOTSENT_LOWAT_BYTES}"])  # fmt: skip
+            _tbf(ns, dev, topo.rates_bit_s[d], mtu)
         yield topo
     finally:
         errors: list[str] = []
