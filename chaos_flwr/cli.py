@@ -417,7 +417,9 @@ def bench_scale_out(
     profile: Annotated[
         Path | None, typer.Option("--profile", help="WAN profile YAML (default: wan8).")
     ] = None,
-    wan: Annotated[str, typer.Option("--wan", help="Link mode: shaped.")] = "shaped",
+    wan: Annotated[
+        str, typer.Option("--wan", help="Link mode: shaped (token buckets) or netns (tc, root).")
+    ] = "shaped",
     state_mib: Annotated[int | None, typer.Option("--state-mib", help="State size, MiB.")] = None,
     runs: Annotated[int | None, typer.Option("--runs", help="Runs of chaos (median).")] = None,
     extras: Annotated[

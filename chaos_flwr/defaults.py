@@ -173,6 +173,8 @@ DONOR_MAX_CONCURRENT_UPLOADS: int = 4
 # --- transport / shaping / bench scale-out ---------------------------------------------------
 #: Largest message (request or reply) the grpc carrier sends or accepts, in bytes.
 TRANSPORT_MAX_MESSAGE_BYTES: int = 256 * 1024 * 1024
+#: Address a carrier's server listens on (loopback; a namespace-local address in netns mode).
+TRANSPORT_HOST: str = "127.0.0.1"
 #: Size of one streamed chunk of a grpc carrier reply, in bytes (the unit the shaper paces).
 TRANSPORT_CHUNK_BYTES: int = 256 * 1024
 #: Default bound on one grpc carrier request (connect + reply), in seconds.

@@ -98,7 +98,6 @@ from ..planner import Donor, lower_bound, plan_transfer
 from ..state import Manifest, TrainingState, state_digest
 from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
 from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
-from ..transport.grpc_carrier import grpc_options
 from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
 
 __all__ = [
@@ -174,8 +173,7 @@ class _HostCarrier(GrpcCarrier):
     of 127.0.0.1; used only inside a donor's own network namespace in ``--wan netns`` mode."""
 
     def __init__(self, party_id: str, host: str, *, shaper: Shaper | None = None) -> None:
-        super().__init__(party_id, shaper=shaper)
-        self.host = host
+        super().__init__(party_id, host=host, shaper=shaper)
         self._send_lock = asyncio.Lock()
 
     async def _serve(
@@ -199,28 +197,6 @@ class _HostCarrier(GrpcCarrier):
             if not first:
                 self._send_lock.release()
             await stream.aclose()
-
-    async def start(self, handler: Any) -> None:
-        """Listen on ``host`` and serve ``handler``; sets :attr:`address`."""
-        if self._server is not None:
-            raise TransportError(f"carrier {self.party_id!r} is already started")
-        self._handler = handler
-        server = grpc.aio.server(options=grpc_options(self._max))
-        rpc = grpc.unary_stream_rpc_method_handler(
-            self._serve, request_deserializer=None, response_serializer=None
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("chaos.Carrier", {"Call": rpc}),)
-        )
-        try:
-            port = server.add_insecure_port(f"{self.host}:0")
-        except RuntimeError as err:
-            raise TransportError(f"host: cannot listen on {self.host} ({err})") from None
-        if port == 0:
-            raise TransportError(f"host: cannot listen on {self.host}; check the namespace")
-        await server.start()
-        self._server = server
-        self.address = f"{self.host}:{port}"
 
 
 def latency_only(profile: WanProfile) -> WanProfile:

@@ -31,6 +31,7 @@ import grpc.aio
 
 from ..defaults import (
     TRANSPORT_CHUNK_BYTES,
+    TRANSPORT_HOST,
     TRANSPORT_MAX_MESSAGE_BYTES,
     TRANSPORT_REQUEST_TIMEOUT_S,
     TRANSPORT_STOP_GRACE_S,
@@ -72,7 +73,10 @@ class GrpcCarrier(Carrier):
         Party id -> ``host:port`` of the peers' carriers (more can be added with
         :meth:`add_peer`).
     port : int, optional
-        Port to listen on at 127.0.0.1 (0 picks a free one; see :attr:`address`).
+        Port to listen on at ``host`` (0 picks a free one; see :attr:`address`).
+    host : str, optional
+        Address to listen on: loopback by default; a network namespace's own address when the
+        party runs inside one (``--wan netns``).
     shaper : Shaper or None, optional
         Paces this party's links (see the module docstring).
     chunk_bytes : int, optional
@@ -89,6 +93,7 @@ class GrpcCarrier(Carrier):
         directory: Mapping[str, str] | None = None,
         *,
         port: int = 0,
+        host: str = TRANSPORT_HOST,
         shaper: Shaper | None = None,
         chunk_bytes: int = TRANSPORT_CHUNK_BYTES,
         max_message_bytes: int = TRANSPORT_MAX_MESSAGE_BYTES,
@@ -102,6 +107,7 @@ class GrpcCarrier(Carrier):
         self.directory: dict[str, str] = dict(directory or {})
         self.shaper = shaper
         self._port = port
+        self.host = host
         self._chunk = chunk_bytes
         self._max = max_message_bytes
         self._timeout = request_timeout_s
@@ -129,7 +135,7 @@ class GrpcCarrier(Carrier):
     # --- serving -----------------------------------------------------------------------------
 
     async def start(self, handler: Handler) -> None:
-        """Listen on 127.0.0.1 and serve ``handler``; sets :attr:`address`.
+        """Listen on :attr:`host` and serve ``handler``; sets :attr:`address`.
 
         Raises
         ------
@@ -147,16 +153,18 @@ class GrpcCarrier(Carrier):
             (grpc.method_handlers_generic_handler(_SERVICE, {"Call": rpc}),)
         )
         try:
-            port = server.add_insecure_port(f"127.0.0.1:{self._port}")
+            port = server.add_insecure_port(f"{self.host}:{self._port}")
         except RuntimeError as err:
             raise TransportError(
-                f"port: cannot listen on 127.0.0.1:{self._port} ({err}); pick a free port"
+                f"port: cannot listen on {self.host}:{self._port} ({err}); pick a free port"
             ) from None
         if port == 0:
-            raise TransportError(f"port: cannot listen on 127.0.0.1:{self._port}; pick a free port")
+            raise TransportError(
+                f"port: cannot listen on {self.host}:{self._port}; pick a free port"
+            )
         await server.start()
         self._server = server
-        self.address = f"127.0.0.1:{port}"
+        self.address = f"{self.host}:{port}"
 
     async def _serve(
         self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
