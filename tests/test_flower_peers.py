@@ -12,7 +12,6 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from chaos_flwr.flower import runner
 from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
@@ -21,10 +20,8 @@ from chaos_flwr.peer import Peer
 
 
 @pytest.fixture(autouse=True)
-def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for key, value in runner.FLOWER_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
 
 
 FOUNDERS = [Identity.from_seed(f"flower-founder-{i}".encode(), name=f"f{i}") for i in range(3)]

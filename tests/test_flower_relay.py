@@ -12,7 +12,6 @@ from flwr.common.constant import ErrorCode
 
 from chaos_flwr.defaults import FLOWER_CHAOS_MESSAGE_TYPE, FLOWER_CHAOS_RECORD_KEY
 from chaos_flwr.errors import ConfigError, DecodeError
-from chaos_flwr.flower import runner
 from chaos_flwr.flower.client import Party, enable, party_settings
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.relay import (
@@ -27,10 +26,8 @@ from chaos_flwr.flower.relay import (
 
 
 @pytest.fixture(autouse=True)
-def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for key, value in runner.FLOWER_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
 
 
 class VClock:

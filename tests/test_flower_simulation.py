@@ -15,10 +15,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_instituti
 
 
 @pytest.fixture(autouse=True)
-def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for key, value in runner.FLOWER_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
 
 
 @pytest.fixture()

@@ -14,7 +14,6 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
 
 from chaos_flwr.errors import ProfileError
-from chaos_flwr.flower import runner
 from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
@@ -23,10 +22,8 @@ from chaos_flwr.store import ReplicaStore
 
 
 @pytest.fixture(autouse=True)
-def _flower_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    for key, value in runner.FLOWER_ENV.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
 
 
 class VClock:
