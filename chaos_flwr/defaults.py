@@ -147,6 +147,19 @@ FLOWER_PULL_DATA_KEY: str = "chaos-pull"
 FLOWER_PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
 #: Smallest shard of a restarted ServerApp's pull, in bytes.
 FLOWER_PULL_MIN_SHARD_BYTES: int = 64 * 1024
+#: Folder layout of :func:`chaos_flwr.flower.keys.make_federation`: key file prefix
+#: (``party-<partition-id>.key``) and charter file name.
+FLOWER_FEDERATION_KEY_PREFIX: str = "party-"
+FLOWER_FEDERATION_CHARTER_FILE: str = "charter.yaml"
+#: Founders (the first partitions) and federation name of a ``make_federation`` charter.
+FLOWER_FEDERATION_FOUNDERS: int = 3
+FLOWER_FEDERATION_NAME: str = "chaos-flwr-federation"
+#: Fewest holders a joiner pulls the current state from (fewer live holders: no pull yet).
+FLOWER_JOIN_MIN_DONORS: int = 2
+#: Smallest shard of a joiner's pull, in bytes (small enough that small models still split).
+FLOWER_JOIN_MIN_SHARD_BYTES: int = 1024
+#: Most relay steps (joiner exchange + donor exchange) one joiner pull may take.
+FLOWER_JOIN_MAX_STEPS: int = 16
 
 # --- state / store / transfer ----------------------------------------------------------------
 #: Alignment of each array's data inside a serialised state, in bytes (zero-copy numpy views).
@@ -249,3 +262,21 @@ SIM_REJOIN_INTERVAL_S: float = 3.0
 SIM_SOAK_MAX_PARTIES: int = 12
 #: Runs of ``chaos-flwr bench sim`` (the median is reported).
 SIM_BENCH_RUNS: int = 3
+
+# --- flower: churn scenarios, the demo and its report ------------------------------------------
+#: Largest churn scenario YAML file read, in bytes.
+FLOWER_CHURN_MAX_FILE_BYTES: int = 1 << 20
+#: ``run_config`` key naming the churn scenario file the ClientApp wrapper applies ("" = none).
+FLOWER_CHURN_RUN_CONFIG_KEY: str = "churn-scenario"
+#: ``run_config`` key: round a resumed run starts in (rounds of messages that name none).
+FLOWER_CHURN_START_ROUND_KEY: str = "churn-start-round"
+#: ``run_config`` key: file the example's ServerApp appends one JSON line to per round.
+FLOWER_PROGRESS_RUN_CONFIG_KEY: str = "progress-path"
+#: How often the demo reads the progress file of a running simulation, in seconds.
+FLOWER_DEMO_POLL_S: float = 0.2
+#: Default output folder of ``chaos-flwr demo``.
+FLOWER_DEMO_OUT_DIR: str = "chaos-demo-report"
+#: Largest accuracy gap (churn vs churn-free FedAvg, in accuracy points) the demo calls a match.
+FLOWER_DEMO_MAX_ACCURACY_GAP: float = 0.02
+#: Wall-time bound of each simulation run of the demo, in seconds.
+FLOWER_DEMO_RUN_TIMEOUT_S: float = 600.0

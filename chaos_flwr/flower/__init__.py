@@ -5,13 +5,22 @@ Importing this package imports Flower.
 
 from __future__ import annotations
 
-from chaos_flwr.flower.client import Party, PartySettings, enable, party_settings
+from chaos_flwr.flower.client import Party, PartySettings, enable, party_for, party_settings
+from chaos_flwr.flower.keys import make_federation
 from chaos_flwr.flower.profiles import Profile, available_profiles, load_profile
 from chaos_flwr.flower.relay import Relay, exchange
-from chaos_flwr.flower.strategy import ChaosStrategy, RoundLog, keyring_verifier
+from chaos_flwr.flower.strategy import (
+    ChaosStrategy,
+    JoinLog,
+    MembershipEvent,
+    RoundLog,
+    keyring_verifier,
+)
 
 __all__ = [
     "ChaosStrategy",
+    "JoinLog",
+    "MembershipEvent",
     "Party",
     "PartySettings",
     "Profile",
@@ -22,5 +31,7 @@ __all__ = [
     "exchange",
     "keyring_verifier",
     "load_profile",
+    "make_federation",
+    "party_for",
     "party_settings",
 ]

@@ -14,6 +14,22 @@ the party's outgoing envelopes and receipt are put on the reply.
 Party settings come from Flower's ``node_config`` (``chaos-key``, ``chaos-charter``,
 ``chaos-state-dir``); a missing or wrong one is a :class:`~chaos_flwr.errors.ConfigError` that
 names it.
+
+Signed runs in simulation
+-------------------------
+Simulation SuperNodes get only ``node_config = {partition-id, num-partitions}``. For them the
+run config may name a federation folder written by
+:func:`chaos_flwr.flower.keys.make_federation`:
+
+- ``chaos-keys-dir``: the folder; the party's key is ``party-<partition-id>.key`` in it and
+  the charter is its ``charter.yaml``;
+- ``chaos-state-root``: the party's state directory is ``<root>/party-<partition-id>``.
+
+A ``node_config`` key (``chaos-key``, ``chaos-charter``, ``chaos-state-dir``) wins over the run
+config fallback when both are present.
+
+Helpers that drive a party from outside (churn scenarios) get it with :func:`party_for` and
+call :meth:`Party.leave`, :meth:`Party.connect` or :meth:`Party.disconnect`.
 """
 
 from __future__ import annotations
@@ -24,8 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY, FLOWER_PULL_DATA_KEY
@@ -37,12 +54,17 @@ from chaos_flwr.store import ReplicaStore
 __all__ = [
     "NODE_CHARTER",
     "NODE_KEY",
+    "NODE_PARTITION_ID",
     "NODE_STATE_DIR",
+    "RUN_KEYS_DIR",
+    "RUN_STATE_ROOT",
     "RUN_UNSIGNED",
     "Party",
     "PartySettings",
     "certified_digest",
     "enable",
+    "forget_party",
+    "party_for",
     "party_settings",
     "receipt_bytes",
 ]
@@ -56,6 +78,13 @@ NODE_STATE_DIR = "chaos-state-dir"
 #: ``run_config`` key: run parties with no identity (relay and receipts *unsigned*), e.g. to
 #: measure carrier overhead in simulation, where SuperNodes have no per-node config.
 RUN_UNSIGNED = "chaos-unsigned"
+#: ``run_config`` key: federation folder (``party-<partition-id>.key`` + ``charter.yaml``) for
+#: SuperNodes without per-node Chaos settings (simulation).
+RUN_KEYS_DIR = "chaos-keys-dir"
+#: ``run_config`` key: root of the parties' state directories (``<root>/party-<partition-id>``).
+RUN_STATE_ROOT = "chaos-state-root"
+#: ``node_config`` key Flower's simulation engine sets on every virtual SuperNode.
+NODE_PARTITION_ID = "partition-id"
 
 
 def certified_digest(arrays: ArrayRecord, server_round: int) -> bytes:
@@ -103,19 +132,68 @@ def _path_setting(context: Context, key: str) -> Path | None:
     return Path(value).expanduser()
 
 
+def _run_path(context: Context, key: str) -> Path | None:
+    value = context.run_config.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"run_config '{key}' must be a path string, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _partition_id(context: Context, why: str) -> int:
+    value = context.node_config.get(NODE_PARTITION_ID)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(
+            f"node_config '{NODE_PARTITION_ID}' is missing or not an int ({value!r}); run "
+            f"config '{why}' needs it to pick this SuperNode's files"
+        )
+    try:
+        pid = int(value)
+    except ValueError:
+        raise ConfigError(f"node_config '{NODE_PARTITION_ID}' is not an int: {value!r}") from None
+    if pid < 0:
+        raise ConfigError(f"node_config '{NODE_PARTITION_ID}' must be >= 0, got {pid}")
+    return pid
+
+
 def party_settings(context: Context) -> PartySettings:
     """Read and check the party settings of a SuperNode.
+
+    ``node_config`` keys win; missing ones fall back to the run config's ``chaos-keys-dir`` /
+    ``chaos-state-root`` with the node's ``partition-id`` (module docstring).
 
     Raises
     ------
     ConfigError
         A setting is missing (and the run is not unsigned), or a path does not exist / is not
-        what it should be. The message names the ``node_config`` key.
+        what it should be. The message names the ``node_config`` or ``run_config`` key.
     """
+    from chaos_flwr.defaults import FLOWER_FEDERATION_KEY_PREFIX
+    from chaos_flwr.flower.keys import charter_path, key_path
+
     unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
     key = _path_setting(context, NODE_KEY)
     charter = _path_setting(context, NODE_CHARTER)
     state = _path_setting(context, NODE_STATE_DIR)
+    src = {NODE_KEY: f"node_config '{NODE_KEY}'", NODE_CHARTER: f"node_config '{NODE_CHARTER}'"}
+    src[NODE_STATE_DIR] = f"node_config '{NODE_STATE_DIR}'"
+    keys_dir = _run_path(context, RUN_KEYS_DIR)
+    state_root = _run_path(context, RUN_STATE_ROOT)
+    if keys_dir is not None and (key is None or charter is None):
+        if not keys_dir.is_dir():
+            raise ConfigError(f"run_config '{RUN_KEYS_DIR}': {keys_dir} is not a directory")
+        pid = _partition_id(context, RUN_KEYS_DIR)
+        if key is None:
+            key = key_path(keys_dir, pid)
+            src[NODE_KEY] = f"run_config '{RUN_KEYS_DIR}'"
+        if charter is None:
+            charter = charter_path(keys_dir)
+            src[NODE_CHARTER] = f"run_config '{RUN_KEYS_DIR}'"
+    if state is None and state_root is not None:
+        pid = _partition_id(context, RUN_STATE_ROOT)
+        state = state_root / f"{FLOWER_FEDERATION_KEY_PREFIX}{pid}"
+        src[NODE_STATE_DIR] = f"run_config '{RUN_STATE_ROOT}'"
     if unsigned and key is None and charter is None:
         return PartySettings(None, None, state, True)
     for name, path in ((NODE_KEY, key), (NODE_CHARTER, charter), (NODE_STATE_DIR, state)):
@@ -123,15 +201,16 @@ def party_settings(context: Context) -> PartySettings:
             raise ConfigError(
                 f"node_config '{name}' is missing: start the SuperNode with --node-config "
                 f'\'{NODE_KEY}="..." {NODE_CHARTER}="..." {NODE_STATE_DIR}="..."\' '
-                f"(or set run config '{RUN_UNSIGNED}=true' for an identity-less test run)"
+                f"(in simulation: run config '{RUN_KEYS_DIR}' and '{RUN_STATE_ROOT}'; or set "
+                f"run config '{RUN_UNSIGNED}=true' for an identity-less test run)"
             )
     assert key is not None and charter is not None and state is not None
     if not key.is_file():
-        raise ConfigError(f"node_config '{NODE_KEY}': no key file at {key}; run chaos-flwr keygen")
+        raise ConfigError(f"{src[NODE_KEY]}: no key file at {key}; run chaos-flwr keygen")
     if not charter.is_file():
-        raise ConfigError(f"node_config '{NODE_CHARTER}': no charter file at {charter}")
+        raise ConfigError(f"{src[NODE_CHARTER]}: no charter file at {charter}")
     if state.exists() and not state.is_dir():
-        raise ConfigError(f"node_config '{NODE_STATE_DIR}': {state} exists and is not a directory")
+        raise ConfigError(f"{src[NODE_STATE_DIR]}: {state} exists and is not a directory")
     return PartySettings(key, charter, state, unsigned)
 
 
@@ -166,11 +245,63 @@ class Party:
     errors: list[str] = field(default_factory=list)
     pending: list[OutgoingLike] = field(default_factory=list)
     store: ReplicaStore | None = None
+    left: bool = False
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
 
+    # -- membership actions (churn scenarios, operators) ----------------------------------------
+    def _need_peer(self, action: str) -> PeerProtocol:
+        if self.peer is None:
+            raise ConfigError(
+                f"party {self.party_id} has no protocol peer (unsigned run); it cannot {action}"
+            )
+        return self.peer
+
+    def leave(self) -> None:
+        """Leave the federation: sign a leave record (sent with the party's next reply).
+
+        From then on the party answers nothing more as a member: its train/evaluate handlers
+        reply with an error, it sends no receipt and serves no shards; relay messages are still
+        answered so that the leave record gets out.
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            The party is not an active member.
+        chaos_flwr.errors.ConfigError
+            The party has no protocol peer (unsigned run).
+        """
+        peer = self._need_peer("leave")
+        action = getattr(peer, "leave", None)
+        if action is None:
+            raise ConfigError(f"the peer of {self.party_id} has no leave action")
+        self.pending.extend(action(self.clock()))
+        self.left = True
+
+    def connect(self, other_party_id: str) -> None:
+        """Ask ``other_party_id`` for a link (a signed link-up record, both ends sign).
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            Either end is not an active member, or ``other_party_id`` is this party.
+        """
+        peer = self._need_peer("connect")
+        self.pending.extend(peer.connect(other_party_id, self.clock()))  # type: ignore[attr-defined]
+
+    def disconnect(self, other_party_id: str) -> None:
+        """Take the link to ``other_party_id`` down (a signed link-down record).
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            There is no up link between the two parties.
+        """
+        peer = self._need_peer("disconnect")
+        self.pending.extend(peer.disconnect(other_party_id, self.clock()))  # type: ignore[attr-defined]
+
     def _receipt(self) -> bytes:
-        if self.signer is None or self.held_round < 0:
+        if self.signer is None or self.held_round < 0 or self.left:
             return b""
         return self.signer(receipt_bytes(self.party_id, self.held_round, self.held_digest))
 
@@ -206,7 +337,7 @@ class Party:
 
     def serve(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
         """Answer a pull request from the held replica, if it is the state the request names."""
-        if self.held_arrays is None:
+        if self.held_arrays is None or self.left:
             return None
         if record.get("round") != self.held_round or record.get("digest") != self.held_digest:
             return None
@@ -243,8 +374,8 @@ class Party:
         return party_record(
             self.party_id,
             outgoing,
-            receipt_round=self.held_round,
-            receipt_digest=self.held_digest,
+            receipt_round=-1 if self.left else self.held_round,
+            receipt_digest=b"" if self.left else self.held_digest,
             receipt=receipt,
         )
 
@@ -322,11 +453,64 @@ class _Parties:
         return party
 
 
+#: The party tables of the ClientApps enabled in this process, oldest first.
+_ENABLED: list[_Parties] = []
+
+
+def party_for(context: Context, app: ClientApp | None = None) -> Party:
+    """The party of this node and run (the one the enabled ClientApp uses), built if needed.
+
+    Churn scenarios wrap an enabled ClientApp and call :meth:`Party.leave`,
+    :meth:`Party.connect` or :meth:`Party.disconnect` on what this returns.
+
+    Parameters
+    ----------
+    context:
+        The node's Flower ``Context`` (the one the handlers get).
+    app:
+        The enabled ClientApp; default: the newest enabled app that has a party for this
+        node, else the newest enabled app.
+
+    Raises
+    ------
+    ConfigError
+        ``app`` is not enabled, or no ClientApp was enabled in this process.
+    """
+    if app is not None:
+        parties = getattr(app, "_chaos_parties", None)
+        if not isinstance(parties, _Parties):
+            raise ConfigError("party_for: this ClientApp is not Chaos-enabled (chaos_flwr.enable)")
+        return parties(context)
+    if not _ENABLED:
+        raise ConfigError("party_for: no ClientApp has been enabled (chaos_flwr.enable) here")
+    key = (context.run_id, context.node_id)
+    for parties in reversed(_ENABLED):
+        party = parties.by_node.get(key)
+        if party is not None:
+            return party
+    return _ENABLED[-1](context)
+
+
+def forget_party(context: Context) -> None:
+    """Drop the cached party of this node and run in every enabled app (a crash that loses the
+    process: the next message builds the party anew, from its disk)."""
+    key = (context.run_id, context.node_id)
+    for parties in _ENABLED:
+        parties.by_node.pop(key, None)
+
+
 def _wrap(
     fn: Callable[[Message, Context], Message], parties: _Parties
 ) -> Callable[[Message, Context], Message]:
     def wrapped(message: Message, context: Context) -> Message:
         record = split_chaos(message)
+        if record is not None and parties(context).left:
+            # a party that left answers nothing more as a member (its leave record waits in
+            # ``pending`` for the next relay message)
+            return Message(
+                Error(ErrorCode.MOD_FAILED_PRECONDITION, "party left the federation"),
+                reply_to=message,
+            )
         reply = fn(message, context)
         if record is None:
             return reply
@@ -376,6 +560,8 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     for name in list(registered):
         if name.startswith(("train.", "evaluate.")):
             registered[name] = _wrap(registered[name], parties)
+    app._chaos_parties = parties  # type: ignore[attr-defined]
+    _ENABLED.append(parties)
 
     @app.query("chaos")
     def chaos_query(message: Message, context: Context) -> Message:

@@ -1,0 +1,168 @@
+"""Keys and a signed charter for a whole federation in one call (demos, simulations, tests).
+
+Simulation SuperNodes get no per-node config beyond ``partition-id`` / ``num-partitions``, so a
+signed run in simulation reads its identities from one folder named by the run config
+(``chaos-keys-dir``, see :mod:`chaos_flwr.flower.client`). :func:`make_federation` writes that
+folder::
+
+    <out_dir>/party-0.key, party-0.pub, ..., party-<n-1>.key/.pub
+    <out_dir>/charter.yaml          signed by every founder
+
+Parties ``0 .. founders-1`` are the founders; the others (and ``allowlist_extra`` more, numbered
+after them) are on the allowlist and join with ``sponsors_required`` sponsors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from chaos_flwr.defaults import (
+    CHARTER_DEFAULT_FAILURE_QUORUM,
+    CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
+    CHARTER_DEFAULT_SPONSORS_REQUIRED,
+    CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
+    FLOWER_FEDERATION_CHARTER_FILE,
+    FLOWER_FEDERATION_FOUNDERS,
+    FLOWER_FEDERATION_KEY_PREFIX,
+    FLOWER_FEDERATION_NAME,
+)
+from chaos_flwr.errors import ConfigError
+
+__all__ = ["Federation", "charter_path", "key_path", "load_federation", "make_federation"]
+
+
+def key_path(keys_dir: Path | str, partition_id: int) -> Path:
+    """Path of partition ``partition_id``'s private key inside a federation folder."""
+    return Path(keys_dir) / f"{FLOWER_FEDERATION_KEY_PREFIX}{partition_id}.key"
+
+
+def charter_path(keys_dir: Path | str) -> Path:
+    """Path of the signed charter inside a federation folder."""
+    return Path(keys_dir) / FLOWER_FEDERATION_CHARTER_FILE
+
+
+@dataclass(frozen=True)
+class Federation:
+    """What :func:`load_federation` reads back: party ids by partition, founders, keyring."""
+
+    directory: Path
+    party_ids: dict[int, str]
+    founders: list[str]
+    keyring: dict[str, bytes]
+
+
+def make_federation(
+    out_dir: Path | str,
+    n_parties: int,
+    *,
+    founders: int = FLOWER_FEDERATION_FOUNDERS,
+    sponsors_required: int = CHARTER_DEFAULT_SPONSORS_REQUIRED,
+    allowlist_extra: int = 0,
+    federation: str = FLOWER_FEDERATION_NAME,
+    failure_quorum: int = CHARTER_DEFAULT_FAILURE_QUORUM,
+    heartbeat_interval_s: float = CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
+    suspicion_timeout_s: float = CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
+    seed: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write keys for ``n_parties + allowlist_extra`` parties and a founder-signed charter.
+
+    Parameters
+    ----------
+    out_dir:
+        Folder to write (created if missing).
+    n_parties:
+        Parties ``party-0 .. party-<n-1>`` (one per simulation partition).
+    founders:
+        How many of them (the first ones) found the federation; capped at ``n_parties``.
+    sponsors_required:
+        Member signatures a non-founder's join needs (charter ``admission``).
+    allowlist_extra:
+        Extra allowlisted keys ``party-<n> ..``: joiners that no partition starts with.
+    federation, failure_quorum, heartbeat_interval_s, suspicion_timeout_s:
+        Charter fields.
+    seed:
+        Derive every key from ``seed`` (reproducible federations); random keys if ``None``.
+    overwrite:
+        Replace key files already in ``out_dir``.
+
+    Returns
+    -------
+    Path
+        ``out_dir`` (pass it as run config ``chaos-keys-dir``).
+
+    Raises
+    ------
+    ConfigError
+        A count is out of range or the files cannot be written.
+    """
+    from chaos_flwr.charter import Charter
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.identity import Identity
+
+    if n_parties < 1:
+        raise ConfigError(f"n_parties must be >= 1, got {n_parties}")
+    if founders < 1:
+        raise ConfigError(f"founders must be >= 1, got {founders}")
+    if allowlist_extra < 0:
+        raise ConfigError(f"allowlist_extra must be >= 0, got {allowlist_extra}")
+    n_found = min(founders, n_parties)
+    folder = Path(out_dir)
+    idents: list[Identity] = []
+    for i in range(n_parties + allowlist_extra):
+        name = f"{FLOWER_FEDERATION_KEY_PREFIX}{i}"
+        ident = (
+            Identity.generate(name)
+            if seed is None
+            else Identity.from_seed(f"{seed}/{name}".encode(), name=name)
+        )
+        idents.append(ident)
+    try:
+        for ident in idents:
+            ident.save(folder, overwrite=overwrite)
+        charter = Charter.create(
+            federation,
+            idents[:n_found],
+            idents[n_found:],
+            sponsors_required=sponsors_required,
+            failure_quorum=failure_quorum,
+            heartbeat_interval_s=heartbeat_interval_s,
+            suspicion_timeout_s=suspicion_timeout_s,
+        )
+        charter.save(charter_path(folder))
+    except ChaosError as exc:
+        raise ConfigError(f"make_federation({folder}): {exc}") from exc
+    return folder
+
+
+def load_federation(keys_dir: Path | str) -> Federation:
+    """Read a folder written by :func:`make_federation` (party ids of every partition key).
+
+    Raises
+    ------
+    ConfigError
+        The folder or its charter is missing or does not verify.
+    """
+    from chaos_flwr.charter import load_charter
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.identity import Identity
+
+    folder = Path(keys_dir)
+    if not folder.is_dir():
+        raise ConfigError(f"federation folder {folder} does not exist")
+    try:
+        charter = load_charter(charter_path(folder))
+        ids: dict[int, str] = {}
+        for file in folder.glob(f"{FLOWER_FEDERATION_KEY_PREFIX}*.key"):
+            stem = file.name.removesuffix(".key").removeprefix(FLOWER_FEDERATION_KEY_PREFIX)
+            if stem.isdigit():
+                ids[int(stem)] = str(Identity.load(file).party_id)
+    except ChaosError as exc:
+        raise ConfigError(f"federation folder {folder}: {exc}") from exc
+    return Federation(
+        directory=folder,
+        party_ids=dict(sorted(ids.items())),
+        founders=sorted(m.party_id for m in charter.founders),
+        keyring=dict(charter.keyring()),
+    )
