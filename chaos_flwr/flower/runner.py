@@ -22,12 +22,13 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chaos_flwr.defaults import (
+    FLOWER_DEMO_POLL_S,
     FLOWER_RUN_TIMEOUT_S,
     FLOWER_STOP_GRACE_S,
     FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
@@ -40,8 +41,10 @@ __all__ = [
     "descendants",
     "flower_env",
     "free_port",
+    "kill_tree_now",
     "run_deployment_app",
     "run_simulation_app",
+    "serverapp_pids",
     "stop_process_tree",
 ]
 
@@ -69,6 +72,9 @@ class SimulationRun:
         Combined stdout/stderr of ``flwr run --stream``.
     pids:
         Every process id the runner saw under its SuperLink (all stopped on return).
+    killed:
+        Process ids the runner killed with SIGKILL because ``kill_when`` said so (the
+        simulation process running the ServerApp, and everything below it); empty otherwise.
     """
 
     returncode: int
@@ -76,6 +82,7 @@ class SimulationRun:
     wall_s: float
     log: str
     pids: list[int] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -121,6 +128,38 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode("utf-8", "replace")
+
+
+def kill_tree_now(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every process below it at once (a crash, not a shutdown).
+
+    The descendants are collected before the first signal, so none escapes by being
+    re-parented. Returns the pids signalled.
+    """
+    victims = [pid, *descendants(pid)]
+    for p in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+    return victims
+
+
+def serverapp_pids(root: int) -> list[int]:
+    """Processes below ``root`` that run a ServerApp: ``flwr-simulation`` (the simulation
+    engine, which also hosts the virtual SuperNodes) or ``flwr-serverapp`` (deployment)."""
+    out = []
+    for pid in descendants(root):
+        cmd = _cmdline(pid)
+        if "flwr-simulation" in cmd or "flwr-serverapp" in cmd:
+            out.append(pid)
     return out
 
 
@@ -260,6 +299,8 @@ def run_simulation_app(
     timeout_s: float = FLOWER_RUN_TIMEOUT_S,
     startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
     keep_home: Path | None = None,
+    kill_when: Callable[[], bool] | None = None,
+    poll_s: float = FLOWER_DEMO_POLL_S,
 ) -> SimulationRun:
     """Run a Flower app with ``flwr run`` on the simulation engine, bounded and cleaned up.
 
@@ -281,6 +322,13 @@ def run_simulation_app(
     keep_home:
         Use this directory as ``FLWR_HOME`` and keep it (logs); default: a temporary one,
         removed afterwards.
+    kill_when:
+        Called every ``poll_s`` while the run goes; when it returns True the process running
+        the ServerApp (``flwr-simulation``, with the virtual SuperNodes and Ray below it) is
+        killed with SIGKILL at once, as a crash would, and the rest is then stopped.
+        :attr:`SimulationRun.killed` lists what was killed.
+    poll_s:
+        Pause between two ``kill_when`` calls.
 
     Returns
     -------
@@ -307,31 +355,48 @@ def run_simulation_app(
         " ".join(f"{k}={_toml_value(v)}" for k, v in config.items()),
     ]
     pids: list[int] = []
+    killed: list[int] = []
+    out_path = home / "flwr-run.log"
     try:
         with _local_superlink(home, env, startup_timeout_s) as link_pid:
             t0 = time.monotonic()
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
+            with out_path.open("wb") as out_file:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdout=out_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             try:
-                out, _ = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pids = [link_pid, *descendants(link_pid), *stop_process_tree(proc)]
-                raise TransportError(
-                    f"timeout_s: flwr run did not finish within {timeout_s:.0f} s; all its "
-                    f"processes were stopped (logs in {home} if keep_home was set)"
-                ) from None
+                deadline = t0 + timeout_s
+                while proc.poll() is None:
+                    if time.monotonic() > deadline:
+                        pids = [link_pid, *descendants(link_pid), *stop_process_tree(proc)]
+                        raise TransportError(
+                            f"timeout_s: flwr run did not finish within {timeout_s:.0f} s; all "
+                            f"its processes were stopped (logs in {home} if keep_home was set)"
+                        )
+                    if kill_when is not None and not killed and kill_when():
+                        for victim in serverapp_pids(link_pid):
+                            killed.extend(kill_tree_now(victim))
+                        if killed:
+                            # the SuperLink would wait for the dead run; end this run here
+                            pids = [link_pid, *descendants(link_pid), *killed]
+                            stop_process_tree(proc)
+                            break
+                    time.sleep(poll_s)
+            finally:
+                if proc.poll() is None:
+                    stop_process_tree(proc)
             wall = time.monotonic() - t0
-            pids = [link_pid, *descendants(link_pid)]
+            pids = [*pids, link_pid, *descendants(link_pid)]
         results: dict[str, Any] = {}
         if results_path.is_file():
             results = json.loads(results_path.read_text("utf-8"))
-        return SimulationRun(proc.returncode, results, wall, out, pids)
+        log_text = out_path.read_text("utf-8", "replace") if out_path.is_file() else ""
+        code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+        return SimulationRun(code, results, wall, log_text, sorted(set(pids)), killed)
     finally:
         if keep_home is None:
             shutil.rmtree(home, ignore_errors=True)

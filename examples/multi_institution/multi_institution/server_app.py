@@ -3,15 +3,22 @@
 With ``mode = "fedavg"`` (the default) this is a plain Flower FedAvg app; with ``mode = "chaos"``
 the same FedAvg runs inside :class:`chaos_flwr.flower.ChaosStrategy`. Accuracy on the global test
 set is measured after every round, and when ``results-path`` is set, the per-round accuracy and
-wall time are written there as JSON.
+wall time are written there as JSON (with every :class:`~chaos_flwr.flower.RoundLog` in chaos
+mode); ``progress-path`` gets one JSON line per finished round as the run goes.
+
+With ``chaos-keys-dir`` set (a folder from :func:`chaos_flwr.flower.keys.make_federation`),
+receipts are verified against the charter's keyring, so a restarted ServerApp resumes from the
+parties' replicas.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
@@ -38,15 +45,82 @@ def _build_strategy(context: Context) -> Strategy:
     if mode == "fedavg":
         return fedavg
     if mode == "chaos":
-        from chaos_flwr.flower import ChaosStrategy
+        from chaos_flwr.flower import ChaosStrategy, keyring_verifier
 
+        verifier = None
+        keys_dir = str(cfg.get("chaos-keys-dir", ""))
+        if keys_dir:  # a signed federation: receipts count only with the charter's keys
+            from chaos_flwr import load_charter
+
+            charter = load_charter(Path(keys_dir) / "charter.yaml")
+            verifier = keyring_verifier(charter.keyring())
         return ChaosStrategy(
             fedavg,
             phase_timeout_s=float(cfg["phase-timeout-s"]),
             poll_interval_s=float(cfg["poll-interval-s"]),
+            receipt_verifier=verifier,
         )
-    # (a signed federation also passes receipt_verifier=keyring_verifier(charter.keyring()))
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready copy of a RoundLog-like value (bytes as hex, sets sorted, keys as str)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return repr(value)
+
+
+class _Progress:
+    """Appends one JSON line per finished round to ``progress-path`` (if set).
+
+    In chaos mode a line is written when ChaosStrategy files the round's RoundLog, and it
+    carries every RoundLog so far: a ServerApp killed mid-run leaves its history behind.
+    """
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.path = Path(path) if path else None
+        self.mode = mode
+        self.accuracy: dict[int, float] = {}
+        self.strategy: Any = None
+
+    def write(self, server_round: int) -> None:
+        if self.path is None:
+            return
+        line: dict[str, Any] = {
+            "round": server_round,
+            "accuracy": self.accuracy.get(server_round),
+            "time": time.time(),
+            "mode": self.mode,
+        }
+        if self.strategy is not None:
+            line["chaos_rounds"] = _plain(list(self.strategy.rounds))
+            line["last_pull"] = _plain(getattr(self.strategy, "last_pull", None))
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+class _FiledRounds(list):  # type: ignore[type-arg]
+    """ChaosStrategy.rounds that reports each RoundLog as it is filed."""
+
+    def __init__(self, progress: _Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        rnd = int(getattr(item, "server_round", -1))
+        if rnd >= 0 and rnd in self.progress.accuracy:
+            self.progress.write(rnd)
 
 
 @app.main()
@@ -58,15 +132,25 @@ def main(grid: Grid, context: Context) -> None:
     test_data = load_global_test(seed)
     marks: list[float] = []
     accuracy: dict[int, float] = {}
+    progress = _Progress(str(cfg.get("progress-path", "")), str(cfg["mode"]))
 
     def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, test_data)
         marks.append(time.monotonic())
         accuracy[server_round] = acc
+        progress.accuracy[server_round] = acc
+        filed = progress.strategy is not None and any(
+            r.server_round == server_round for r in progress.strategy.rounds
+        )
+        if progress.strategy is None or filed:  # the round is done once evaluated and filed
+            progress.write(server_round)
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     strategy = _build_strategy(context)
+    if hasattr(strategy, "rounds"):
+        progress.strategy = strategy
+        strategy.rounds = _FiledRounds(progress)
     t0 = time.monotonic()
     result = strategy.start(
         grid=grid,
@@ -97,6 +181,7 @@ def main(grid: Grid, context: Context) -> None:
         if chaos_rounds is not None:
             report["chaos_rounds"] = [
                 {
+                    **_plain(r),
                     "round": r.server_round,
                     "trained": len(r.trained),
                     "holders": len(r.holders),
@@ -105,4 +190,5 @@ def main(grid: Grid, context: Context) -> None:
                 }
                 for r in chaos_rounds
             ]
+            report["last_pull"] = _plain(getattr(strategy, "last_pull", None))
         Path(results_path).write_text(json.dumps(report, indent=2), encoding="utf-8")
