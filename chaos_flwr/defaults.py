@@ -111,6 +111,10 @@ EVENTS_BENCH_SUSPICION_S: float = 3.0
 EVENTS_BENCH_FAILURE_QUORUM: int = 2
 #: Random extra links per peer on top of the bench's ring.
 EVENTS_BENCH_CHORDS_PER_PEER: int = 1
+#: Worker processes ``chaos-flwr bench events`` spreads the peers over (one per core here).
+EVENTS_BENCH_WORKERS: int = 2
+#: Ed25519 verifications per round when ``chaos-flwr bench events`` measures their cost.
+EVENTS_BENCH_VERIFY_SAMPLES: int = 2000
 #: Verified signatures a membership SignatureCache remembers before it starts afresh.
 MEMBERSHIP_SIGNATURE_CACHE_ENTRIES: int = 1 << 16
 #: Most deliveries one ``MemoryNetwork.run`` makes before it calls it a message storm.
@@ -154,8 +158,10 @@ FLOWER_FEDERATION_CHARTER_FILE: str = "charter.yaml"
 #: Founders (the first partitions) and federation name of a ``make_federation`` charter.
 FLOWER_FEDERATION_FOUNDERS: int = 3
 FLOWER_FEDERATION_NAME: str = "chaos-flwr-federation"
-#: Fewest holders a joiner pulls the current state from (fewer live holders: no pull yet).
-FLOWER_JOIN_MIN_DONORS: int = 2
+#: Most holders one joiner pulls the current state from (all live holders up to this).
+FLOWER_JOIN_MAX_DONORS: int = 8
+#: A joiner's own timer on a relayed shard request (the ServerApp's phase deadline rules).
+FLOWER_JOIN_REQUEST_TIMEOUT_S: float = 3600.0
 #: Smallest shard of a joiner's pull, in bytes (small enough that small models still split).
 FLOWER_JOIN_MIN_SHARD_BYTES: int = 1024
 #: Most relay steps (joiner exchange + donor exchange) one joiner pull may take.
@@ -196,6 +202,8 @@ TRANSPORT_REQUEST_TIMEOUT_S: float = 60.0
 TRANSPORT_CONNECT_TIMEOUT_S: float = 5.0
 #: Grace given to in-flight calls when a grpc carrier stops, in seconds.
 TRANSPORT_STOP_GRACE_S: float = 0.5
+#: Event-loop turns ``GrpcCarrier.close`` gives queued pushes to go out before it stops.
+TRANSPORT_PUSH_DRAIN_SPINS: int = 1000
 #: Token-bucket depth of a shaped link, in bytes (how far a burst may run ahead of the rate).
 SHAPING_BURST_BYTES: int = 64 * 1024
 #: Largest WAN profile file ``load_profile`` reads, in bytes.
@@ -262,6 +270,30 @@ SIM_REJOIN_INTERVAL_S: float = 3.0
 SIM_SOAK_MAX_PARTIES: int = 12
 #: Runs of ``chaos-flwr bench sim`` (the median is reported).
 SIM_BENCH_RUNS: int = 3
+#: Sim training: bytes of the deterministic aggregate array of a round's state.
+SIM_TRAIN_STATE_BYTES: int = 4096
+#: Sim training: most contributors per round (the relay samples, founders first).
+SIM_TRAIN_MAX_CONTRIBUTORS: int = 8
+#: Sim training: most parties invited per round (founders plus a sample of members).
+SIM_TRAIN_MAX_INVITED: int = 12
+#: Sim training: how long the relay collects ``ready`` replies before fixing the contributors.
+SIM_TRAIN_COLLECT_S: float = 0.3
+#: Sim training: a round not certified this long after its start is abandoned.
+SIM_TRAIN_ROUND_TIMEOUT_S: float = 2.0
+#: Sim training: pause between a certified round and the next one.
+SIM_TRAIN_ROUND_GAP_S: float = 0.5
+#: Sim training: a donor that does not answer a manifest request this long is skipped.
+SIM_TRAIN_PULL_TIMEOUT_S: float = 1.0
+#: Sim training: smallest shard of a simulated pull (small, so pulls use several donors).
+SIM_TRAIN_MIN_SHARD_BYTES: int = 512
+#: Sim training: most shards of a simulated pull.
+SIM_TRAIN_MAX_SHARDS: int = 16
+#: Sim training: rounds stop this long before the end so pulls and certificates settle.
+SIM_TRAIN_QUIESCE_S: float = 8.0
+#: Timeline events of a random soak schedule (``chaos-flwr simulate --soak``).
+SIM_SOAK_EVENTS: int = 200
+#: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
+SIM_SOAK_CI_SEEDS: int = 300
 
 # --- flower: churn scenarios, the demo and its report ------------------------------------------
 #: Largest churn scenario YAML file read, in bytes.

@@ -45,6 +45,10 @@ def _charter() -> Any:
     )
 
 
+def everyone_sorted() -> list[str]:
+    return sorted(i.party_id for i in [*FOUNDERS, JOINER])
+
+
 def _app(peers: dict[str, Peer]) -> ClientApp:
     app = ClientApp()
 
@@ -117,7 +121,7 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     joiner_node = grid.add_node(app, node_config={"k": 9, "who": JOINER.name})
     restarted = ChaosStrategy(
         FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
-        receipt_verifier=keyring_verifier(keyring),
+        charter=_charter(),  # a server-side view from the relayed records
         phase_timeout_s=2.0,
     )
     result = restarted.start(grid, init, num_rounds=7, timeout=5)
@@ -127,7 +131,13 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     assert sorted(result.train_metrics_clientapp) == [4, 5, 6, 7]
     assert restarted.rounds[1].eligible and all(
         n != joiner_node.node_id for n in restarted.rounds[1].eligible
-    )  # the joiner holds no certified state yet
+    )  # the joiner is not admitted (nor holding the certified state) yet
+    joins = [j for r in restarted.rounds for j in r.joins if j.party == JOINER.party_id]
+    assert joins and joins[0].ok and set(joins[0].donors) <= set(founder_ids)
+    (admitted,) = [e for r in restarted.rounds for e in r.events if e.kind == "join"]
+    assert admitted.subject == JOINER.party_id and admitted.settle_s is not None
+    assert joins[0].server_round >= admitted.server_round  # pulled only once admitted
+    assert restarted.rounds[-1].members == {"active": everyone_sorted()}
     strategy = restarted
     everyone = sorted([*founder_ids, JOINER.party_id])
     assert all(p.view().active() == everyone for p in peers.values())

@@ -18,6 +18,7 @@ from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
 from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
+from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 
 
@@ -314,9 +315,9 @@ def test_a_replica_that_does_not_match_the_receipts_is_refused() -> None:
     grid, verifier, parties = _signed_grid(clock)
     _fresh(verifier, clock).start(grid, _initial(), num_rounds=2, timeout=60)
     for party in parties.values():  # every holder's disk copy is corrupted, receipts are not
-        assert party.held_arrays is not None
-        bad = {k: Array(v.numpy() + 1.0) for k, v in party.held_arrays.items()}
-        party.held_arrays = ArrayRecord(bad)
+        assert party.held_state is not None
+        bad = {k: v + 1.0 for k, v in party.held_state.arrays.items()}
+        party.held_state = TrainingState(arrays=bad, round=party.held_state.round)
     again = _fresh(verifier, clock)
     res = again.start(grid, _initial(), num_rounds=1, timeout=60)
     assert again.rounds[0].server_round == -1  # no resume
@@ -363,7 +364,10 @@ def test_parties_restarted_with_their_disks_let_a_new_server_resume(tmp_path: Pa
     hello = again.rounds[0]
     assert hello.server_round == 2
     assert hello.holders == ["p1001", "p1003", "p1004"]  # p1002's replica failed its check
-    assert made[1002].held_round == -1 and made[1002].errors
+    assert made[1002].errors  # its own replica was refused ...
+    (join,) = [j for j in hello.joins if j.party == "p1002"]  # ... so it pulled from the others
+    assert join.ok and join.server_round == 2 and set(join.donors) <= set(hello.holders)
+    assert made[1002].held_digest == hello.digest
     for key, arr in _arrays(first.arrays).items():
         np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)
 

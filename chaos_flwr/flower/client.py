@@ -35,7 +35,7 @@ call :meth:`Party.leave`, :meth:`Party.connect` or :meth:`Party.disconnect`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from flwr.common.constant import ErrorCode
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY, FLOWER_PULL_DATA_KEY
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
+from chaos_flwr.flower.joinpull import JoinerPull, donor_key, read_donor_records
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
 from chaos_flwr.state import TrainingState, from_array_record, to_array_record
 from chaos_flwr.store import ReplicaStore
@@ -87,13 +88,15 @@ RUN_STATE_ROOT = "chaos-state-root"
 NODE_PARTITION_ID = "partition-id"
 
 
-def certified_digest(arrays: ArrayRecord, server_round: int) -> bytes:
-    """Digest of the training state ``(arrays, server_round)``, as receipts certify it.
+def certified_digest(arrays: ArrayRecord, server_round: int, strategy_state: bytes = b"") -> bytes:
+    """Digest of the training state ``(arrays, server_round, strategy_state)``, as receipts
+    certify it.
 
     It is :meth:`chaos_flwr.state.TrainingState.digest` of the state built from the
     ArrayRecord, so receipts, replica files and shard manifests name the same digest.
+    ``strategy_state`` is the inner strategy's opaque state (e.g. FedAdam's moments).
     """
-    return from_array_record(arrays, round=server_round).digest()
+    return from_array_record(arrays, round=server_round, strategy_state=strategy_state).digest()
 
 
 def receipt_bytes(party: str, server_round: int, digest: bytes) -> bytes:
@@ -246,6 +249,10 @@ class Party:
     pending: list[OutgoingLike] = field(default_factory=list)
     store: ReplicaStore | None = None
     left: bool = False
+    keyring: Mapping[str, bytes] | None = None
+    held_state: TrainingState | None = None
+    joining: JoinerPull | None = None
+    joins_done: list[ConfigRecord] = field(default_factory=list)
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
 
@@ -305,45 +312,74 @@ class Party:
             return b""
         return self.signer(receipt_bytes(self.party_id, self.held_round, self.held_digest))
 
-    def _hold(self, state: TrainingState, arrays: ArrayRecord) -> None:
+    def _hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None:
         self.held_round = state.round
         self.held_digest = state.digest()
-        self.held_arrays = arrays
+        self.held_state = state
+        self.held_arrays = arrays if arrays is not None else to_array_record(state)
         if self.store is not None:
             try:
                 self.store.put(state, certificate=self._receipt())
             except StoreError as exc:  # the replica stays in memory only; say so
                 self.errors.append(f"StoreError: {exc}")
 
+    def _own_receipt_ok(self, state: TrainingState, certificate: bytes) -> bool:
+        """Whether ``certificate`` is this party's signed receipt for ``state``."""
+        if self.keyring is None:  # no keyring to check with: the store's digest check is all
+            return True
+        key = self.keyring.get(self.party_id)
+        if key is None:
+            return False
+        from chaos_flwr.errors import SignatureError
+        from chaos_flwr.identity import verify_signature
+
+        try:
+            verify_signature(
+                key, certificate, receipt_bytes(self.party_id, state.round, state.digest())
+            )
+        except SignatureError:
+            return False
+        return True
+
     def restore(self) -> bool:
         """Take up the newest replica of the party's store (a restart with its disk).
 
-        Returns whether a replica was found and verified. A corrupt replica is noted in
-        :attr:`errors` and ignored: the party then holds nothing and rejoins as a joiner.
+        The replica must hash to its digest (the store checks) and carry this party's own
+        signed receipt for it (its certificate). Returns whether a replica was taken up. A
+        corrupt or uncertified replica is noted in :attr:`errors` and ignored: the party then
+        holds nothing and rejoins as a joiner. A replica of an older round makes the party a
+        joiner that catches up (the ServerApp has it pull the current state).
         """
         if self.store is None:
             return False
         try:
             state = self.store.latest()
+            cert = self.store.certificate(state.round) if state is not None else b""
         except StoreError as exc:
             self.errors.append(f"StoreError: {exc}")
             return False
         if state is None:
             return False
+        if not self._own_receipt_ok(state, cert):
+            self.errors.append(
+                f"StoreError: replica of round {state.round} does not carry this party's "
+                "signed receipt; ignored"
+            )
+            return False
         self.held_round = state.round
         self.held_digest = state.digest()
+        self.held_state = state
         self.held_arrays = to_array_record(state)
         return True
 
     def serve(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
         """Answer a pull request from the held replica, if it is the state the request names."""
-        if self.held_arrays is None or self.left:
+        if self.held_state is None or self.left:
             return None
         if record.get("round") != self.held_round or record.get("digest") != self.held_digest:
             return None
         if self._bytes_round != self.held_round:
-            state = from_array_record(self.held_arrays, round=self.held_round)
-            self._bytes = state.to_bytes()
+            self._bytes = self.held_state.to_bytes()
             self._bytes_round = self.held_round
         from chaos_flwr.flower.pull import serve_request
 
@@ -352,6 +388,78 @@ class Party:
         except ChaosError as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
             return None
+
+    def join_step(
+        self, record: ConfigRecord, control: ConfigRecord, replies: Mapping[str, ConfigRecord]
+    ) -> tuple[ConfigRecord, dict[str, ConfigRecord]]:
+        """One relay step of this party's pull of the certified state (it is the joiner).
+
+        ``record`` names the certified round and digest; ``control`` starts the pull (donors
+        and their signed receipts, checked here against the keyring) or reports lost donors;
+        ``replies`` are the donors' answers to the previous step's requests. Returns the
+        control reply (``status`` want/done/failed, figures when done) and the requests per
+        donor. A verified state is held (and stored with this party's receipt).
+        """
+        rnd, digest = record.get("round"), record.get("digest")
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or not isinstance(digest, bytes):
+            return ConfigRecord({"status": "failed", "error": "no round/digest"}), {}
+        if self.left:
+            return ConfigRecord({"status": "failed", "error": "party left"}), {}
+        if rnd == self.held_round and digest == self.held_digest:
+            self.joining = None
+            return ConfigRecord({"status": "done", "error": "already held"}), {}
+        now = self.clock()
+        pull = self.joining
+        if control.get("op") == "start" or pull is None or pull.server_round != rnd:
+            donors = control.get("donors", [])
+            blobs = control.get("receipts", [])
+            min_shard = control.get("min-shard")
+            if not isinstance(donors, list) or not isinstance(blobs, list):
+                return ConfigRecord({"status": "failed", "error": "bad start record"}), {}
+            good = [
+                d
+                for d, b in zip(donors, blobs, strict=False)
+                if isinstance(d, str)
+                and isinstance(b, bytes)
+                and self._receipt_ok(d, rnd, digest, b)
+            ]
+            if not good:
+                return ConfigRecord({"status": "failed", "error": "no donor receipt verifies"}), {}
+            pull = JoinerPull(rnd, digest, good)
+            if isinstance(min_shard, int) and not isinstance(min_shard, bool) and min_shard > 0:
+                pull.min_shard_bytes = min_shard
+            self.joining = pull
+            status, requests = pull.start(now)
+        else:
+            lost_v = control.get("lost", [])
+            lost = {x for x in lost_v if isinstance(x, str)} if isinstance(lost_v, list) else set()
+            status, requests = pull.step(replies, lost, now)
+        reply = ConfigRecord({"status": status})
+        if status != "want":
+            reply = pull.stats()
+            reply["status"] = status
+            self.joining = None
+            if status == "done" and pull.state is not None:
+                self._hold(pull.state)
+            self.joins_done.append(reply)
+            if status == "failed":
+                self.errors.append(f"join pull of round {rnd} failed: {pull.error}")
+        return reply, requests
+
+    def _receipt_ok(self, party: str, rnd: int, digest: bytes, blob: bytes) -> bool:
+        if self.keyring is None:
+            return True  # an unsigned run: nothing to check receipts with
+        key = self.keyring.get(party)
+        if key is None:
+            return False
+        from chaos_flwr.errors import SignatureError
+        from chaos_flwr.identity import verify_signature
+
+        try:
+            verify_signature(key, blob, receipt_bytes(party, rnd, digest))
+        except SignatureError:
+            return False
+        return True
 
     def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
         """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
@@ -368,16 +476,29 @@ class Party:
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") == "certify" and arrays is not None:
             rnd = record.get("round", -1)
-            if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
-                self._hold(from_array_record(arrays, round=rnd), arrays)
+            sstate = record.get("strategy-state", b"")
+            if (
+                isinstance(rnd, int)
+                and not isinstance(rnd, bool)
+                and rnd >= 0
+                and isinstance(sstate, bytes)
+                and not self.left
+            ):
+                self._hold(from_array_record(arrays, round=rnd, strategy_state=sstate), arrays)
         receipt = self._receipt()
-        return party_record(
+        out = party_record(
             self.party_id,
             outgoing,
             receipt_round=-1 if self.left else self.held_round,
             receipt_digest=b"" if self.left else self.held_digest,
             receipt=receipt,
         )
+        if record is not None and record.get("sync") and self.peer is not None:
+            # a (re)started ServerApp rebuilds its view from the records the parties hold;
+            # records carry their own signatures, so this needs no envelope
+            held = getattr(self.peer, "records", None)
+            out["records"] = [codec.encode(r.to_wire()) for r in held or ()]
+        return out
 
 
 def _envelopes(record: ConfigRecord) -> Sequence[bytes]:
@@ -407,7 +528,10 @@ def default_party_factory(context: Context) -> Party:
 
     ident = Identity.load(settings.key_path)
     peer, out = _build_peer(ident, settings)
-    party = Party(party_id=str(ident.party_id), peer=peer, signer=ident.sign, store=store)
+    keyring = dict(peer.policy.keyring) if hasattr(peer, "policy") else None
+    party = Party(
+        party_id=str(ident.party_id), peer=peer, signer=ident.sign, store=store, keyring=keyring
+    )
     party.restore()
     party.pending.extend(out)
     return party
@@ -568,17 +692,23 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
         record = split_chaos(message)
         first = next(iter(message.content.array_records.values()), None)
         party = parties(context)
+        request = message.content.get(FLOWER_PULL_DATA_KEY)
+        phase = record.get("phase") if record is not None else None
+        extra: dict[str, ConfigRecord] = {}
+        if record is not None and phase == "join" and isinstance(request, ConfigRecord):
+            # this party is the joiner: it pulls before its receipt goes out below
+            ctl, requests = party.join_step(record, request, read_donor_records(message.content))
+            extra[FLOWER_PULL_DATA_KEY] = ctl
+            for donor, req in requests.items():
+                extra[donor_key(donor)] = req
         out = party.process(record, first)
         content = RecordDict({FLOWER_CHAOS_RECORD_KEY: out})
-        request = message.content.get(FLOWER_PULL_DATA_KEY)
-        if (
-            record is not None
-            and record.get("phase") == "pull"
-            and isinstance(request, ConfigRecord)
-        ):
+        if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
             served = party.serve(record, request)
             if served is not None:
                 content[FLOWER_PULL_DATA_KEY] = served
+        for key, rec in extra.items():
+            content[key] = rec
         return Message(content, reply_to=message)
 
     return app

@@ -44,6 +44,7 @@ class PullReport:
     lost: list[str] = field(default_factory=list)
     exchanges: int = 0
     seconds: float = 0.0
+    strategy_state: bytes = b""
 
 
 def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
@@ -230,4 +231,5 @@ def pull_state(
         actions.extend(session.tick(clock()))
     state = TrainingState.from_bytes(session.assemble())
     report.seconds = clock() - t0
+    report.strategy_state = state.strategy_state
     return to_array_record(state), report

@@ -147,10 +147,19 @@ def party_record(
 
 
 def server_record(
-    envelopes: Sequence[bytes], *, phase: str, server_round: int, digest: bytes = b""
+    envelopes: Sequence[bytes],
+    *,
+    phase: str,
+    server_round: int,
+    digest: bytes = b"",
+    strategy_state: bytes | None = None,
 ) -> ConfigRecord:
-    """Build the Chaos ConfigRecord the relay attaches to a message for one party."""
-    return ConfigRecord(
+    """Build the Chaos ConfigRecord the relay attaches to a message for one party.
+
+    ``strategy_state`` (certify messages that carry the state) is the inner strategy's opaque
+    state, part of the certified state whose digest is ``digest``.
+    """
+    record = ConfigRecord(
         {
             "v": RECORD_VERSION,
             "phase": phase,
@@ -159,6 +168,9 @@ def server_record(
             "env": list(envelopes),
         }
     )
+    if strategy_state:
+        record["strategy-state"] = strategy_state
+    return record
 
 
 def with_chaos(message: Message, record: ConfigRecord) -> Message:

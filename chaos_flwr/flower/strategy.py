@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
@@ -41,15 +42,34 @@ from chaos_flwr.defaults import (
     FLOWER_CHAOS_MESSAGE_TYPE,
     FLOWER_CHAOS_RECORD_KEY,
     FLOWER_CHAOS_TTL_PHASES,
+    FLOWER_JOIN_MAX_DONORS,
+    FLOWER_JOIN_MAX_STEPS,
+    FLOWER_JOIN_MIN_SHARD_BYTES,
     FLOWER_PHASE_TIMEOUT_S,
     FLOWER_POLL_INTERVAL_S,
+    FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
+    FLOWER_PULL_DATA_KEY,
     FLOWER_PULL_MIN_SHARD_BYTES,
     FLOWER_RESUME_MIN_RECEIPTS,
 )
 from chaos_flwr.errors import ChaosError, DecodeError
 from chaos_flwr.flower.client import certified_digest, receipt_bytes
+from chaos_flwr.flower.joinpull import donor_key, read_donor_records, start_record
 from chaos_flwr.flower.pull import PullReport, pull_state
-from chaos_flwr.flower.relay import Relay, exchange, server_record, split_chaos, with_chaos
+from chaos_flwr.flower.relay import (
+    ExchangeResult,
+    Relay,
+    exchange,
+    server_record,
+    split_chaos,
+    with_chaos,
+)
+from chaos_flwr.planner import Donor as PlanDonor
+from chaos_flwr.planner import lower_bound
+from chaos_flwr.state import TrainingState
+
+if TYPE_CHECKING:
+    from chaos_flwr.flower.serverview import ServerView
 
 __all__ = [
     "ChaosStrategy",
@@ -302,6 +322,14 @@ class ChaosStrategy(Strategy):
         certified (verified receipts only), pulled in shards from all its holders at once
         (:mod:`chaos_flwr.flower.pull`), and go on at the next round (a restarted ServerApp
         keeps no checkpoint).
+    charter:
+        The federation's verified charter. With it the ServerApp keeps a server-side view
+        from the signed records it relays (:class:`~chaos_flwr.flower.serverview.ServerView`:
+        validated, never forged), samples only parties it lists as active, verifies receipts
+        with the charter's keyring, and logs membership events and their settle times.
+    join_min_shard_bytes, join_max_donors, join_max_steps:
+        A joiner's pull (:mod:`chaos_flwr.flower.joinpull`): smallest shard, most donors,
+        most relay steps.
     """
 
     def __init__(
@@ -316,6 +344,10 @@ class ChaosStrategy(Strategy):
         resume: bool = True,
         resume_min_receipts: int = FLOWER_RESUME_MIN_RECEIPTS,
         resume_min_shard_bytes: int = FLOWER_PULL_MIN_SHARD_BYTES,
+        charter: Any | None = None,
+        join_min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
+        join_max_donors: int = FLOWER_JOIN_MAX_DONORS,
+        join_max_steps: int = FLOWER_JOIN_MAX_STEPS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -339,7 +371,21 @@ class ChaosStrategy(Strategy):
         self.sleep = sleep
         self.suspects: set[int] = set()
         self.holders: dict[int, tuple[str, int, bytes]] = {}
+        self.receipts: dict[int, bytes] = {}
         self.rounds: list[RoundLog] = []
+        self.join_min_shard_bytes = join_min_shard_bytes
+        self.join_max_donors = join_max_donors
+        self.join_max_steps = join_max_steps
+        self.view: ServerView | None = None
+        self._synced: set[int] = set()
+        if charter is not None:
+            from chaos_flwr.flower.serverview import ServerView
+
+            self.view = ServerView(charter, clock)
+            if self.receipt_verifier is None:
+                self.receipt_verifier = keyring_verifier(dict(charter.keyring()))
+            if self.view_source is None:
+                self.view_source = self.view.active
 
     # -- delegation ---------------------------------------------------------------------------
     def configure_train(
@@ -403,23 +449,105 @@ class ChaosStrategy(Strategy):
             out.append(node)
         return out
 
-    def _chaos_msg(
-        self, node: int, phase: str, rnd: int, digest: bytes, arrays: ArrayRecord | None
-    ) -> Message:
-        content = RecordDict()
-        if arrays is not None:
-            content["arrays"] = arrays
-        content[FLOWER_CHAOS_RECORD_KEY] = server_record(
-            self.relay.take(node), phase=phase, server_round=rnd, digest=digest
+    def _holding(self, nodes: Iterable[int], server_round: int, digest: bytes) -> list[int]:
+        """Nodes (not suspected) whose verified receipt names ``(server_round, digest)``."""
+        out = []
+        for node in nodes:
+            held = self.holders.get(node)
+            if node in self.suspects or held is None:
+                continue
+            if held[1] == server_round and held[2] == digest:
+                out.append(node)
+        return sorted(out)
+
+    def _msg(
+        self,
+        node: int,
+        phase: str,
+        rnd: int,
+        digest: bytes,
+        content: RecordDict | None = None,
+        *,
+        inner: Message | None = None,
+        strategy_state: bytes | None = None,
+    ) -> tuple[Message, list[bytes]]:
+        """A message for ``node`` with its relay envelopes attached (and which were taken)."""
+        envs = self.relay.take(node)
+        record = server_record(
+            envs, phase=phase, server_round=rnd, digest=digest, strategy_state=strategy_state
         )
+        if self.view is not None and node not in self._synced:
+            record["sync"] = True  # first message to this node in this run: send your records
+            self._synced.add(node)
+        if inner is not None:
+            return with_chaos(inner, record), envs
+        content = RecordDict() if content is None else content
+        content[FLOWER_CHAOS_RECORD_KEY] = record
         # a Chaos message outlives its phase only briefly: a dead node must not come back to a
         # backlog of stale relay traffic queued at the SuperLink
-        return Message(
+        msg = Message(
             content,
             dst_node_id=node,
             message_type=FLOWER_CHAOS_MESSAGE_TYPE,
             ttl=self.phase_timeout_s * FLOWER_CHAOS_TTL_PHASES,
         )
+        return msg, envs
+
+    def _exchange(
+        self,
+        grid: Grid,
+        msgs: list[Message],
+        taken: dict[int, list[bytes]],
+        *,
+        timeout: float,
+        log_: RoundLog,
+    ) -> ExchangeResult:
+        """Run one deadline-bounded exchange; absorb the parties' Chaos records."""
+        addressed = {m.metadata.dst_node_id for m in msgs}
+        res = exchange(
+            grid,
+            msgs,
+            timeout_s=min(timeout, self.phase_timeout_s),
+            wait_for={n for n in addressed if n not in self.suspects},
+            poll_interval_s=self.poll_interval_s,
+            clock=self.clock,
+            sleep=self.sleep,
+        )
+        for node, reply in res.replies.items():
+            self.suspects.discard(node)
+            record = split_chaos(reply)
+            if record is None:
+                continue
+            try:
+                pr = self.relay.absorb(node, record)
+            except DecodeError as exc:
+                log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
+                continue
+            held = record.get("records")
+            if self.view is not None and isinstance(held, list):
+                self.view.sync(r for r in held if isinstance(r, bytes))
+            if self.view is not None:
+                for _, data in pr.outgoing:
+                    self.view.sent(data, log_.server_round)
+                party = pr.party or self.relay.party_of.get(node)
+                if party:
+                    self.view.delivered(party, taken.get(node, []))
+            self._note_receipt(
+                node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_
+            )
+        for node, code in res.errors.items():
+            self.suspects.add(node)
+            log_.errors[node] = code
+            self.relay.give_back(node, taken.get(node, []))
+            self.holders.pop(node, None)
+        for node in res.missing:
+            self.suspects.add(node)
+            self.relay.give_back(node, taken.get(node, []))
+        log_.missing = sorted(set(log_.missing) | res.missing)
+        if self.view is not None:
+            live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
+            self.view.settle(live)
+        return res
 
     def _phase(
         self,
@@ -433,65 +561,54 @@ class ChaosStrategy(Strategy):
         arrays_for_others: ArrayRecord | None,
         timeout: float,
         log_: RoundLog,
+        receivers: set[int] | None = None,
+        strategy_state: bytes = b"",
     ) -> tuple[list[Message], float]:
-        """Run one exchange; return the inner strategy's replies (Chaos records removed)."""
+        """Run one exchange; return the inner strategy's replies (Chaos records removed).
+
+        Known nodes the inner strategy did not address get a ``query.chaos`` message; it
+        carries ``arrays_for_others`` (and the strategy state) only to ``receivers`` (default:
+        all of them). A joiner is never a receiver: its state comes from parties.
+        """
         msgs: list[Message] = []
         taken: dict[int, list[bytes]] = {}
-        addressed: set[int] = set()
+        sstate = strategy_state if phase == "certify" else None
         for m in inner_msgs:
             node = m.metadata.dst_node_id
-            envs = self.relay.take(node)
-            taken[node] = envs
-            addressed.add(node)
-            msgs.append(
-                with_chaos(
-                    m, server_record(envs, phase=phase, server_round=server_round, digest=digest)
-                )
+            msg, taken[node] = self._msg(
+                node, phase, server_round, digest, inner=m, strategy_state=sstate
             )
+            msgs.append(msg)
         for node in known:
-            if node not in addressed:
-                msgs.append(self._chaos_msg(node, phase, server_round, digest, arrays_for_others))
-                addressed.add(node)
-        res = exchange(
-            grid,
-            msgs,
-            timeout_s=min(timeout, self.phase_timeout_s),
-            wait_for={n for n in addressed if n not in self.suspects},
-            poll_interval_s=self.poll_interval_s,
-            clock=self.clock,
-            sleep=self.sleep,
-        )
-        inner_order = [m.metadata.dst_node_id for m in inner_msgs]
-        for node, reply in res.replies.items():
-            self.suspects.discard(node)
-            record = split_chaos(reply)
-            if record is not None:
-                try:
-                    pr = self.relay.absorb(node, record)
-                except DecodeError as exc:
-                    log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
-                else:
-                    self._note_receipt(
-                        node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_
-                    )
+            if node in taken:
+                continue
+            gets = arrays_for_others is not None and (receivers is None or node in receivers)
+            content = RecordDict()
+            if gets:
+                assert arrays_for_others is not None
+                content["arrays"] = arrays_for_others
+            msg, taken[node] = self._msg(
+                node,
+                phase,
+                server_round,
+                digest,
+                content,
+                strategy_state=sstate if gets else None,
+            )
+            msgs.append(msg)
+        res = self._exchange(grid, msgs, taken, timeout=timeout, log_=log_)
         # the inner strategy sees its replies in the order of its own messages, as Flower's
         # send_and_receive gives them when all replies are in
+        inner_order = [m.metadata.dst_node_id for m in inner_msgs]
         inner_replies = [res.replies[n] for n in inner_order if n in res.replies]
-        for node, code in res.errors.items():
-            self.suspects.add(node)
-            log_.errors[node] = code
-            self.relay.give_back(node, taken.get(node, []))
-            self.holders.pop(node, None)
-        for node in res.missing:
-            self.suspects.add(node)
-            self.relay.give_back(node, taken.get(node, []))
-        log_.missing = sorted(set(log_.missing) | res.missing)
         return inner_replies, res.elapsed_s
 
     def _note_receipt(
         self, node: int, party: str, rnd: int, digest: bytes, receipt: bytes, log_: RoundLog
     ) -> None:
         if rnd < 0 or not party:
+            if party and rnd < 0:
+                self.holders.pop(node, None)  # it holds nothing (any more)
             return
         if self.receipt_verifier is not None:
             if not self.receipt_verifier(party, rnd, digest, receipt):
@@ -500,6 +617,131 @@ class ChaosStrategy(Strategy):
         elif party not in log_.unsigned_receipts:
             log_.unsigned_receipts.append(party)
         self.holders[node] = (party, rnd, digest)
+        self.receipts[node] = receipt
+
+    def _finish(self, rlog: RoundLog) -> None:
+        """Fill the round's membership fields from the server-side view and keep the log."""
+        if self.view is not None:
+            rlog.members = self.view.members()
+            rlog.events = [e for e in self.view.events if e.server_round == rlog.server_round]
+            rlog.leaves = [e.subject for e in rlog.events if e.kind == "leave"]
+            rlog.failures = [e.subject for e in rlog.events if e.kind == "fail"]
+        self.rounds.append(rlog)
+
+    # -- joiners ------------------------------------------------------------------------------
+    def _join_pulls(
+        self, grid: Grid, rnd: int, digest: bytes, rlog: RoundLog, timeout: float
+    ) -> float:
+        """Have every live party that lacks the certified state pull it from its holders."""
+        t0 = self.clock()
+        nodes = [n for n in grid.get_node_ids() if n not in self.suspects]
+        active = self.view_source() if self.view_source is not None else None
+        donors = [
+            n
+            for n in self._holding(nodes, rnd, digest)
+            if active is None or self.holders[n][0] in active
+        ][: self.join_max_donors]
+        if not donors:
+            return 0.0
+        holding = set(self._holding(nodes, rnd, digest))
+        for node in nodes:
+            party = self.relay.party_of.get(node)
+            if party is None or node in holding:
+                continue
+            if active is not None and party not in active:
+                continue
+            jl = self._pull_for(grid, node, party, donors, rnd, digest, timeout, rlog)
+            rlog.joins.append(jl)
+            if jl.ok:
+                log(
+                    INFO,
+                    "Chaos: %s pulled round %d from %d donors in %.3fs (bound %.3fs): %s",
+                    party, rnd, len(jl.bytes_per_donor), jl.pull_s, jl.lower_bound_s,
+                    jl.bytes_per_donor,
+                )  # fmt: skip
+            else:
+                log(WARNING, "Chaos: %s could not pull round %d: %s", party, rnd, jl.error)
+        return self.clock() - t0
+
+    def _pull_for(
+        self,
+        grid: Grid,
+        node: int,
+        party: str,
+        donors: list[int],
+        rnd: int,
+        digest: bytes,
+        timeout: float,
+        rlog: RoundLog,
+    ) -> JoinLog:
+        """Relay one joiner's pull (:mod:`chaos_flwr.flower.joinpull`); it plans, we carry."""
+        jl = JoinLog(party=party, node=node, server_round=rnd, digest=digest)
+        node_of = {self.holders[d][0]: d for d in donors}
+        ctl = start_record(
+            [self.holders[d][0] for d in donors],
+            [self.receipts.get(d, b"") for d in donors],
+            self.join_min_shard_bytes,
+        )
+        replies: dict[str, ConfigRecord] = {}
+        step_times: list[float] = []
+        t0 = self.clock()
+        for _ in range(self.join_max_steps):
+            t_step = self.clock()
+            content = RecordDict({FLOWER_PULL_DATA_KEY: ctl})
+            for dparty, rec in replies.items():
+                content[donor_key(dparty)] = rec
+            msg, envs = self._msg(node, "join", rnd, digest, content)
+            res = self._exchange(grid, [msg], {node: envs}, timeout=timeout, log_=rlog)
+            jl.steps += 1
+            reply = res.replies.get(node)
+            got = reply.content.get(FLOWER_PULL_DATA_KEY) if reply is not None else None
+            if not isinstance(got, ConfigRecord):
+                jl.error = "the joiner did not answer"
+                break
+            status = got.get("status")
+            if status != "want":
+                _read_join_stats(jl, got)
+                jl.ok = status == "done"
+                if not jl.ok and not jl.error:
+                    jl.error = str(got.get("error", "failed"))
+                break
+            requests = read_donor_records(reply.content) if reply is not None else {}
+            msgs: list[Message] = []
+            taken: dict[int, list[bytes]] = {}
+            asked: dict[int, str] = {}
+            lost: set[str] = set()
+            for dparty, req in requests.items():
+                dn = node_of.get(dparty)
+                if dn is None or dn in self.suspects:
+                    lost.add(dparty)
+                    continue
+                m, taken[dn] = self._msg(
+                    dn, "pull", rnd, digest, RecordDict({FLOWER_PULL_DATA_KEY: req})
+                )
+                msgs.append(m)
+                asked[dn] = dparty
+            res2 = self._exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+            replies = {}
+            for dn, dparty in asked.items():
+                r = res2.replies.get(dn)
+                data = r.content.get(FLOWER_PULL_DATA_KEY) if r is not None else None
+                if isinstance(data, ConfigRecord):
+                    replies[dparty] = data
+                else:
+                    lost.add(dparty)
+            ctl = ConfigRecord({"op": "step", "lost": sorted(lost)})
+            step_times.append(self.clock() - t_step)
+        else:
+            jl.error = f"no verified state after {self.join_max_steps} relay steps"
+        jl.pull_s = self.clock() - t0
+        if jl.total_bytes and jl.planned_bytes:
+            latency = min(step_times) if step_times else 0.0
+            plan_donors = [
+                PlanDonor(id=d, bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS, latency=latency)
+                for d in jl.planned_bytes
+            ]
+            jl.lower_bound_s = lower_bound(jl.total_bytes, plan_donors)
+        return jl
 
     def start(
         self,
@@ -527,13 +769,17 @@ class ChaosStrategy(Strategy):
             if res0 is not None:
                 result.evaluate_metrics_serverapp[0] = res0
         arrays = initial_arrays
+        sstate = b""
         digest = certified_digest(arrays, 0)
 
         known = self._wait_for_nodes(grid, timeout)
         resumed = self._resume(grid, known, timeout) if self.resume else None
         if resumed is not None:
-            certified_round, arrays, digest = resumed
+            certified_round, arrays, digest, sstate = resumed
+            restore_strategy_state(self.inner, sstate)
             result.arrays = arrays
+            hello = self.rounds[-1]
+            hello.join_s = self._join_pulls(grid, certified_round, digest, hello, timeout)
         else:
             # round 0: certify the initial state on every node that answers
             log0 = RoundLog(0, digest=digest)
@@ -542,7 +788,7 @@ class ChaosStrategy(Strategy):
                 arrays_for_others=arrays, timeout=timeout, log_=log0,
             )  # fmt: skip
             log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
-            self.rounds.append(log0)
+            self._finish(log0)
             certified_round = 0
 
         for rnd in range(certified_round + 1, num_rounds + 1):
@@ -550,6 +796,7 @@ class ChaosStrategy(Strategy):
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             rlog = RoundLog(rnd)
             known = list(grid.get_node_ids())
+            prev_holders = set(self._holding(known, certified_round, digest))
             eligible = self._eligible(known, digest, certified_round)
             rlog.eligible = eligible
             need = _min_nodes(self.inner, "train")
@@ -576,27 +823,35 @@ class ChaosStrategy(Strategy):
                     result.arrays = agg_arrays
                 if agg_metrics is not None:
                     result.train_metrics_clientapp[rnd] = agg_metrics
-            digest = certified_digest(arrays, rnd)
+            sstate = strategy_state_of(self.inner)
+            digest = certified_digest(arrays, rnd, sstate)
             rlog.digest = digest
 
-            # certify + evaluate: the new state goes to every live node, receipts come back
-            live = [n for n in grid.get_node_ids() if n not in self.suspects]
+            # certify + evaluate: the new state goes to the live nodes that held the previous
+            # one or trained on it; receipts come back. Others (joiners) pull it from parties.
+            nodes_now = set(grid.get_node_ids())
+            receivers = {
+                n for n in (prev_holders | set(rlog.trained)) & nodes_now
+                if n not in self.suspects
+            }  # fmt: skip
             eval_need = _min_nodes(self.inner, "evaluate")
             eval_msgs: list[Message] = []
-            if len(live) >= eval_need:
+            if len(receivers) >= eval_need:
                 eval_msgs = list(
                     self.inner.configure_evaluate(
-                        rnd, arrays, evaluate_config, _EligibleGrid(grid, live)
+                        rnd, arrays, evaluate_config, _EligibleGrid(grid, sorted(receivers))
                     )
                 )
             eval_replies, rlog.certify_s = self._phase(
                 grid, eval_msgs, known, phase="certify", server_round=rnd, digest=digest,
-                arrays_for_others=arrays, timeout=timeout, log_=rlog,
+                arrays_for_others=arrays, timeout=timeout, log_=rlog, receivers=receivers,
+                strategy_state=sstate,
             )  # fmt: skip
             certified_round = rnd
             rlog.holders = sorted(
                 p for p, r, d in self.holders.values() if r == rnd and d == digest
             )
+            rlog.join_s = self._join_pulls(grid, rnd, digest, rlog, timeout)
             if eval_msgs:
                 agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
                 if agg_eval is not None:
@@ -605,7 +860,7 @@ class ChaosStrategy(Strategy):
                 res = evaluate_fn(rnd, arrays)
                 if res is not None:
                     result.evaluate_metrics_serverapp[rnd] = res
-            self.rounds.append(rlog)
+            self._finish(rlog)
 
         log(INFO, "ChaosStrategy finished in %.2fs", time.time() - t_start)
         for line in io.StringIO(str(result)):
@@ -614,20 +869,21 @@ class ChaosStrategy(Strategy):
 
     def _resume(
         self, grid: Grid, known: list[int], timeout: float
-    ) -> tuple[int, ArrayRecord, bytes] | None:
+    ) -> tuple[int, ArrayRecord, bytes, bytes] | None:
         """Rebuild the latest certified state from the parties (a restarted ServerApp).
 
         Asks every party for its receipt; the newest (round, digest) that at least
         ``resume_min_receipts`` parties certified with *verified* signatures is pulled in
         planner-sized shares from all its holders at once; the manifest and the assembled state
-        must match the certified digest (else the next older candidate is tried). Without a
-        receipt verifier nothing is resumed: unsigned claims are not proof.
+        must match the certified digest (else the next older candidate is tried). The inner
+        strategy's state (e.g. FedAdam's moments) is part of the certified state and comes
+        back with it. Without a receipt verifier nothing is resumed: unsigned claims are not
+        proof.
         """
         if self.receipt_verifier is None:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
             return None
         hello = RoundLog(-1)
-        self.rounds.append(hello)
         self._phase(
             grid, [], known, phase="hello", server_round=-1, digest=b"",
             arrays_for_others=None, timeout=timeout, log_=hello,
@@ -636,6 +892,7 @@ class ChaosStrategy(Strategy):
         for node, (_, rnd, dig) in self.holders.items():
             if rnd > 0 and node not in self.suspects:
                 tally.setdefault((rnd, dig), []).append(node)
+        found: tuple[int, ArrayRecord, bytes, bytes] | None = None
         for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
             if len(nodes) < self.resume_min_receipts:
                 continue
@@ -660,8 +917,10 @@ class ChaosStrategy(Strategy):
             hello.holders = sorted(p for _, p in holders)
             self.last_pull = report
             log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
-            return rnd, arrays, dig
-        return None
+            found = rnd, arrays, dig, report.strategy_state
+            break
+        self._finish(hello)
+        return found
 
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
         """Wait (bounded) until the inner strategy's minimum of nodes is connected."""
@@ -670,3 +929,67 @@ class ChaosStrategy(Strategy):
         while len(nodes := list(grid.get_node_ids())) < need and self.clock() < deadline:
             self.sleep(self.poll_interval_s)
         return nodes
+
+
+def _read_join_stats(jl: JoinLog, rec: ConfigRecord) -> None:
+    """Copy the joiner's figures (plan, bytes per donor, lost donors) into its JoinLog."""
+
+    def ints(key: str) -> list[int]:
+        v = rec.get(key, [])
+        return [x for x in v if isinstance(x, int)] if isinstance(v, list) else []
+
+    def strs(key: str) -> list[str]:
+        v = rec.get(key, [])
+        return [x for x in v if isinstance(x, str)] if isinstance(v, list) else []
+
+    for name, attr in (("total", "total_bytes"), ("shard-bytes", "shard_bytes")):
+        v = rec.get(name)
+        if isinstance(v, int) and not isinstance(v, bool):
+            setattr(jl, attr, v)
+    v = rec.get("num-shards")
+    if isinstance(v, int) and not isinstance(v, bool):
+        jl.num_shards = v
+    jl.planned_shards = dict(zip(strs("plan-donors"), ints("plan-shards"), strict=False))
+    jl.planned_bytes = dict(zip(strs("plan-donors"), ints("plan-bytes"), strict=False))
+    jl.bytes_per_donor = dict(zip(strs("recv-donors"), ints("recv-bytes"), strict=False))
+    jl.donors = sorted(set(jl.planned_bytes) | set(jl.bytes_per_donor))
+    jl.lost = strs("lost")
+    err = rec.get("error", "")
+    jl.error = err if isinstance(err, str) else ""
+
+
+_M, _V = "m_t/", "v_t/"
+
+
+def strategy_state_of(inner: Strategy) -> bytes:
+    """The inner strategy's own state as opaque bytes (part of the certified state).
+
+    A strategy with a ``chaos_state() -> bytes`` method gives its own; FedOpt strategies
+    (FedAdam, FedYogi, FedAdagrad) give their moments ``m_t`` / ``v_t``; others none.
+    """
+    own = getattr(inner, "chaos_state", None)
+    if callable(own):
+        return bytes(own())
+    m, v = getattr(inner, "m_t", None), getattr(inner, "v_t", None)
+    if not isinstance(m, dict) and not isinstance(v, dict):
+        return b""
+    arrays = {f"{_M}{k}": np.asarray(a) for k, a in (m or {}).items()}
+    arrays.update({f"{_V}{k}": np.asarray(a) for k, a in (v or {}).items()})
+    if not arrays:
+        return b""
+    return TrainingState(arrays=arrays, round=0).to_bytes()
+
+
+def restore_strategy_state(inner: Strategy, blob: bytes) -> None:
+    """Give the inner strategy back the state :func:`strategy_state_of` took (a resume)."""
+    own = getattr(inner, "chaos_restore", None)
+    if callable(own):
+        own(blob)
+        return
+    if not blob or not hasattr(inner, "m_t"):
+        return
+    state = TrainingState.from_bytes(blob)
+    m = {k[len(_M) :]: np.array(a) for k, a in state.arrays.items() if k.startswith(_M)}
+    v = {k[len(_V) :]: np.array(a) for k, a in state.arrays.items() if k.startswith(_V)}
+    inner.m_t = m or None
+    inner.v_t = v or None  # type: ignore[attr-defined]

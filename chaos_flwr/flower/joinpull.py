@@ -1,0 +1,293 @@
+"""A joiner pulls the current certified state from several holders, through the relay.
+
+Flower has no node-to-node traffic, so the ServerApp relays; but it only *relays*: the joiner
+plans the pull (planner-sized shares), checks the donors' signed receipts, verifies the
+manifest and every shard, and assembles the state. One relay **step** is two exchanges:
+
+1. ServerApp -> joiner (``query.chaos``, phase ``join``): a control record (the certified round
+   and digest, the donors and their signed receipts on the first step; the donors' replies to
+   the previous step's requests after that). The joiner answers with its next requests, one
+   per donor, or ``done`` / ``failed``.
+2. ServerApp -> each donor named (phase ``pull``): the request, answered from the donor's
+   replica (:func:`chaos_flwr.flower.pull.serve_request`); a donor that errs, misses the
+   deadline or sends nothing is reported *lost* to the joiner, which re-plans its shards.
+
+Steps: size (one donor), manifest (one donor), then the shards from all donors at once (and a
+re-plan step per lost donor). Records, per RecordDict of a message:
+
+- ``chaos-pull`` (:data:`~chaos_flwr.defaults.FLOWER_PULL_DATA_KEY`): the control record;
+- ``chaos-pull.<party id>``: the request to / reply from that donor.
+
+A donor serves whoever the ServerApp names. That gives the ServerApp nothing it lacks: it
+aggregated the state itself. What it cannot do is make a joiner hold a state that no holder
+certified: receipts are verified by the joiner and the bytes against their digest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from flwr.app import ConfigRecord, RecordDict
+
+from chaos_flwr.defaults import (
+    FLOWER_JOIN_MIN_SHARD_BYTES,
+    FLOWER_JOIN_REQUEST_TIMEOUT_S,
+    FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
+    FLOWER_PULL_DATA_KEY,
+)
+from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.planner import Donor as PlanDonor
+from chaos_flwr.planner import TransferPlan, plan_transfer
+from chaos_flwr.state import Manifest, TrainingState
+from chaos_flwr.transfer import DonorStatus, PullSession, ShardRequest
+
+__all__ = [
+    "JoinerPull",
+    "donor_key",
+    "read_donor_records",
+    "start_record",
+]
+
+#: Control-record statuses a joiner answers with.
+WANT, DONE, FAILED = "want", "done", "failed"
+
+
+def donor_key(party: str) -> str:
+    """RecordDict key of the request to / reply from donor ``party``."""
+    return f"{FLOWER_PULL_DATA_KEY}.{party}"
+
+
+def read_donor_records(content: RecordDict) -> dict[str, ConfigRecord]:
+    """The per-donor records (``chaos-pull.<party>``) of a RecordDict, by party id."""
+    prefix = f"{FLOWER_PULL_DATA_KEY}."
+    out: dict[str, ConfigRecord] = {}
+    for key, value in content.items():
+        if key.startswith(prefix) and isinstance(value, ConfigRecord):
+            out[key[len(prefix) :]] = value
+    return out
+
+
+def start_record(
+    donors: list[str], receipts: list[bytes], min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES
+) -> ConfigRecord:
+    """The first step's control record: the donors and their signed receipts (same order)."""
+    return ConfigRecord(
+        {
+            "op": "start",
+            "donors": list(donors),
+            "receipts": list(receipts),
+            "min-shard": min_shard_bytes,
+        }
+    )
+
+
+@dataclass
+class JoinerPull:
+    """The joiner's side of one relayed pull (sans-I/O; ``now`` is passed in).
+
+    Parameters
+    ----------
+    server_round, digest:
+        The certified state to pull.
+    donors:
+        Donor party ids whose receipts the joiner verified.
+    min_shard_bytes:
+        Smallest shard of the plan.
+    bandwidth:
+        Donor id -> bytes/s estimate (default: the assumed rate for all).
+    """
+
+    server_round: int
+    digest: bytes
+    donors: list[str]
+    min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES
+    bandwidth: Mapping[str, float] = field(default_factory=dict)
+    stage: str = "size"
+    total: int | None = None
+    plan: TransferPlan | None = None
+    session: PullSession | None = None
+    lost: list[str] = field(default_factory=list)
+    received: dict[str, int] = field(default_factory=dict)
+    state: TrainingState | None = None
+    error: str = ""
+    _live: list[str] = field(default_factory=list)
+    _asked: str = ""
+
+    def __post_init__(self) -> None:
+        self._live = list(self.donors)
+
+    def _plan_donors(self) -> list[PlanDonor]:
+        return [
+            PlanDonor(id=d, bandwidth=self.bandwidth.get(d, FLOWER_PULL_ASSUMED_BANDWIDTH_BPS))
+            for d in self._live
+        ]
+
+    def _lose(self, donor: str) -> None:
+        if donor in self._live:
+            self._live.remove(donor)
+        if donor not in self.lost:
+            self.lost.append(donor)
+
+    def _fail(self, why: str) -> tuple[str, dict[str, ConfigRecord]]:
+        self.stage = FAILED
+        self.error = why
+        return FAILED, {}
+
+    def start(self, now: float) -> tuple[str, dict[str, ConfigRecord]]:
+        """The first requests (the state's size from the first donor)."""
+        return self.step({}, set(), now)
+
+    def step(
+        self, replies: Mapping[str, ConfigRecord], lost: set[str], now: float
+    ) -> tuple[str, dict[str, ConfigRecord]]:
+        """Consume the donors' replies to the last requests; return status and next requests.
+
+        Returns
+        -------
+        tuple
+            ``(status, requests)``: ``want`` with ``donor -> request``, or ``done`` (the
+            verified state is in :attr:`state`) or ``failed`` (:attr:`error` says why).
+        """
+        try:
+            return self._step(replies, lost, now)
+        except ChaosError as exc:
+            return self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _step(
+        self, replies: Mapping[str, ConfigRecord], lost: set[str], now: float
+    ) -> tuple[str, dict[str, ConfigRecord]]:
+        if self.stage in (DONE, FAILED):
+            return self.stage, {}
+        if self.stage == "size":
+            if self._asked:
+                value = replies.get(self._asked, ConfigRecord()).get("total")
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    self.total = value
+                    self.plan = plan_transfer(
+                        value, self._plan_donors(), min_shard_bytes=self.min_shard_bytes
+                    )
+                    self.stage = "manifest"
+                    self._asked = ""
+                else:
+                    self._lose(self._asked)
+            if self.stage == "size":
+                if not self._live:
+                    return self._fail("no donor answered with the state size")
+                self._asked = self._live[0]
+                return WANT, {self._asked: ConfigRecord({"op": "size"})}
+        if self.stage == "manifest":
+            assert self.plan is not None and self.total is not None
+            if self._asked:
+                raw = replies.get(self._asked, ConfigRecord()).get("manifest")
+                try:
+                    if not isinstance(raw, bytes):
+                        raise DecodeError("no manifest in the reply")
+                    manifest = Manifest.from_bytes(raw)
+                    manifest.check_certified(self.digest, self.total)
+                except (ChaosError, ValueError):
+                    self._lose(self._asked)
+                else:
+                    live = set(self._live)
+                    self.session = PullSession(
+                        manifest,
+                        self.plan,
+                        [d for d in self._plan_donors() if d.id in live],
+                        now=now,
+                        expected_digest=self.digest,
+                        # one relay step carries every request: the ServerApp's per-phase
+                        # deadline decides who is lost, not a local request timer
+                        window=max(1, self.plan.num_shards),
+                        min_timeout_s=FLOWER_JOIN_REQUEST_TIMEOUT_S,
+                    )
+                    self.stage = "shards"
+                    self._asked = ""
+                    return self._requests(self.session.poll(now), now)
+            if not self._live:
+                return self._fail("no donor sent a manifest that names the certified digest")
+            if self._asked and self._asked not in self._live and self.plan is not None:
+                # re-plan over the donors left (the lost one must not get shards)
+                self.plan = plan_transfer(
+                    self.total, self._plan_donors(), min_shard_bytes=self.min_shard_bytes
+                )
+            self._asked = self._live[0]
+            req = ConfigRecord(
+                {
+                    "op": "manifest",
+                    "shard-bytes": self.plan.shard_bytes,
+                    "num-shards": self.plan.num_shards,
+                }
+            )
+            return WANT, {self._asked: req}
+        # shards
+        session = self.session
+        assert session is not None
+        actions: list[object] = []
+        for donor, rec in replies.items():
+            idx, data = rec.get("index"), rec.get("data")
+            if not (isinstance(idx, list) and isinstance(data, list)):
+                self._lose(donor)
+                actions.extend(session.on_donor_lost(donor, now))
+                continue
+            for i, chunk in zip(idx, data, strict=False):
+                if isinstance(i, int) and isinstance(chunk, bytes):
+                    self.received[donor] = self.received.get(donor, 0) + len(chunk)
+                    actions.extend(session.on_shard(donor, i, chunk, now))
+            if session.status(donor) == DonorStatus.LIVE and session.inflight(donor):
+                # it answered without some of the shards asked for: it is not a donor to wait on
+                actions.extend(session.on_donor_lost(donor, now))
+            if session.status(donor) != DonorStatus.LIVE:
+                self._lose(donor)
+        for donor in sorted(lost):
+            self._lose(donor)
+            actions.extend(session.on_donor_lost(donor, now))
+        if session.done:
+            state = TrainingState.from_bytes(session.assemble())
+            if state.digest() != self.digest or state.round != self.server_round:
+                raise ShardIntegrityError("the assembled state is not the certified one")
+            self.state = state
+            self.stage = DONE
+            return DONE, {}
+        return self._requests(actions, now)
+
+    def _requests(
+        self, actions: Sequence[object], now: float
+    ) -> tuple[str, dict[str, ConfigRecord]]:
+        session = self.session
+        assert session is not None
+        wanted: dict[str, list[ShardRequest]] = {}
+        for action in actions:
+            if isinstance(action, ShardRequest):
+                wanted.setdefault(action.donor, []).append(action)
+        if not wanted:
+            return self._fail("no live donor holds the missing shards")
+        return WANT, {
+            d: ConfigRecord(
+                {
+                    "op": "shards",
+                    "index": [r.index for r in rs],
+                    "start": [r.start for r in rs],
+                    "end": [r.end for r in rs],
+                }
+            )
+            for d, rs in wanted.items()
+        }
+
+    def stats(self) -> ConfigRecord:
+        """The figures the joiner reports with ``done`` (plan and bytes per donor)."""
+        plan = self.plan
+        donors = sorted(plan.assignment) if plan is not None else []
+        return ConfigRecord(
+            {
+                "total": self.total or 0,
+                "shard-bytes": plan.shard_bytes if plan else 0,
+                "num-shards": plan.num_shards if plan else 0,
+                "plan-donors": donors,
+                "plan-shards": [len(plan.assignment[d]) for d in donors] if plan else [],
+                "plan-bytes": [plan.bytes_by_donor().get(d, 0) for d in donors] if plan else [],
+                "recv-donors": sorted(self.received),
+                "recv-bytes": [self.received[d] for d in sorted(self.received)],
+                "lost": list(self.lost),
+                "error": self.error,
+            }
+        )
