@@ -211,3 +211,87 @@ def test_a_restarted_peer_is_reached_at_its_new_address() -> None:
             await caller.close()
 
     asyncio.run(run())
+
+
+# --- push streams ------------------------------------------------------------------------------
+
+
+def test_push_batches_keep_order_and_reach_the_push_handler() -> None:
+    async def run() -> None:
+        got: list[tuple[str, list[bytes]]] = []
+
+        async def no_requests(src: str, data: bytes) -> bytes:
+            return b"reply"
+
+        a = GrpcCarrier("a")
+        b = GrpcCarrier("b")
+        await a.start(no_requests)
+        await b.start(no_requests, push_handler=lambda src, items: got.append((src, items)))
+        try:
+            assert b.address is not None
+            a.add_peer("b", b.address)
+            items = [hashlib.sha256(str(i).encode()).digest() * (1 + i % 5) for i in range(500)]
+            for item in items:
+                a.push("b", item)
+            assert a.pending() == 500  # nothing goes out before the event loop runs
+            for _ in range(2000):
+                if sum(len(batch) for _, batch in got) == len(items):
+                    break
+                await asyncio.sleep(0.005)
+            assert [x for _, batch in got for x in batch] == items  # all, once, in order
+            assert {src for src, _ in got} == {"a"}
+            assert a.pushed == 500 and a.push_lost == 0 and a.pending() == 0
+            assert 1 <= a.batches_sent == b.batches_received < 500  # queued items share a batch
+            # the request path still works beside the push stream
+            assert await a.request("b", b"x") == b"reply"
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())
+
+
+def test_push_failures_are_typed_or_counted() -> None:
+    from chaos_flwr.transport.grpc_carrier import pack_batch, unpack_batch
+
+    items = [b"", b"one", bytes(range(256)) * 3]
+    assert unpack_batch(pack_batch(items)) == items
+    with pytest.raises(TransportError, match="truncated"):
+        unpack_batch(pack_batch(items)[:-1])
+    with pytest.raises(TransportError, match="truncated"):
+        unpack_batch(b"\x00\x00")
+
+    async def run() -> None:
+        async def no_requests(src: str, data: bytes) -> bytes:
+            return b""
+
+        a = GrpcCarrier("a", max_message_bytes=1024)
+        b = GrpcCarrier("b")  # started without a push handler: its streams are refused
+        await a.start(no_requests)
+        await b.start(no_requests)
+        dead = GrpcCarrier("c")
+        await dead.start(no_requests)
+        dead_addr = dead.address
+        await dead.close()
+        try:
+            with pytest.raises(TransportError, match="not in 'a'"):
+                a.push("nobody", b"x")
+            assert b.address is not None and dead_addr is not None
+            a.add_peer("b", b.address)
+            a.add_peer("c", dead_addr)
+            with pytest.raises(TransportError, match="max_message_bytes"):
+                a.push("b", b"x" * 2048)
+            a.push("c", b"to a stopped carrier")
+            a.push("b", b"to a carrier that takes no pushes")
+            for _ in range(1000):
+                if a.push_lost + a.pushed == 2 and a.pending() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            # at most once, never raised: the stopped carrier's item is lost and counted
+            assert a.pending() == 0 and a.push_lost + a.pushed == 2 and a.push_lost >= 1
+            assert b.batches_received == 0
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())

@@ -14,6 +14,18 @@ Delivery is at most once, never retried (see :mod:`chaos_flwr.transport.base`). 
 unknown, not listening, stopped, too slow, or whose handler raised gives
 :class:`~chaos_flwr.errors.TransportError`.
 
+Push streams (one-way messages)
+-------------------------------
+For small fire-and-forget messages (protocol envelopes) a unary call per message costs more
+than the work it carries. :meth:`GrpcCarrier.push` instead queues an *item* (opaque bytes) for a
+destination and returns at once; one persistent client stream per destination
+(``/chaos.Carrier/Push``) carries the queued items, every item queued before the stream's writer
+runs again going out in one HTTP/2 message (a *batch*: each item prefixed by its u32 big-endian
+length). The receiving carrier hands each batch, in order, to the ``push_handler`` given to
+:meth:`GrpcCarrier.start`. Items to one destination arrive in the order they were pushed, at most
+once: if the stream breaks, the items in flight are lost and counted in
+:attr:`GrpcCarrier.push_lost` (the next push opens a new stream). Pushes are not shaped.
+
 With a :class:`~chaos_flwr.transport.shaping.Shaper`, every request waits out the one-way delay
 and the sender's uplink; every reply waits out the one-way delay once and then each chunk passes
 the replying party's uplink (and pair cap) and the receiving party's downlink.
@@ -22,8 +34,10 @@ the replying party's uplink (and pair cap) and the receiving party's downlink.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -33,6 +47,7 @@ from ..defaults import (
     TRANSPORT_CHUNK_BYTES,
     TRANSPORT_HOST,
     TRANSPORT_MAX_MESSAGE_BYTES,
+    TRANSPORT_PUSH_DRAIN_SPINS,
     TRANSPORT_REQUEST_TIMEOUT_S,
     TRANSPORT_STOP_GRACE_S,
 )
@@ -40,10 +55,63 @@ from ..errors import ConfigError, TransportError
 from .base import Carrier, Handler
 from .shaping import Shaper
 
-__all__ = ["GrpcCarrier", "grpc_options"]
+__all__ = ["GrpcCarrier", "PushHandler", "grpc_options", "pack_batch", "unpack_batch"]
 
 _SERVICE = "chaos.Carrier"
 _METHOD = f"/{_SERVICE}/Call"
+_PUSH = f"/{_SERVICE}/Push"
+_U32 = struct.Struct(">I")
+
+#: Receives one pushed batch: ``(source id, items in push order)``; runs on the event loop.
+PushHandler = Callable[[str, list[bytes]], None]
+
+
+def pack_batch(items: list[bytes]) -> bytes:
+    """One push batch: every item prefixed by its length (u32 big-endian)."""
+    parts: list[bytes] = []
+    for item in items:
+        parts.append(_U32.pack(len(item)))
+        parts.append(item)
+    return b"".join(parts)
+
+
+def _split(items: list[bytes], max_bytes: int) -> list[list[bytes]]:
+    """Cut ``items`` into runs whose batches stay within ``max_bytes``."""
+    runs: list[list[bytes]] = [[]]
+    size = 0
+    for item in items:
+        cost = len(item) + _U32.size
+        if runs[-1] and size + cost > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += cost
+    return runs
+
+
+def unpack_batch(data: bytes) -> list[bytes]:
+    """The items of a push batch (inverse of :func:`pack_batch`).
+
+    Raises
+    ------
+    TransportError
+        If the batch is truncated.
+    """
+    items: list[bytes] = []
+    view = memoryview(data)
+    at, end = 0, len(data)
+    while at < end:
+        if at + _U32.size > end:
+            raise TransportError(f"push batch truncated at byte {at} of {end} (length prefix)")
+        (size,) = _U32.unpack_from(data, at)
+        at += _U32.size
+        if at + size > end:
+            raise TransportError(f"push batch truncated at byte {at} of {end} (item of {size})")
+        items.append(bytes(view[at : at + size]))
+        at += size
+    return items
+
+
 _FROM_KEY = "chaos-from"
 _log = logging.getLogger(__name__)
 
@@ -115,9 +183,19 @@ class GrpcCarrier(Carrier):
         self._handler: Handler | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._push_handler: PushHandler | None = None
+        self._outbox: dict[str, list[bytes]] = {}
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._pushers: dict[str, asyncio.Task[None]] = {}
         self.address: str | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: Pushed items that went out in a batch / were lost with a broken stream.
+        self.pushed = 0
+        self.push_lost = 0
+        #: Push batches written and received.
+        self.batches_sent = 0
+        self.batches_received = 0
 
     def add_peer(self, party_id: str, address: str) -> None:
         """Add or replace ``party_id``'s address (closes a stale channel to it)."""
@@ -134,8 +212,15 @@ class GrpcCarrier(Carrier):
 
     # --- serving -----------------------------------------------------------------------------
 
-    async def start(self, handler: Handler) -> None:
+    async def start(self, handler: Handler, *, push_handler: PushHandler | None = None) -> None:
         """Listen on :attr:`host` and serve ``handler``; sets :attr:`address`.
+
+        Parameters
+        ----------
+        handler
+            Serves requests (:meth:`request`).
+        push_handler
+            Receives pushed batches (:meth:`push`); without one, push streams are refused.
 
         Raises
         ------
@@ -145,12 +230,16 @@ class GrpcCarrier(Carrier):
         if self._server is not None:
             raise TransportError(f"carrier {self.party_id!r} is already started")
         self._handler = handler
+        self._push_handler = push_handler
         server = grpc.aio.server(options=grpc_options(self._max))
         rpc = grpc.unary_stream_rpc_method_handler(
             self._serve, request_deserializer=None, response_serializer=None
         )
+        push = grpc.stream_unary_rpc_method_handler(
+            self._serve_push, request_deserializer=None, response_serializer=None
+        )
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(_SERVICE, {"Call": rpc}),)
+            (grpc.method_handlers_generic_handler(_SERVICE, {"Call": rpc, "Push": push}),)
         )
         try:
             port = server.add_insecure_port(f"{self.host}:{self._port}")
@@ -193,6 +282,28 @@ class GrpcCarrier(Carrier):
                 await self.shaper.pace_send(src, len(chunk))
             self.bytes_sent += len(chunk)
             yield chunk
+
+    async def _serve_push(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> bytes:
+        meta = dict(context.invocation_metadata() or ())
+        src = meta.get(_FROM_KEY)
+        if not isinstance(src, str) or not src:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"missing {_FROM_KEY} metadata")
+            return b""
+        if self._push_handler is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this carrier takes no pushes")
+            return b""
+        async for batch in requests:
+            self.bytes_received += len(batch)
+            self.batches_received += 1
+            try:
+                items = unpack_batch(batch)
+            except TransportError as err:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                return b""
+            self._push_handler(src, items)
+        return b""
 
     # --- calling -----------------------------------------------------------------------------
 
@@ -245,8 +356,91 @@ class GrpcCarrier(Carrier):
         self.bytes_received += len(reply)
         return reply
 
+    def push(self, dst: str, item: bytes) -> None:
+        """Queue ``item`` for ``dst``'s push handler and return at once (see the module docs).
+
+        Must be called on the running event loop. Items to one destination keep their order;
+        delivery is at most once (a broken stream loses its items, counted in
+        :attr:`push_lost`).
+
+        Raises
+        ------
+        TransportError
+            If ``dst`` is not in the directory or ``item`` is larger than the message limit.
+        """
+        if len(item) + _U32.size > self._max:
+            raise TransportError(
+                f"push to {dst!r} is {len(item)} bytes, above max_message_bytes ({self._max})"
+            )
+        box = self._outbox.get(dst)
+        if box is None:
+            if dst not in self.directory:
+                raise TransportError(
+                    f"peer {dst!r} is not in {self.party_id!r}'s directory; add its address"
+                )
+            box = self._outbox[dst] = []
+        box.append(item)
+        wake = self._wakeups.get(dst)
+        if wake is None:
+            wake = self._wakeups[dst] = asyncio.Event()
+        wake.set()
+        if dst not in self._pushers:
+            task = asyncio.get_running_loop().create_task(self._pusher(dst, wake))
+            self._pushers[dst] = task
+
+    def pending(self) -> int:
+        """Items queued by :meth:`push` and not yet written to a stream."""
+        return sum(len(box) for box in self._outbox.values())
+
+    async def _pusher(self, dst: str, wake: asyncio.Event) -> None:
+        """Write ``dst``'s queued items to one persistent stream, a batch per wake-up."""
+        call: Any = None
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                items = self._outbox.get(dst)
+                if not items:
+                    continue
+                self._outbox[dst] = []
+                if call is None:
+                    stub = self._channel(dst).stream_unary(
+                        _PUSH, request_serializer=_identity, response_deserializer=_identity
+                    )
+                    call = stub(metadata=((_FROM_KEY, self.party_id),))
+                chunks = _split(items, self._max)
+                for chunk in chunks:
+                    batch = pack_batch(chunk)
+                    try:
+                        await call.write(batch)
+                    except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                        self.push_lost += len(chunk)
+                        _log.debug("push stream to %s broke", dst, exc_info=True)
+                        call = None
+                        continue
+                    self.pushed += len(chunk)
+                    self.batches_sent += 1
+                    self.bytes_sent += len(batch)
+        finally:
+            if call is not None:
+                try:
+                    await call.done_writing()
+                    await call
+                except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+                    pass
+
     async def close(self) -> None:
         """Stop the server (short grace for in-flight calls) and close all channels."""
+        for _ in range(TRANSPORT_PUSH_DRAIN_SPINS):  # let queued pushes go out first
+            if not self.pending():
+                break
+            await asyncio.sleep(0)
+        pushers, self._pushers = list(self._pushers.values()), {}
+        for task in pushers:
+            task.cancel()
+        for task in pushers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         server, self._server = self._server, None
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
