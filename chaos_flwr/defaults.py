@@ -160,6 +160,8 @@ FLOWER_FEDERATION_FOUNDERS: int = 3
 FLOWER_FEDERATION_NAME: str = "chaos-flwr-federation"
 #: Most holders one joiner pulls the current state from (all live holders up to this).
 FLOWER_JOIN_MAX_DONORS: int = 8
+#: A non-member that is still not admitted asks new sponsors after this long.
+FLOWER_JOIN_RETRY_S: float = 10.0
 #: A joiner's own timer on a relayed shard request (the ServerApp's phase deadline rules).
 FLOWER_JOIN_REQUEST_TIMEOUT_S: float = 3600.0
 #: Smallest shard of a joiner's pull, in bytes (small enough that small models still split).
@@ -294,6 +296,14 @@ SIM_TRAIN_QUIESCE_S: float = 8.0
 SIM_SOAK_EVENTS: int = 200
 #: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
 SIM_SOAK_CI_SEEDS: int = 300
+#: Soak: settle time after the last schedule event, in virtual seconds.
+SIM_SOAK_SETTLE_S: float = 22.0
+#: Soak: peer tick interval of a random schedule, in virtual seconds.
+SIM_SOAK_TICK_INTERVAL_S: float = 0.5
+#: Soak (max parties > 12): share of seeds with max_parties/2..max_parties parties.
+SIM_SOAK_LARGE_SHARE: float = 0.01
+#: Soak (max parties > 12): share of seeds with 13..40 parties (the rest have 5..12).
+SIM_SOAK_MEDIUM_SHARE: float = 0.05
 
 # --- flower: churn scenarios, the demo and its report ------------------------------------------
 #: Largest churn scenario YAML file read, in bytes.

@@ -85,8 +85,7 @@ def _app(peers: dict[str, Peer]) -> ClientApp:
         now = clock()
         if charter.is_founder(ident.party_id):
             party.pending.extend(peer.bootstrap(now))
-        else:
-            party.pending.extend(peer.request_join(now, [FOUNDERS[0].party_id]))
+        # a non-founder asks for a sponsored join by itself when it first hears from the relay
         return party
 
     enable(app, party_factory=factory)

@@ -45,7 +45,11 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from chaos_flwr import codec
-from chaos_flwr.defaults import FLOWER_CHAOS_RECORD_KEY, FLOWER_PULL_DATA_KEY
+from chaos_flwr.defaults import (
+    FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_JOIN_RETRY_S,
+    FLOWER_PULL_DATA_KEY,
+)
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.joinpull import JoinerPull, donor_key, read_donor_records
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
@@ -253,6 +257,7 @@ class Party:
     held_state: TrainingState | None = None
     joining: JoinerPull | None = None
     joins_done: list[ConfigRecord] = field(default_factory=list)
+    _join_asked: tuple[float | None, tuple[str, ...]] = field(default=(None, ()), repr=False)
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
 
@@ -446,6 +451,41 @@ class Party:
                 self.errors.append(f"join pull of round {rnd} failed: {pull.error}")
         return reply, requests
 
+    def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
+        """A non-member asks for a sponsored join when it hears from the relay.
+
+        Sponsors: the active members the relay lists (a hint; the join record needs their
+        signatures anyway), else the charter's founders. Asked again, of the new list, when
+        the list changes and the party is still not a member after ``FLOWER_JOIN_RETRY_S``.
+        """
+        peer = self.peer
+        if peer is None or self.left or getattr(peer, "is_member", True):
+            return []
+        hint = record.get("members", [])
+        members = [m for m in hint if isinstance(m, str)] if isinstance(hint, list) else []
+        policy = getattr(peer, "policy", None)
+        keys = set(self.keyring or {})
+        sponsors = sorted(m for m in members if m != self.party_id and (not keys or m in keys))
+        if not sponsors and policy is not None:
+            sponsors = sorted(set(policy.founders) - {self.party_id})
+        if not sponsors:
+            return []
+        asked_at, asked = self._join_asked
+        if asked_at is not None and (
+            now - asked_at < FLOWER_JOIN_RETRY_S or set(asked) == set(sponsors)
+        ):
+            return []
+        request = getattr(peer, "request_join", None)
+        if request is None:
+            return []
+        try:
+            out: list[OutgoingLike] = list(request(now, sponsors))
+        except ChaosError as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return []
+        self._join_asked = (now, tuple(sponsors))
+        return out
+
     def _receipt_ok(self, party: str, rnd: int, digest: bytes, blob: bytes) -> bool:
         if self.keyring is None:
             return True  # an unsigned run: nothing to check receipts with
@@ -472,6 +512,8 @@ class Party:
                     outgoing.extend(self.peer.handle(data, now))
                 except ChaosError as exc:  # a bad envelope changes nothing; note and go on
                     self.errors.append(f"{type(exc).__name__}: {exc}")
+        if record is not None and self.peer is not None:
+            outgoing.extend(self._maybe_join(record, now))
         if self.peer is not None:
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") == "certify" and arrays is not None:
@@ -537,11 +579,35 @@ def default_party_factory(context: Context) -> Party:
     return party
 
 
+def _incarnation(settings: PartySettings) -> int:
+    """A fresh incarnation for this start of the party: above every earlier one.
+
+    The saved one (``<state-dir>/incarnation``) plus one, and never below the wall clock in
+    milliseconds, so a party restarted *without* its disk still comes back above what the
+    federation's view holds for it (its old sequence numbers would be refused as replays).
+    """
+    saved = -1
+    path = settings.state_dir / "incarnation" if settings.state_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            saved = int(path.read_text().strip())
+        except ValueError:
+            saved = -1
+    inc = max(saved + 1, int(time.time() * 1000))
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{inc}\n")
+        except OSError:
+            pass  # the clock floor still keeps the next start above this one
+    return inc
+
+
 def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list[OutgoingLike]]:
     """Build the protocol peer from the identity and the verified charter.
 
-    A founder bootstraps the federation's records. A non-founder's join (sponsor choice) is
-    not driven from here yet: it starts as a peer that knows the charter and waits.
+    A founder bootstraps the federation's records. A non-founder asks for a sponsored join
+    when it first hears from the relay (:meth:`Party.process`).
     """
     try:
         from chaos_flwr.charter import load_charter
@@ -553,8 +619,11 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
     from chaos_flwr.peer import Peer
 
     assert settings.charter_path is not None
-    charter = load_charter(settings.charter_path)
-    peer = Peer(ident, charter)
+    try:
+        charter = load_charter(settings.charter_path)
+    except ChaosError as exc:
+        raise ConfigError(f"node_config '{NODE_CHARTER}': {exc}") from exc
+    peer = Peer(ident, charter, incarnation=_incarnation(settings))
     out: list[OutgoingLike] = []
     if charter.is_founder(ident.party_id):
         out.extend(peer.bootstrap(time.time()))

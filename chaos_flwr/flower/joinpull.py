@@ -40,7 +40,7 @@ from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.planner import Donor as PlanDonor
 from chaos_flwr.planner import TransferPlan, plan_transfer
 from chaos_flwr.state import Manifest, TrainingState
-from chaos_flwr.transfer import DonorStatus, PullSession, ShardRequest
+from chaos_flwr.transfer import CancelRequest, DonorStatus, PullSession, ShardRequest
 
 __all__ = [
     "JoinerPull",
@@ -113,6 +113,8 @@ class JoinerPull:
     error: str = ""
     _live: list[str] = field(default_factory=list)
     _asked: str = ""
+    _sent: dict[str, set[int]] = field(default_factory=dict)
+    _got: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._live = list(self.donors)
@@ -229,11 +231,20 @@ class JoinerPull:
                 self._lose(donor)
                 actions.extend(session.on_donor_lost(donor, now))
                 continue
+            answered: set[int] = set()
             for i, chunk in zip(idx, data, strict=False):
                 if isinstance(i, int) and isinstance(chunk, bytes):
-                    self.received[donor] = self.received.get(donor, 0) + len(chunk)
                     actions.extend(session.on_shard(donor, i, chunk, now))
-            if session.status(donor) == DonorStatus.LIVE and session.inflight(donor):
+                    if session.status(donor) == DonorStatus.BAD:
+                        break  # a shard failed its hash: the donor's shards are re-planned
+                    answered.add(i)
+                    if i not in self._got:  # a stolen copy that also arrived counts once
+                        self._got.add(i)
+                        self.received[donor] = self.received.get(donor, 0) + len(chunk)
+            if (
+                session.status(donor) == DonorStatus.LIVE
+                and self._sent.get(donor, set()) - answered
+            ):
                 # it answered without some of the shards asked for: it is not a donor to wait on
                 actions.extend(session.on_donor_lost(donor, now))
             if session.status(donor) != DonorStatus.LIVE:
@@ -255,12 +266,20 @@ class JoinerPull:
     ) -> tuple[str, dict[str, ConfigRecord]]:
         session = self.session
         assert session is not None
-        wanted: dict[str, list[ShardRequest]] = {}
+        missing = set(session.missing())
+        by_donor: dict[str, dict[int, ShardRequest]] = {}
         for action in actions:
             if isinstance(action, ShardRequest):
-                wanted.setdefault(action.donor, []).append(action)
+                by_donor.setdefault(action.donor, {})[action.index] = action
+            elif isinstance(action, CancelRequest):
+                by_donor.get(action.donor, {}).pop(action.index, None)
+        wanted = {
+            d: [r for i, r in sorted(rs.items()) if i in missing] for d, rs in by_donor.items()
+        }
+        wanted = {d: rs for d, rs in wanted.items() if rs}
         if not wanted:
             return self._fail("no live donor holds the missing shards")
+        self._sent = {d: {r.index for r in rs} for d, rs in wanted.items()}
         return WANT, {
             d: ConfigRecord(
                 {

@@ -476,9 +476,14 @@ class ChaosStrategy(Strategy):
         record = server_record(
             envs, phase=phase, server_round=rnd, digest=digest, strategy_state=strategy_state
         )
-        if self.view is not None and node not in self._synced:
-            record["sync"] = True  # first message to this node in this run: send your records
-            self._synced.add(node)
+        if self.view is not None:
+            if node not in self._synced:
+                record["sync"] = True  # first message to this node in this run: your records
+                self._synced.add(node)
+            party = self.relay.party_of.get(node)
+            active = self.view.active()
+            if party is None or party not in active:
+                record["members"] = sorted(active)  # whom a non-member may ask to sponsor it
         if inner is not None:
             return with_chaos(inner, record), envs
         content = RecordDict() if content is None else content

@@ -1,0 +1,339 @@
+"""Joins, leaves, failures and restarts of signed parties through ChaosStrategy (fake Grid).
+
+Every party here is built by ``default_party_factory`` from a federation folder written by
+``make_federation`` (run config ``chaos-keys-dir`` / ``chaos-state-root`` + ``partition-id``),
+so these tests also cover the simulation fallback of the party settings.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from chaos_flwr.charter import load_charter
+from chaos_flwr.flower.client import (
+    Party,
+    certified_digest,
+    default_party_factory,
+    enable,
+    forget_party,
+    party_for,
+)
+from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
+from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
+from chaos_flwr.flower.strategy import ChaosStrategy, JoinLog, RoundLog
+from chaos_flwr.state import TrainingState
+from chaos_flwr.store import ReplicaStore
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
+
+
+#: 3 x 4096 float32 + a bias: ~48 KiB, so a 1 KiB-shard plan spreads over several donors.
+SHAPE = (3, 4096)
+
+
+def _initial() -> ArrayRecord:
+    rng = np.random.default_rng(1)
+    return ArrayRecord(
+        {
+            "w": Array(rng.normal(size=SHAPE).astype(np.float32)),
+            "b": Array(np.zeros(3, np.float32)),
+        }
+    )
+
+
+class World:
+    """A federation folder, a fake Grid and one enabled app; nodes by partition id."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        n_parties: int,
+        *,
+        founders: int = 3,
+        factory: Callable[[Context], Party] | None = None,
+        **charter: Any,
+    ) -> None:
+        self.keys = make_federation(
+            tmp / "fed", n_parties, founders=founders, seed="lib-join", **charter
+        )
+        self.fed = load_federation(self.keys)
+        self.charter = load_charter(charter_path(self.keys))
+        self.state_root = tmp / "state"
+        self.grid = FakeGrid()
+        self.nodes: dict[int, FakeNode] = {}
+        self.hooks: dict[int, Callable[[], None]] = {}  # round -> action, run at its training
+        self.app = self._app(factory or default_party_factory)
+
+    def _app(self, factory: Callable[[Context], Party]) -> ClientApp:
+        app = ClientApp()
+
+        @app.train()
+        def train(msg: Message, ctx: Context) -> Message:
+            rnd = int(msg.content["config"]["server-round"])
+            hook = self.hooks.pop(rnd, None)
+            if hook is not None:
+                hook()
+            k = int(ctx.node_config["partition-id"]) + 1
+            out = {
+                name: Array((a.numpy() * (1 - 0.01 * k) + 0.01 * k * rnd).astype(np.float32))
+                for name, a in msg.content["arrays"].items()
+            }
+            metrics = MetricRecord({"num-examples": 10 * k})
+            return Message(
+                RecordDict({"arrays": ArrayRecord(out), "metrics": metrics}), reply_to=msg
+            )
+
+        @app.evaluate()
+        def evaluate(msg: Message, ctx: Context) -> Message:
+            w = msg.content["arrays"]["w"].numpy()
+            return Message(
+                RecordDict({"metrics": MetricRecord({"s": float(w.sum()), "num-examples": 1})}),
+                reply_to=msg,
+            )
+
+        enable(app, party_factory=factory)
+        return app
+
+    def add(self, partition: int) -> FakeNode:
+        node = self.grid.add_node(
+            self.app,
+            node_config={"partition-id": partition},
+            run_config={"chaos-keys-dir": str(self.keys), "chaos-state-root": str(self.state_root)},
+        )
+        self.nodes[partition] = node
+        return node
+
+    def party(self, partition: int) -> Party:
+        return party_for(self.nodes[partition].context, self.app)
+
+    def pid(self, partition: int) -> str:
+        return self.fed.party_ids[partition]
+
+    def strategy(self, **kw: Any) -> ChaosStrategy:
+        kw.setdefault("phase_timeout_s", 2.0)
+        return ChaosStrategy(
+            FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+            charter=self.charter,
+            **kw,
+        )
+
+
+def _joins(strategy: ChaosStrategy, party: str) -> list[tuple[RoundLog, JoinLog]]:
+    return [(r, j) for r in strategy.rounds for j in r.joins if j.party == party]
+
+
+def test_make_federation_writes_keys_and_a_founder_signed_charter(tmp_path: Path) -> None:
+    folder = make_federation(tmp_path / "f", 4, founders=2, allowlist_extra=2, seed="s")
+    fed = load_federation(folder)
+    assert sorted(fed.party_ids) == [0, 1, 2, 3, 4, 5]
+    assert fed.founders == sorted([fed.party_ids[0], fed.party_ids[1]])
+    charter = load_charter(charter_path(folder))  # verifies the founders' signatures
+    assert {m.party_id for m in charter.allowlist} == {fed.party_ids[i] for i in range(2, 6)}
+    again = load_federation(make_federation(tmp_path / "g", 4, seed="s"))
+    assert again.party_ids == {i: fed.party_ids[i] for i in range(4)}  # same seed, same keys
+
+
+def test_a_joiner_is_sponsored_then_pulls_from_several_donors_and_trains(tmp_path: Path) -> None:
+    w = World(tmp_path, 4)
+    for p in range(3):
+        w.add(p)
+    joiner: dict[str, FakeNode] = {}
+    w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))  # a SuperNode appears mid-training
+    strategy = w.strategy()
+    result = strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    founders = sorted(w.pid(p) for p in range(3))
+    jp = w.pid(3)
+
+    # admitted by a signed join record (joiner + sponsor), as the server-side view saw it
+    (event,) = [e for r in strategy.rounds for e in r.events if e.kind == "join"]
+    assert event.subject == jp and event.settle_s is not None and event.settle_s >= 0
+    record = next(r for r in strategy.view.records if r.kind == "join" and r.subject == jp)  # type: ignore[union-attr]
+    assert len(record.signatures) == 2 and jp in record.signatures
+
+    # pulled the certified state from >= 2 donors in planner-sized shares, digest checked
+    ((rlog, join),) = _joins(strategy, jp)
+    assert join.ok and join.error == ""
+    assert join.server_round == rlog.server_round >= event.server_round
+    assert len(join.bytes_per_donor) >= 2 and set(join.donors) <= set(founders)
+    assert sum(join.bytes_per_donor.values()) == join.total_bytes
+    assert join.bytes_per_donor == join.planned_bytes  # no donor lost: the plan as made
+    assert sum(join.planned_shards.values()) == join.num_shards >= 2
+    assert join.lower_bound_s > 0 and join.pull_s > 0 and join.steps >= 3
+    assert join.digest == rlog.digest
+    pulled = ReplicaStore(w.state_root / "party-3" / "replicas").get(join.server_round)
+    assert pulled.digest() == join.digest  # what it assembled is what the holders certified
+    assert w.party(3).held_digest == strategy.rounds[-1].digest
+
+    # trains from the next round on; the view lists it active
+    n = joiner["n"].node_id
+    after = [r for r in strategy.rounds if r.server_round > rlog.server_round]
+    assert after and all(n in r.trained for r in after)
+    assert all(n not in r.trained for r in strategy.rounds if r.server_round <= rlog.server_round)
+    assert strategy.rounds[-1].members == {"active": sorted([*founders, jp])}
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3, 4, 5]
+
+
+class _BadShards:
+    """Wraps a party's serve so that every shard it sends has one byte flipped."""
+
+    def __init__(self, party: Party) -> None:
+        self.party = party
+        self.inner = party.serve
+        self.served = 0
+
+    def __call__(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
+        out = self.inner(record, request)
+        data = out.get("data") if out is not None else None
+        if out is not None and isinstance(data, list) and data:
+            self.served += 1
+            out["data"] = [bytes([c[0] ^ 0xFF]) + c[1:] if c else c for c in data]
+        return out
+
+
+def test_a_donor_sending_bad_shards_is_dropped_and_its_shares_replanned(tmp_path: Path) -> None:
+    liars: dict[int, _BadShards] = {}
+
+    def factory(ctx: Context) -> Party:
+        party = default_party_factory(ctx)
+        if int(ctx.node_config["partition-id"]) == 1:
+            liars[1] = _BadShards(party)
+            party.serve = liars[1]  # type: ignore[method-assign]
+        return party
+
+    w = World(tmp_path, 4, factory=factory)
+    for p in range(3):
+        w.add(p)
+    w.hooks[1] = lambda: w.add(3) and None
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    ((rlog, join),) = _joins(strategy, w.pid(3))
+    bad = w.pid(1)
+    assert liars[1].served >= 1  # it was asked for (and sent) shards
+    assert join.ok and join.lost == [bad] and bad not in join.bytes_per_donor
+    assert bad in join.planned_bytes  # it had a share in the first plan ...
+    assert sum(join.bytes_per_donor.values()) == join.total_bytes  # ... others sent it instead
+    assert join.digest == rlog.digest and w.party(3).held_digest == strategy.rounds[-1].digest
+    assert w.nodes[3].node_id in strategy.rounds[-1].trained
+
+
+def test_a_leaver_signs_its_leave_and_is_never_sampled_again(tmp_path: Path) -> None:
+    w = World(tmp_path, 4, founders=3)
+    for p in range(4):
+        w.add(p)
+    w.hooks[3] = lambda: w.party(3).leave()
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=6, timeout=10)
+    leaver = w.pid(3)
+    node = w.nodes[3].node_id
+    (left_in,) = [r for r in strategy.rounds if leaver in r.leaves]
+    (event,) = [e for e in left_in.events if e.kind == "leave"]
+    assert event.subject == leaver and event.settle_s is not None
+    assert strategy.rounds[-1].members["left"] == [leaver]
+    assert leaver not in strategy.rounds[-1].members["active"]
+    later = [r for r in strategy.rounds if r.server_round > left_in.server_round]
+    assert later and all(node not in r.eligible and node not in r.trained for r in later)
+    assert leaver not in strategy.rounds[-1].holders  # no receipt after leaving
+    # every other party's own view agrees
+    for p in range(3):
+        view = w.party(p).peer.view()  # type: ignore[union-attr]
+        assert view.members[leaver].status == "left"
+
+
+def test_a_crashed_party_is_not_sampled_then_declared_failed_by_its_peers(tmp_path: Path) -> None:
+    w = World(tmp_path, 4, founders=4, heartbeat_interval_s=0.02, suspicion_timeout_s=0.25)
+    for p in range(4):
+        w.add(p)
+    victim = w.nodes[3]
+    w.hooks[2] = lambda: setattr(victim, "mode", "dead")
+
+    def slow_sleep_train() -> None:  # give the peers' suspicion timers real time to run out
+        time.sleep(0.1)
+
+    for rnd in range(3, 9):
+        w.hooks[rnd] = slow_sleep_train
+    strategy = w.strategy(phase_timeout_s=0.3)
+    strategy.start(w.grid, _initial(), num_rounds=8, timeout=10)
+    crashed = w.pid(3)
+    died = next(r for r in strategy.rounds if victim.node_id in r.missing)
+    later = [r for r in strategy.rounds if r.server_round > died.server_round]
+    assert later and all(victim.node_id not in r.eligible for r in later)
+    failed_in = [r for r in strategy.rounds if crashed in r.failures]
+    assert failed_in, "the peers' fail record never reached the server-side view"
+    assert strategy.rounds[-1].members["failed"] == [crashed]
+    (event,) = [e for e in failed_in[0].events if e.kind == "fail" and e.subject == crashed]
+    assert event.settle_s is not None
+
+
+def test_restarted_parties_with_and_without_their_disks(tmp_path: Path) -> None:
+    w = World(tmp_path, 5, founders=3)
+    for p in range(5):
+        w.add(p)
+    first = w.strategy()
+    first.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    digest3 = first.rounds[-1].digest
+    assert all(w.party(p).held_digest == digest3 for p in range(5))
+    # the ServerApp dies; SuperNode 3 restarts with its disk, SuperNode 4 without
+    old3, old4 = w.party(3), w.party(4)
+    for p in (3, 4):
+        forget_party(w.nodes[p].context)
+    shutil.rmtree(w.state_root / "party-4")
+    second = w.strategy()
+    second.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    new3, new4 = w.party(3), w.party(4)
+    assert new3 is not old3 and new4 is not old4
+    assert new3.errors == [] and new4.errors == []
+    assert new3.peer.incarnation > old3.peer.incarnation  # type: ignore[union-attr]
+    hello = second.rounds[0]
+    assert hello.server_round == 3 and w.pid(3) in hello.holders  # its replica verified
+    assert w.pid(4) not in hello.holders
+    assert [j.party for j in hello.joins] == [w.pid(4)]  # only the diskless one pulls
+    assert hello.joins[0].ok and len(hello.joins[0].bytes_per_donor) >= 2
+    assert all(w.nodes[p].node_id in second.rounds[-1].trained for p in range(5))
+    assert new3.held_digest == new4.held_digest == second.rounds[-1].digest
+    assert sorted(second.rounds[-1].members["active"]) == sorted(w.pid(p) for p in range(5))
+
+
+def test_a_stale_replica_catches_up_by_pulling(tmp_path: Path) -> None:
+    w = World(tmp_path, 4, founders=3)
+    for p in range(4):
+        w.add(p)
+    store = ReplicaStore(w.state_root / "party-3" / "replicas")
+    w.hooks[3] = lambda: setattr(w.nodes[3], "mode", "dead")  # down for rounds 3-4
+    w.hooks[5] = lambda: (forget_party(w.nodes[3].context), setattr(w.nodes[3], "mode", "ok"))
+    strategy = w.strategy(phase_timeout_s=0.3)
+    strategy.start(w.grid, _initial(), num_rounds=7, timeout=10)
+    back = w.party(3)
+    pulls = _joins(strategy, w.pid(3))
+    assert pulls and all(j.ok for _, j in pulls)
+    _, join = pulls[0]
+    assert join.server_round >= 5 and back.held_round == strategy.rounds[-1].server_round
+    assert store.rounds()[-1] == strategy.rounds[-1].server_round
+    assert certified_digest(back.held_arrays, back.held_round) == back.held_digest  # type: ignore[arg-type]
+
+
+def test_a_replica_without_the_partys_own_receipt_is_not_taken_up(tmp_path: Path) -> None:
+    w = World(tmp_path, 3, founders=3)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+    store = ReplicaStore(w.state_root / "party-2" / "replicas")
+    good = store.latest()
+    assert good is not None
+    forged = TrainingState(arrays={k: v + 1 for k, v in good.arrays.items()}, round=good.round + 1)
+    store.put(forged, certificate=b"\x00" * 64)  # a state nobody signed for
+    forget_party(w.nodes[2].context)
+    party = default_party_factory(w.nodes[2].context)
+    assert party.held_round == -1 and party.errors and "signed receipt" in party.errors[0]
