@@ -337,3 +337,51 @@ def test_a_replica_without_the_partys_own_receipt_is_not_taken_up(tmp_path: Path
     forget_party(w.nodes[2].context)
     party = default_party_factory(w.nodes[2].context)
     assert party.held_round == -1 and party.errors and "signed receipt" in party.errors[0]
+
+
+def _fedadam() -> Any:
+    from flwr.serverapp.strategy import FedAdam
+
+    return FedAdam(
+        eta=0.05, eta_l=0.05, min_available_nodes=3, min_train_nodes=3, min_evaluate_nodes=3
+    )
+
+
+def _fedadam_run(w: World, rounds: list[int], **kw: Any) -> tuple[ChaosStrategy, ArrayRecord]:
+    """Run ChaosStrategy(FedAdam) to each number of rounds in turn, a new ServerApp each time."""
+    arrays = _initial()
+    strategy = ChaosStrategy(_fedadam(), charter=w.charter, phase_timeout_s=2.0)
+    for n in rounds:
+        strategy = ChaosStrategy(_fedadam(), charter=w.charter, phase_timeout_s=2.0, **kw)
+        arrays = strategy.start(w.grid, _initial(), num_rounds=n, timeout=10).arrays
+    return strategy, arrays
+
+
+def _close(a: ArrayRecord, b: ArrayRecord) -> bool:
+    return all(np.allclose(a[k].numpy(), b[k].numpy(), rtol=1e-5, atol=1e-6) for k in a)
+
+
+def test_fedadam_moments_survive_a_server_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def world(name: str) -> World:
+        w = World(tmp_path / name, 3)
+        for p in range(3):
+            w.add(p)
+        return w
+
+    _, straight = _fedadam_run(world("a"), [4])
+    resumed_s, resumed = _fedadam_run(world("b"), [2, 4])
+    hello = resumed_s.rounds[0]
+    assert hello.server_round == 2 and [r.server_round for r in resumed_s.rounds[1:]] == [3, 4]
+    assert _close(straight, resumed)
+    # the moments really travel with the certified state: every replica holds them ...
+    replica = ReplicaStore(tmp_path / "b" / "state" / "party-0" / "replicas").get(4)
+    moments = TrainingState.from_bytes(replica.strategy_state)
+    assert sorted(moments.arrays) == ["m_t/b", "m_t/w", "v_t/b", "v_t/w"]
+    # ... and a restart that dropped them would have trained to a different model
+    import chaos_flwr.flower.strategy as strategy_mod
+
+    monkeypatch.setattr(strategy_mod, "restore_strategy_state", lambda inner, blob: None)
+    _, forgetful = _fedadam_run(world("c"), [2, 4])
+    assert not _close(straight, forgetful)

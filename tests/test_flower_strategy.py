@@ -240,6 +240,7 @@ def test_shipped_profiles_load_and_build_their_inner_strategy() -> None:
         assert s.poll_interval_s == 0.5
         assert s.phase_timeout_s == load_profile(name).chaos["phase_timeout_s"]
     assert ChaosStrategy.from_profile("fedprox-wan").inner.proximal_mu == 0.01  # type: ignore[attr-defined]
+    assert ChaosStrategy.from_profile("fedadam-wan").join_max_donors == 8  # an integer setting
 
 
 @pytest.mark.parametrize(
@@ -251,6 +252,7 @@ def test_shipped_profiles_load_and_build_their_inner_strategy() -> None:
         ("inner: {strategy: FedAvg, args: {fraction_train: yes}}", "inner.args.fraction_train"),
         ("inner: {strategy: FedAvg}\nchaos: {phase_timeout_s: -1}", "chaos.phase_timeout_s"),
         ("inner: {strategy: FedAvg}\nchaos: {retries: 3}", "chaos.retries"),
+        ("inner: {strategy: FedAvg}\nchaos: {join_max_donors: 2.5}", "chaos.join_max_donors"),
         ("inner: {strategy: FedAvg}\ncolour: red", "colour"),
         ("name: x", "inner is missing"),
         ("- a list", "mapping"),

@@ -32,6 +32,8 @@ _TOP_KEYS = {"name", "description", "inner", "chaos"}
 _INNER_KEYS = {"strategy", "args"}
 #: ChaosStrategy keyword arguments a profile may set, with the check each value must pass.
 _CHAOS_KEYS = {"phase_timeout_s", "poll_interval_s"}
+#: ChaosStrategy keyword arguments a profile may set as positive integers.
+_CHAOS_INT_KEYS = {"join_min_shard_bytes", "join_max_donors", "join_max_steps"}
 #: Inner strategy arguments that take functions: not expressible in YAML.
 _CALLABLE_ARGS = {"train_metrics_aggr_fn", "evaluate_metrics_aggr_fn"}
 
@@ -173,10 +175,14 @@ def load_profile(name_or_path: str | Path) -> Profile:
         raise ProfileError(f"{where}chaos must be a mapping of ChaosStrategy settings")
     checked: dict[str, float] = {}
     for key, value in chaos.items():
+        if key in _CHAOS_INT_KEYS:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ProfileError(f"{where}chaos.{key} must be a positive integer, got {value!r}")
+            checked[key] = value
+            continue
         if key not in _CHAOS_KEYS:
-            raise ProfileError(
-                f"{where}chaos.{key}: unknown setting; allowed: {sorted(_CHAOS_KEYS)}"
-            )
+            allowed = sorted(_CHAOS_KEYS | _CHAOS_INT_KEYS)
+            raise ProfileError(f"{where}chaos.{key}: unknown setting; allowed: {allowed}")
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ProfileError(
                 f"{where}chaos.{key} must be a positive number of seconds, got {value!r}"
