@@ -464,39 +464,29 @@ def bench_scale_out(
 
 @app.command()
 def demo(
-    rounds: int = typer.Option(10, help="Federated rounds of each run."),
-    out: str = typer.Option("report.json", help="Where to write the JSON report."),
-    timeout_s: float = typer.Option(300.0, help="Wall-time bound of each run."),
+    out: str = typer.Option(
+        "", help="Folder for report.json and report.png (default ./chaos-demo-report)."
+    ),
+    scenario: str = typer.Option("", help="Churn scenario YAML (default: the example's)."),
+    rounds: int = typer.Option(0, help="Override the scenario's rounds (0: keep)."),
+    timeout_s: float = typer.Option(0.0, help="Wall-time bound of each run (0: 600 s)."),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Skip report.png."),
 ) -> None:
-    """Run the multi-institution example as plain FedAvg and under ChaosStrategy (simulation).
+    """Run the multi-institution example under its churn scenario (simulation) and report.
 
-    Churn scenarios are not wired into the demo yet: this compares churn-free runs.
+    A churn-free FedAvg run, then ChaosStrategy(FedAvg) under the scenario (a join at round 3,
+    a leave, a link drop, a crash, the server killed and restarted, the crashed one back).
     """
-    from pathlib import Path
+    from chaos_flwr.defaults import FLOWER_DEMO_OUT_DIR, FLOWER_DEMO_RUN_TIMEOUT_S
+    from chaos_flwr.flower.demo import demo_cli
 
-    from rich.console import Console
-    from rich.table import Table
-
-    from chaos_flwr.flower.overhead import measure_overhead
-
-    console = Console()
-    with console.status(f"running {rounds} rounds of FedAvg, then of ChaosStrategy(FedAvg)..."):
-        result = measure_overhead(rounds, timeout_s=timeout_s)
-    table = Table(title="Accuracy on the global test set")
-    table.add_column("round", justify="right")
-    table.add_column("FedAvg", justify="right")
-    table.add_column("Chaos(FedAvg)", justify="right")
-    for rnd, acc in result["fedavg"]["accuracy"].items():
-        chaos_acc = result["chaos"]["accuracy"].get(rnd, float("nan"))
-        table.add_row(rnd, f"{acc:.4f}", f"{chaos_acc:.4f}")
-    console.print(table)
-    console.print(
-        f"median round: FedAvg {result['fedavg']['median_round_s']:.3f} s, "
-        f"Chaos {result['chaos']['median_round_s']:.3f} s "
-        f"(ratio {result['ratio_median_round']:.3f})"
+    demo_cli(
+        out or FLOWER_DEMO_OUT_DIR,
+        scenario=scenario or None,
+        rounds=rounds or None,
+        timeout_s=timeout_s or FLOWER_DEMO_RUN_TIMEOUT_S,
+        plot=not no_plot,
     )
-    Path(out).write_text(json.dumps(result, indent=2, sort_keys=True), encoding="utf-8")
-    console.print(f"report written to {out}")
 
 
 @app.command()

@@ -388,6 +388,7 @@ class _Emulator:
                 f"round {rnd}"
             )
         if scenario.is_down(pid, rnd):
+            _forget(context)  # a crash loses the process: the party comes back from its disk
             raise NodeCrashedError(f"churn: partition {pid} is crashed in round {rnd}")
         due = scenario.actions(pid, rnd)
         if not due:
@@ -399,6 +400,14 @@ class _Emulator:
             _act(ev, context)
             done.add(idx)
             _mark_done(context, done)
+
+
+def _forget(context: Any) -> None:
+    from chaos_flwr.flower import client
+
+    forget = getattr(client, "forget_party", None)
+    if forget is not None:
+        forget(context)
 
 
 def _done_events(context: Any) -> set[int]:

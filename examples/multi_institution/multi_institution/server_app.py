@@ -14,6 +14,7 @@ parties' replicas.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
 import time
@@ -48,17 +49,22 @@ def _build_strategy(context: Context) -> Strategy:
         from chaos_flwr.flower import ChaosStrategy, keyring_verifier
 
         verifier = None
+        extra: dict[str, Any] = {}
         keys_dir = str(cfg.get("chaos-keys-dir", ""))
         if keys_dir:  # a signed federation: receipts count only with the charter's keys
             from chaos_flwr import load_charter
 
             charter = load_charter(Path(keys_dir) / "charter.yaml")
             verifier = keyring_verifier(charter.keyring())
+            if "charter" in inspect.signature(ChaosStrategy).parameters:
+                # the server-side view of the signed records it relays (samples active only)
+                extra["charter"] = charter
         return ChaosStrategy(
             fedavg,
             phase_timeout_s=float(cfg["phase-timeout-s"]),
             poll_interval_s=float(cfg["poll-interval-s"]),
             receipt_verifier=verifier,
+            **extra,
         )
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 
@@ -105,6 +111,8 @@ class _Progress:
         if self.strategy is not None:
             line["chaos_rounds"] = _plain(list(self.strategy.rounds))
             line["last_pull"] = _plain(getattr(self.strategy, "last_pull", None))
+            relay = getattr(self.strategy, "relay", None)
+            line["node_parties"] = _plain(getattr(relay, "party_of", {}))
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
