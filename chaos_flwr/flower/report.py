@@ -15,8 +15,9 @@ into ``report.png`` (matplotlib, Agg).
   first run up to the kill, then the resumed run);
 - ``final_accuracy``: both, ``gap`` (chaos - fedavg) and ``within_gap`` (``|gap| <=`` the
   allowed gap, 2 points by default);
-- ``rounds``: per round of the churn run, parties trained / eligible / holders, members by
-  status from the server-side view, and which run (1 or 2) did it;
+- ``rounds``: per round of the churn run, parties sampled (sent a train message) and trained
+  (answered it), eligible, holders, members by status from the server-side view, and which
+  run (1 or 2) did it;
 - ``events``: per scenario event, what the ServerApp saw (membership records with their
   settle time, rounds until a crashed party stopped being sampled, the resume after a kill);
 - ``joins``: every join pull: donors, planned and received bytes per donor, pull time, lower
@@ -153,8 +154,15 @@ def build_report(
                 resume_logs.append(dict(rlog))
                 continue
             rlog = dict(rlog)
-            rlog["trained_partitions"] = sorted(
+            failed = {int(n) for n in rlog.get("errors", {})} | {
+                int(n) for n in rlog.get("missing", [])
+            }
+            # sampled: the inner strategy sent it a train message; trained: and it answered
+            rlog["sampled_partitions"] = sorted(
                 nodes.get(int(n), -1) for n in rlog.get("trained", [])
+            )
+            rlog["trained_partitions"] = sorted(
+                nodes.get(int(n), -1) for n in rlog.get("trained", []) if int(n) not in failed
             )
             logs.append((run_no, rlog))
     by_round: dict[int, tuple[int, dict[str, Any]]] = {}
@@ -171,7 +179,8 @@ def build_report(
                 "round": rnd,
                 "run": run_no,
                 "accuracy": acc_chaos.get(rnd),
-                "trained": len(rlog.get("trained", [])),
+                "sampled": len(rlog["sampled_partitions"]),
+                "trained": len(rlog["trained_partitions"]),
                 "eligible": len(rlog.get("eligible", [])),
                 "holders": len(rlog.get("holders", [])),
                 "missing": len(rlog.get("missing", [])),
@@ -181,6 +190,7 @@ def build_report(
                     status: [parts.get(p, p) for p in ids]
                     for status, ids in (rlog.get("members") or {}).items()
                 },
+                "sampled_partitions": rlog["sampled_partitions"],
                 "trained_partitions": rlog["trained_partitions"],
             }
         )
@@ -215,6 +225,7 @@ def build_report(
         settle = entry.get("record", {}).get("settle_s")
         if ev.kind == "crash":
             # from the server side: the first round from the crash on that did not sample it
+            # (the crash round itself may still sample it: its train message then fails)
             entry["excluded_in_round"] = _first_round_without(by_round, ev.party, ev.round, parts)
             entry["settled"] = entry["excluded_in_round"] is not None
         elif ev.kind == "return":
@@ -294,9 +305,10 @@ def _first_round_without(
     start: int,
     parts: Mapping[str, int],
 ) -> int | None:
+    """First round from ``start`` on that trained without sampling ``partition``."""
     for rnd in sorted(r for r in by_round if r >= start):
         rlog = by_round[rnd][1]
-        if rlog.get("trained") and not _party_in_round(rlog, int(partition or 0), parts):
+        if rlog.get("trained") and partition not in rlog.get("sampled_partitions", []):
             return rnd
     return None
 

@@ -1,0 +1,348 @@
+"""Churn scenarios (chaos_flwr.flower.churn), the demo report, the scenario in simulation."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower import churn
+from chaos_flwr.flower.churn import (
+    NodeCrashedError,
+    NodeNotJoinedError,
+    load_scenario,
+    message_round,
+    parse_scenario,
+)
+from chaos_flwr.flower.fake_grid import FakeGrid
+from chaos_flwr.flower.relay import server_record
+from chaos_flwr.flower.report import build_report, plot_report, read_progress, render_table
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
+
+
+def _base(**over: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "name": "t",
+        "rounds": 8,
+        "institutions": 3,
+        "joiners": 1,
+        "events": [
+            {"round": 2, "kind": "join", "party": 3},
+            {"round": 3, "kind": "link-down", "party": 0, "peer": 1},
+            {"round": 3, "kind": "leave", "party": 2},
+            {"round": 4, "kind": "crash", "party": 1},
+            {"round": 5, "kind": "server-kill"},
+            {"round": 6, "kind": "return", "party": 1},
+        ],
+    }
+    data.update(over)
+    return data
+
+
+# -- the scenario model -----------------------------------------------------------------------
+def test_the_example_scenario_has_every_event_kind_the_issue_asks_for() -> None:
+    scen = load_scenario(EXAMPLE / "churn.yaml")
+    kinds = [e.kind for e in scen.events]
+    assert {"join", "leave", "link-down", "crash", "server-kill", "return"} <= set(kinds)
+    assert scen.num_parties == 6 and scen.institutions == 5
+    assert scen.join_round(5) == 3 and scen.join_round(0) == 0
+    assert scen.server_kill_round() == 6
+    crash = next(e for e in scen.events if e.kind == "crash")
+    back = next(e for e in scen.events if e.kind == "return")
+    assert crash.party == back.party
+    assert scen.is_down(crash.party, crash.round)  # type: ignore[arg-type]
+    assert scen.is_down(crash.party, back.round - 1)  # type: ignore[arg-type]
+    assert not scen.is_down(crash.party, back.round)  # type: ignore[arg-type]
+    assert scen.is_down(5, 2) and not scen.is_down(5, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"events": [{"round": 1, "kind": "join", "party": 0}]}, r"events\[0\]\.party"),
+        ({"events": [{"round": 1, "kind": "explode", "party": 0}]}, r"events\[0\]\.kind"),
+        ({"events": [{"round": 1, "kind": "link-down", "party": 0}]}, "peer"),
+        ({"events": [{"round": 1, "kind": "return", "party": 0}]}, r"events\[0\]\.party"),
+        ({"events": [{"round": 9, "kind": "leave", "party": 0}]}, r"events\[0\]\.round"),
+        ({"events": [{"round": 2, "kind": "leave", "party": 7}]}, r"events\[0\]\.party"),
+        ({"events": [{"round": 1, "kind": "server-kill"}]}, r"events\[0\]\.round"),
+        (
+            {
+                "events": [
+                    {"round": 3, "kind": "leave", "party": 0},
+                    {"round": 2, "kind": "leave", "party": 1},
+                ]
+            },
+            r"events\[1\]\.round",
+        ),
+        ({"rounds": 0}, "rounds"),
+        ({"colour": "red"}, "colour"),
+        ({"events": [{"round": 1, "kind": "leave", "party": 1, "peer": 2}]}, "peer"),
+    ],
+)
+def test_a_bad_scenario_is_refused_naming_the_field(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_scenario(_base(**change))
+
+
+def test_a_scenario_file_that_is_not_yaml_or_missing_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("events: [\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        load_scenario(bad)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_scenario(tmp_path / "missing.yaml")
+
+
+# -- which round a message belongs to ---------------------------------------------------------
+def _msg(content: RecordDict, mtype: str = "query.chaos") -> Message:
+    FakeGrid()  # gives Flower's Message constructor a task identity
+    return Message(content, dst_node_id=1, message_type=mtype)
+
+
+def test_message_round_reads_the_round_from_the_message_itself() -> None:
+    train = _msg(RecordDict({"config": ConfigRecord({"server-round": 4})}), "train")
+    assert message_round(train) == 4
+    relay = _msg(RecordDict({"chaos": server_record([], phase="relay", server_round=4)}))
+    assert message_round(relay) == 5  # sent while round 5 trains on the state of round 4
+    cert = _msg(RecordDict({"chaos": server_record([], phase="certify", server_round=4)}))
+    assert message_round(cert) == 4
+    hello = _msg(RecordDict({"chaos": server_record([], phase="hello", server_round=-1)}))
+    assert message_round(hello) == 0 and message_round(hello, start_round=6) == 6
+
+
+# -- the ClientApp wrapper --------------------------------------------------------------------
+class FakeParty:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def leave(self) -> None:
+        self.calls.append(("leave", ""))
+
+    def disconnect(self, other: str) -> None:
+        self.calls.append(("disconnect", other))
+
+    def connect(self, other: str) -> None:
+        self.calls.append(("connect", other))
+
+
+def _plain_app() -> tuple[ClientApp, list[int]]:
+    app = ClientApp()
+    seen: list[int] = []
+
+    @app.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        seen.append(int(msg.content["config"]["server-round"]))
+        return Message(RecordDict(), reply_to=msg)
+
+    return app, seen
+
+
+def _ctx(partition: int, run_config: dict[str, Any] | None = None) -> Context:
+    return Context(
+        1,
+        100 + partition,
+        {"partition-id": partition, "num-partitions": 4},
+        RecordDict(),
+        run_config or {},  # type: ignore[arg-type]
+    )
+
+
+def _train(app: ClientApp, ctx: Context, rnd: int) -> None:
+    msg = _msg(RecordDict({"config": ConfigRecord({"server-round": rnd})}), "train")
+    app._registered_funcs["train.default"](msg, ctx)
+
+
+def test_wrapper_keeps_a_joiner_out_before_its_round_and_a_crashed_party_until_it_returns() -> None:
+    app, seen = _plain_app()
+    churn.apply(app, parse_scenario(_base()))
+    joiner, crasher, member = _ctx(3), _ctx(1), _ctx(0)
+    with pytest.raises(NodeNotJoinedError, match="joins at round 2"):
+        _train(app, joiner, 1)
+    _train(app, joiner, 2)
+    _train(app, crasher, 3)
+    for rnd in (4, 5):
+        with pytest.raises(NodeCrashedError):
+            _train(app, crasher, rnd)
+    _train(app, crasher, 6)
+    _train(app, member, 1)
+    assert seen == [2, 3, 6, 1]
+    with pytest.raises(ConfigError, match="already applied"):
+        churn.apply(app, parse_scenario(_base()))
+
+
+def test_wrapper_leaves_and_drops_links_once_through_party_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from chaos_flwr.flower import client
+    from chaos_flwr.flower.keys import load_federation, make_federation
+
+    keys = make_federation(tmp_path / "keys", 4, founders=3, seed="t")
+    ids = load_federation(keys).party_ids
+    parties = {0: FakeParty(), 2: FakeParty()}
+    monkeypatch.setattr(
+        client, "party_for", lambda ctx, app=None: parties[int(ctx.node_config["partition-id"])]
+    )
+    app, seen = _plain_app()
+    churn.apply(app, parse_scenario(_base()))
+    run_config = {"chaos-keys-dir": str(keys)}
+    linker, leaver = _ctx(0, run_config), _ctx(2, run_config)
+    for rnd in (1, 2, 3, 4):
+        _train(app, linker, rnd)
+        _train(app, leaver, rnd)
+    assert parties[0].calls == [("disconnect", ids[1])]  # once, at round 3
+    assert parties[2].calls == [("leave", "")]
+    assert seen == [1, 1, 2, 2, 3, 3, 4, 4]  # the handlers still ran: the party decides
+
+
+def test_wrapper_reads_the_scenario_path_from_the_run_config(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(json.dumps(_base()))
+    app, seen = _plain_app()
+    churn.apply(app)
+    _train(app, _ctx(3), 1)  # no churn-scenario in the run config: pass-through
+    with pytest.raises(NodeNotJoinedError):
+        _train(app, _ctx(3, {"churn-scenario": str(path)}), 1)
+    with pytest.raises(ConfigError, match="churn-scenario"):
+        _train(app, _ctx(3, {"churn-scenario": str(tmp_path / "nope.yaml")}), 1)
+    assert seen == [1]
+
+
+# -- the report -------------------------------------------------------------------------------
+def _rlog(rnd: int, trained: list[int], **extra: Any) -> dict[str, Any]:
+    return {"server_round": rnd, "trained": trained, "eligible": trained, "holders": [], **extra}
+
+
+def test_report_merges_the_killed_and_the_resumed_run_and_judges_every_event(
+    tmp_path: Path,
+) -> None:
+    scen = parse_scenario(_base())
+    ids = {0: "pa", 1: "pb", 2: "pc", 3: "pd"}
+    nodes = {"10": "pa", "11": "pb", "12": "pc", "13": "pd"}
+    base = [{"round": r, "accuracy": 0.1 + 0.1 * r, "time": 100.0 + r} for r in range(9)]
+    join = {
+        "party": "pd", "node": 13, "server_round": 2, "ok": True, "donors": ["pa", "pb"],
+        "planned_bytes": {"pa": 600, "pb": 400}, "bytes_per_donor": {"pa": 600, "pb": 400},
+        "planned_shards": {"pa": 3, "pb": 2}, "pull_s": 0.2, "lower_bound_s": 0.1,
+    }  # fmt: skip
+    logs1 = [
+        _rlog(-1, []),
+        _rlog(0, []),
+        _rlog(1, [10, 11, 12]),
+        _rlog(2, [10, 11, 12], joins=[join],
+              events=[{"kind": "join", "subject": "pd", "server_round": 2, "first_seen": 1.0,
+                       "settle_s": 0.05, "record_id": "j"}]),
+        _rlog(3, [10, 11, 13],
+              events=[{"kind": "leave", "subject": "pc", "server_round": 3, "first_seen": 2.0,
+                       "settle_s": 0.01, "record_id": "l"},
+                      {"kind": "link_down", "subject": "pa|pb", "server_round": 3,
+                       "first_seen": 2.0, "settle_s": 0.02, "record_id": "d"}]),
+        _rlog(4, [10, 11, 13], errors={"11": 2}),  # p1 crashed: sampled, failed
+    ]  # fmt: skip
+    run1 = [
+        {"round": r, "accuracy": 0.1 + 0.1 * r, "time": 200.0 + r, "node_parties": nodes,
+         "chaos_rounds": logs1[: r + 2]}
+        for r in range(5)
+    ]  # fmt: skip
+    nodes2 = {"20": "pa", "21": "pb", "23": "pd"}
+    logs2 = [
+        _rlog(4, [], holders=["pa", "pb"]),  # the hello, renamed after the resumed round
+        _rlog(5, [20, 23]),
+        _rlog(6, [20, 21, 23]),
+        _rlog(7, [20, 21, 23]),
+        _rlog(8, [20, 21, 23]),
+    ]
+    run2 = [{"round": 0, "accuracy": 0.05, "time": 300.0, "node_parties": nodes2}] + [
+        {"round": r, "accuracy": 0.1 + 0.1 * r - 0.01, "time": 300.0 + r,
+         "node_parties": nodes2, "chaos_rounds": logs2[: r - 3]}
+        for r in range(5, 9)
+    ]  # fmt: skip
+    rep = build_report(
+        scen, baseline=base, chaos_runs=[run1, run2], party_ids=ids, resumed_run_start=299.0
+    )
+    chaos_acc = rep["accuracy"]["chaos"]
+    assert chaos_acc["0"] == pytest.approx(0.1)  # the resumed run's round 0 is not the curve
+    assert chaos_acc["8"] == pytest.approx(0.89)
+    assert rep["final_accuracy"]["gap"] == pytest.approx(-0.01)
+    assert rep["final_accuracy"]["within_gap"] is True
+    by_round = {r["round"]: r for r in rep["rounds"]}
+    assert by_round[4]["run"] == 1  # the hello did not replace round 4's own log
+    assert by_round[5]["trained_partitions"] == [0, 3]
+    ev = {e["label"]: e for e in rep["events"]}
+    assert ev["join p3 @r2"]["settled"] and ev["join p3 @r2"]["trains_in_round"] == 3
+    assert ev["leave p2 @r3"]["settle_s"] == pytest.approx(0.01)
+    assert ev["link-down p0-p1 @r3"]["record"]["record_id"] == "d"
+    assert by_round[4]["sampled_partitions"] == [0, 1, 3]
+    assert by_round[4]["trained_partitions"] == [0, 3]
+    assert ev["crash p1 @r4"]["excluded_in_round"] == 5
+    assert ev["return p1 @r6"]["trains_again_in_round"] == 6
+    assert ev["server-kill @r5"]["settled"]
+    assert all(e["settled"] for e in rep["events"])
+    (j,) = rep["joins"]
+    assert j["donors"] == [0, 1] and j["bytes_per_donor"] == {"0": 600, "1": 400}
+    assert j["delay_ratio"] == pytest.approx(2.0)
+    assert j["join_to_training_s"] == pytest.approx(203.0 - 201.0)
+    restart = rep["server_restart"]
+    assert restart["resumed_at_round"] == 5 and restart["resumed_from_round"] == 4
+    assert restart["restart_to_first_round_s"] == pytest.approx(6.0)
+    assert restart["resume_holders"] == [0, 1]
+    png = plot_report(rep, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(render_table(rep)) == 3
+
+
+def test_read_progress_skips_a_line_torn_by_a_kill(tmp_path: Path) -> None:
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"round": 0, "accuracy": 0.1, "time": 1}\n{"round": 1, "acc')
+    assert read_progress(p) == [{"round": 0, "accuracy": 0.1, "time": 1}]
+    assert read_progress(tmp_path / "none.jsonl") == []
+
+
+# -- the full scenario on the simulation engine -----------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> None:
+    from chaos_flwr.flower import runner
+    from chaos_flwr.flower.demo import run_demo
+
+    result = run_demo(tmp_path / "out", timeout_s=180, plot=False)
+    rep = result.report
+    assert json.loads(result.report_path.read_text()) == json.loads(
+        json.dumps(rep, sort_keys=True, default=str)
+    )
+    unsettled = [e["label"] for e in rep["events"] if not e.get("settled")]
+    assert unsettled == [], json.dumps(rep["events"], indent=1)
+    # the joiner pulled the certified state from >= 2 donors, digest verified (ok)
+    joins = [j for j in rep["joins"] if j["ok"]]
+    assert joins, json.dumps(rep["joins"], indent=1)
+    assert len(joins[0]["donors"]) >= 2
+    assert sum(joins[0]["bytes_per_donor"].values()) == joins[0]["total_bytes"] > 0
+    # training went on after every event: every round after round 0 trained someone
+    scen = load_scenario(EXAMPLE / "churn.yaml")
+    trained = {r["round"]: r["trained"] for r in rep["rounds"]}
+    assert sorted(trained) == list(range(scen.rounds + 1))
+    assert all(trained[r] > 0 for r in range(1, scen.rounds + 1)), trained
+    # the left party is not sampled after its leave; the server restart resumed
+    leave = next(e for e in scen.events if e.kind == "leave")
+    later = [r for r in rep["rounds"] if r["round"] > leave.round]
+    assert all(leave.party not in r["trained_partitions"] for r in later)
+    assert rep["server_restart"]["resumed_at_round"] == scen.server_kill_round()
+    # accuracy within 2 points of the churn-free FedAvg run
+    final = rep["final_accuracy"]
+    assert final["within_gap"], final
+    # nothing left running: every pid the runs saw is gone, and no child of this process
+    for run in result.runs:
+        assert not [p for p in run.pids if runner._alive(p)]
+    assert [p for p in runner.descendants(os.getpid()) if runner._alive(p)] == []
