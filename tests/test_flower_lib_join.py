@@ -385,3 +385,73 @@ def test_fedadam_moments_survive_a_server_restart(
     monkeypatch.setattr(strategy_mod, "restore_strategy_state", lambda inner, blob: None)
     _, forgetful = _fedadam_run(world("c"), [2, 4])
     assert not _close(straight, forgetful)
+
+
+class _TamperingGrid(FakeGrid):
+    """A carrier that shows one node a different state in one round's certify message."""
+
+    def __init__(self, victim: int, server_round: int) -> None:
+        super().__init__()
+        self.victim, self.server_round, self.tampered = victim, server_round, 0
+
+    def push_messages(self, messages: Any) -> Any:
+        msgs = list(messages)
+        for m in msgs:
+            rec = m.content.get("chaos") if m.has_content() else None
+            if (
+                m.metadata.dst_node_id == self.victim
+                and isinstance(rec, ConfigRecord)
+                and rec.get("phase") == "certify"
+                and rec.get("round") == self.server_round
+                and "arrays" in m.content
+            ):
+                arrays = m.content["arrays"]
+                content = RecordDict(dict(m.content.items()))
+                content["arrays"] = ArrayRecord(
+                    {k: Array(v.numpy() + 0.5) for k, v in arrays.items()}
+                )
+                m.content = content
+                self.tampered += 1
+        return super().push_messages(msgs)
+
+
+def test_a_relay_that_shows_two_states_of_a_round_is_caught_by_the_parties(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path, 4, founders=4)
+    w.grid = _TamperingGrid(victim=1002, server_round=2)
+    for p in range(4):
+        w.add(p)
+    assert w.nodes[1].node_id == 1002
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    assert w.grid.tampered == 1
+    # the victim certified what it was shown, the others what the ServerApp aggregated
+    r2 = next(r for r in strategy.rounds if r.server_round == 2)
+    assert w.pid(1) not in r2.holders and len(r2.holders) == 3
+    (pull,) = r2.joins  # the victim is asked to pull the other state of round 2 ...
+    assert pull.party == w.pid(1) and not pull.ok and "EquivocationError" in pull.error
+    from chaos_flwr.receipts import Equivocation
+
+    for p in range(4):
+        party = w.party(p)
+        assert party.evidence, f"party {p} did not notice"
+        ev = party.evidence[0]
+        assert ev.round == 2 and ev.culprit == "relay"
+        ev.verify(w.charter.keyring())  # transferable: anyone with the keyring can check it
+        assert any(e.startswith("EquivocationError") for e in party.errors)
+    r3 = next(r for r in strategy.rounds if r.server_round == 3)
+    assert r3.trained and all(n in r3.errors for n in r3.trained)  # every party refused
+    reported = [Equivocation.decode(b) for r in strategy.rounds for b in r.equivocations]
+    assert reported and all(e.round == 2 for e in reported)
+
+
+def test_honest_rounds_give_no_evidence(tmp_path: Path) -> None:
+    w = World(tmp_path, 3, founders=3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    assert all(not w.party(p).evidence for p in range(3))
+    assert all(r.equivocations == [] and r.errors == {} for r in strategy.rounds)
+    assert sorted(strategy.rounds[-1].trained) == sorted(n.node_id for n in w.nodes.values())

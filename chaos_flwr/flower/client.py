@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -55,6 +55,9 @@ from chaos_flwr.flower.joinpull import JoinerPull, donor_key, read_donor_records
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
 from chaos_flwr.state import TrainingState, from_array_record, to_array_record
 from chaos_flwr.store import ReplicaStore
+
+if TYPE_CHECKING:
+    from chaos_flwr.receipts import Equivocation, ReceiptLedger
 
 __all__ = [
     "NODE_CHARTER",
@@ -258,6 +261,9 @@ class Party:
     joining: JoinerPull | None = None
     joins_done: list[ConfigRecord] = field(default_factory=list)
     _join_asked: tuple[float | None, tuple[str, ...]] = field(default=(None, ()), repr=False)
+    evidence: list[Equivocation] = field(default_factory=list)
+    _ledger: ReceiptLedger | None = field(default=None, repr=False)
+    _evidence_sent: int = field(default=0, repr=False)
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
 
@@ -430,6 +436,19 @@ class Party:
             ]
             if not good:
                 return ConfigRecord({"status": "failed", "error": "no donor receipt verifies"}), {}
+            if rnd == self.held_round and self.held_round >= 0:
+                # it certified another state of this very round: the relay showed the round
+                # two ways. Never re-sign; the donors' receipts and its own are the evidence.
+                from chaos_flwr.receipts import Receipt
+
+                theirs = [
+                    Receipt.from_flower(d, rnd, digest, b).encode()
+                    for d, b in zip(donors, blobs, strict=False)
+                    if d in good and isinstance(b, bytes)
+                ]
+                self.check_receipts(ConfigRecord({"receipts": theirs}))
+                why = f"EquivocationError: round {rnd} was shown with two digests"
+                return ConfigRecord({"status": "failed", "error": why}), {}
             pull = JoinerPull(rnd, digest, good)
             if isinstance(min_shard, int) and not isinstance(min_shard, bool) and min_shard > 0:
                 pull.min_shard_bytes = min_shard
@@ -450,6 +469,41 @@ class Party:
             if status == "failed":
                 self.errors.append(f"join pull of round {rnd} failed: {pull.error}")
         return reply, requests
+
+    def check_receipts(self, record: ConfigRecord | None) -> bool:
+        """Compare the receipts the relay forwards (the previous round's) with this party's own.
+
+        Each forwarded receipt is verified against the keyring; two valid receipts for one
+        round with different digests are equivocation evidence
+        (:class:`chaos_flwr.receipts.Equivocation`): it is kept in :attr:`evidence`, logged in
+        :attr:`errors` as an ``EquivocationError`` and reported with the party's next reply.
+        Returns whether the party holds any evidence (it then refuses to train).
+        """
+        blobs = record.get("receipts") if record is not None else None
+        if isinstance(blobs, list) and blobs and self.keyring is not None:
+            from chaos_flwr.receipts import Receipt, ReceiptLedger
+
+            if self._ledger is None:
+                self._ledger = ReceiptLedger(dict(self.keyring))
+            ledger = self._ledger
+            found: list[Equivocation] = []
+            own = self._receipt()
+            if own:
+                found += ledger.add_all(
+                    [Receipt.from_flower(self.party_id, self.held_round, self.held_digest, own)]
+                )
+            theirs: list[Receipt] = []
+            for blob in blobs:
+                if isinstance(blob, bytes):
+                    try:
+                        theirs.append(Receipt.decode(blob))
+                    except ChaosError as exc:
+                        self.errors.append(f"{type(exc).__name__}: {exc}")
+            found += ledger.add_all(theirs)
+            for ev in found:
+                self.evidence.append(ev)
+                self.errors.append(f"EquivocationError: {ev.error()}")
+        return bool(self.evidence)
 
     def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
         """A non-member asks for a sponsored join when it hears from the relay.
@@ -535,6 +589,10 @@ class Party:
             receipt_digest=b"" if self.left else self.held_digest,
             receipt=receipt,
         )
+        self.check_receipts(record)
+        if len(self.evidence) > self._evidence_sent:
+            out["evidence"] = [ev.encode() for ev in self.evidence]
+            self._evidence_sent = len(self.evidence)
         if record is not None and record.get("sync") and self.peer is not None:
             # a (re)started ServerApp rebuilds its view from the records the parties hold;
             # records carry their own signatures, so this needs no envelope
@@ -704,6 +762,15 @@ def _wrap(
                 Error(ErrorCode.MOD_FAILED_PRECONDITION, "party left the federation"),
                 reply_to=message,
             )
+        if record is not None and message.metadata.message_type.startswith("train"):
+            party = parties(context)
+            if party.check_receipts(record):
+                # it will not train on a round that was shown two ways (evidence goes out
+                # with its next relay reply)
+                return Message(
+                    Error(ErrorCode.MOD_FAILED_PRECONDITION, str(party.evidence[0].error())),
+                    reply_to=message,
+                )
         reply = fn(message, context)
         if record is None:
             return reply

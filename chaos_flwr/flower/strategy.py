@@ -227,6 +227,10 @@ class RoundLog:
     events:
         Every membership record first relayed in this round (:class:`MembershipEvent`, with
         the time it took to settle).
+    equivocations:
+        Evidence parties reported in this round (encoded
+        :class:`chaos_flwr.receipts.Equivocation`: two signed receipts of one round with
+        different digests). Parties holding evidence refuse to train.
     """
 
     server_round: int
@@ -246,6 +250,7 @@ class RoundLog:
     leaves: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     events: list[MembershipEvent] = field(default_factory=list)
+    equivocations: list[bytes] = field(default_factory=list)
 
 
 class _EligibleGrid(Grid):
@@ -378,6 +383,8 @@ class ChaosStrategy(Strategy):
         self.join_max_steps = join_max_steps
         self.view: ServerView | None = None
         self._synced: set[int] = set()
+        self._round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = {}
+        self._forward_round = -1
         if charter is not None:
             from chaos_flwr.flower.serverview import ServerView
 
@@ -484,6 +491,10 @@ class ChaosStrategy(Strategy):
             active = self.view.active()
             if party is None or party not in active:
                 record["members"] = sorted(active)  # whom a non-member may ask to sponsor it
+        fwd = self._round_receipts.get(self._forward_round)
+        if phase == "relay" and fwd:
+            # the previous round's receipts, so that parties can compare them with their own
+            record["receipts"] = [fwd[p] for p in sorted(fwd)]
         if inner is not None:
             return with_chaos(inner, record), envs
         content = RecordDict() if content is None else content
@@ -528,6 +539,11 @@ class ChaosStrategy(Strategy):
             except DecodeError as exc:
                 log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
                 continue
+            evidence = record.get("evidence")
+            if isinstance(evidence, list) and evidence:
+                who = pr.party or str(node)
+                log(WARNING, "Chaos: %s reports equivocation evidence (%d)", who, len(evidence))
+                log_.equivocations.extend(e for e in evidence if isinstance(e, bytes))
             held = record.get("records")
             if self.view is not None and isinstance(held, list):
                 self.view.sync(r for r in held if isinstance(r, bytes))
@@ -623,6 +639,14 @@ class ChaosStrategy(Strategy):
             log_.unsigned_receipts.append(party)
         self.holders[node] = (party, rnd, digest)
         self.receipts[node] = receipt
+        if self.receipt_verifier is not None and receipt:
+            from chaos_flwr.receipts import Receipt
+
+            try:
+                blob = Receipt.from_flower(party, rnd, digest, receipt).encode()
+            except ChaosError:
+                return
+            self._round_receipts.setdefault(rnd, {}).setdefault((party, digest), blob)
 
     def _finish(self, rlog: RoundLog) -> None:
         """Fill the round's membership fields from the server-side view and keep the log."""
@@ -782,6 +806,7 @@ class ChaosStrategy(Strategy):
         if resumed is not None:
             certified_round, arrays, digest, sstate = resumed
             restore_strategy_state(self.inner, sstate)
+            self._forward_round = certified_round
             result.arrays = arrays
             hello = self.rounds[-1]
             hello.join_s = self._join_pulls(grid, certified_round, digest, hello, timeout)
@@ -795,6 +820,7 @@ class ChaosStrategy(Strategy):
             log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
             self._finish(log0)
             certified_round = 0
+            self._forward_round = 0
 
         for rnd in range(certified_round + 1, num_rounds + 1):
             log(INFO, "")
@@ -853,6 +879,9 @@ class ChaosStrategy(Strategy):
                 strategy_state=sstate,
             )  # fmt: skip
             certified_round = rnd
+            self._forward_round = rnd
+            for old in [r for r in self._round_receipts if r < rnd]:
+                del self._round_receipts[old]
             rlog.holders = sorted(
                 p for p, r, d in self.holders.values() if r == rnd and d == digest
             )
