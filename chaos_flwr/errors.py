@@ -14,6 +14,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "EquivocationError",
+    "FederationMismatchError",
     "KeyFileError",
     "NetnsError",
     "OversizeError",
@@ -109,3 +110,7 @@ class EncodeError(ChaosError, ValueError):
 
 class NetnsError(TransportError):
     """Network namespaces or tc shaping cannot be set up (not root, ``ip``/``tc`` missing, ...)."""
+
+
+class FederationMismatchError(PolicyError):
+    """A verified envelope was sealed for another federation (another charter digest)."""

@@ -176,6 +176,18 @@ class SignatureCache:
         if entry in self._seen:
             return
         verify_signature(public_key, signature, data)
+        self._remember(entry)
+
+    def trust(self, public_key: bytes, signature: bytes, data: bytes) -> None:
+        """Remember a signature its owner just made with the private key of ``public_key``.
+
+        Only for signatures this process produced itself (Ed25519 signing is deterministic and
+        always verifies); a party then does not re-verify its own records. Never call it with
+        received bytes.
+        """
+        self._remember((public_key, signature, hashlib.sha256(data).digest()))
+
+    def _remember(self, entry: tuple[bytes, bytes, bytes]) -> None:
         if len(self._seen) >= self._max:
             self._seen.clear()
         self._seen.add(entry)
@@ -606,6 +618,7 @@ class RecordSet:
         self._links: dict[tuple[str, str], LinkInfo] = {}
         self._xor = 0
         self._view: View | None = None
+        self._active: list[str] | None = None
 
     def __contains__(self, record_id: object) -> bool:
         return record_id in self._records
@@ -660,6 +673,7 @@ class RecordSet:
         self._records[rid] = record
         self._xor ^= int(rid, 16)
         self._view = None
+        self._active = None
         if record.kind in _MEMBER_KINDS:
             subject = record.body["subject"]
             self._by_subject.setdefault(subject, []).append(record)
@@ -707,6 +721,12 @@ class RecordSet:
             and mb.incarnation == inc_b
         )
         self._links[key] = LinkInfo(a, b, DOWN if down else UP, epoch, inc_a, inc_b, live)
+
+    def active(self) -> list[str]:
+        """The view's active members, sorted (cheap; no full view built; a fresh list)."""
+        if self._active is None:
+            self._active = sorted(p for p, m in self._members.items() if m.status == ACTIVE)
+        return list(self._active)
 
     def member(self, party_id: str) -> MemberInfo | None:
         """The view's entry for ``party_id`` (cheap; no full view built)."""

@@ -65,6 +65,7 @@ Driving a peer (simulators, carriers)
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -105,6 +106,15 @@ from .monitor import Monitor, Resources
 from .wire import Envelope, ReplayGuard, open_sealed, seal
 
 __all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
+
+_FEDERATION_NAME_DOMAIN = b"chaos-flwr/federation-name/v1\x00"
+
+
+def _federation_tag(charter: Any) -> bytes:
+    digest = getattr(charter, "digest", None)
+    if isinstance(digest, bytes) and digest:
+        return digest
+    return hashlib.sha256(_FEDERATION_NAME_DOMAIN + str(charter.federation).encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -261,6 +271,9 @@ class Peer:
         self.party_id: str = str(identity.party_id)
         self.incarnation = incarnation
         self.policy = Policy.from_charter(charter, keyring)
+        #: What every envelope of this peer is sealed for and checked against: the charter
+        #: digest (a charter-like object without one: a digest of the federation name).
+        self.federation_tag: bytes = _federation_tag(charter)
         self._keyring = dict(self.policy.keyring)
         if self.party_id not in self._keyring:
             self._keyring[self.party_id] = bytes(identity.public_key)
@@ -329,9 +342,9 @@ class Peer:
             )
         self._bump_incarnation()
         body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
-        record = Record.sign(body, [self.identity])
+        record = self._sign_record(body)
         self._apply([record], now)
-        targets = set(self._founders) | set(self.records.view().active())
+        targets = set(self._founders) | set(self.records.active())
         return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
 
     def request_join(self, now: float, sponsors: Sequence[str]) -> list[Outgoing]:
@@ -355,7 +368,7 @@ class Peer:
         self._joins.clear()  # a new request supersedes any earlier one
         body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
         rid = record_id_of(body)
-        sig = self.identity.sign(signing_bytes(body))
+        sig = self._sign(signing_bytes(body))
         pending = _PendingJoin(body=body, sigs={self.party_id: sig}, sponsors=asked, sent_at=now)
         self._joins[rid] = pending
         if self.policy.sponsors_required == 0:
@@ -374,9 +387,9 @@ class Peer:
         """
         if not self.is_member:
             raise PolicyError(f"party {self.party_id} is not an active member; nothing to leave")
-        targets = self.records.view().active()
+        targets = self.records.active()
         body = leave_body(self.policy.federation, self.party_id, self.incarnation)
-        record = Record.sign(body, [self.identity])
+        record = self._sign_record(body)
         self._apply([record], now)
         return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
 
@@ -398,7 +411,7 @@ class Peer:
             (other, other_m.incarnation),
             epoch,
         )
-        sig = self.identity.sign(signing_bytes(body))
+        sig = self._sign(signing_bytes(body))
         self._links[record_id_of(body)] = _PendingLink(body, sig, other, now)
         return [self._send(other, "link_req", {"body": body, "sig": sig}, now)]
 
@@ -416,8 +429,8 @@ class Peer:
         end_self = (self.party_id, link.inc_a if link.a == self.party_id else link.inc_b)
         end_other = (other, link.inc_b if link.a == self.party_id else link.inc_a)
         body = link_body("link_down", self.policy.federation, end_self, end_other, link.epoch)
-        record = Record.sign(body, [self.identity])
-        targets = self.records.view().active()
+        record = self._sign_record(body)
+        targets = self.records.active()
         self._apply([record], now)
         return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=other)
 
@@ -442,7 +455,9 @@ class Peer:
         """
         env: Envelope | None = None
         try:
-            env = open_sealed(data, self._keyring, max_bytes=self._max_envelope)
+            env = open_sealed(
+                data, self._keyring, federation=self.federation_tag, max_bytes=self._max_envelope
+            )
             if env.sender == self.party_id:
                 raise PolicyError("envelope claims to come from this party itself")
             if env.to is not None and env.to != self.party_id:
@@ -522,6 +537,7 @@ class Peer:
             kind=kind,
             payload=payload,
             to=to,
+            federation=self.federation_tag,
         )
 
     def _send(self, to: str, kind: str, payload: Mapping[str, Any], now: float) -> Outgoing:
@@ -571,6 +587,19 @@ class Peer:
         mine = self.records.member(self.party_id)
         if mine is not None and mine.status != ACTIVE and mine.incarnation >= self.incarnation:
             self.incarnation = mine.incarnation + 1
+
+    def _sign(self, data: bytes) -> bytes:
+        """Sign record bytes; the signature goes in this peer's cache (no self re-verify)."""
+        sig: bytes = self.identity.sign(data)
+        self.records.cache.trust(self._keyring[self.party_id], sig, data)
+        return sig
+
+    def _sign_record(self, body: Mapping[str, Any]) -> Record:
+        """A record signed by this party alone (its own leave, link_down or genesis join)."""
+        record = Record.sign(body, [self.identity])
+        sig = record.signatures[self.party_id]
+        self.records.cache.trust(self._keyring[self.party_id], sig, record.signed)
+        return record
 
     def _active_other(self, other: str, action: str) -> Any:
         if other == self.party_id:
@@ -647,7 +676,9 @@ class Peer:
             vote = self._votes[rid] = _Vote(body=body, sigs={}, mine=True, sent_at=now)
         vote.mine = True
         vote.sent_at = now
-        sig = vote.sigs.setdefault(self.party_id, self.identity.sign(signing_bytes(body)))
+        sig = vote.sigs.get(self.party_id)
+        if sig is None:
+            sig = vote.sigs[self.party_id] = self._sign(signing_bytes(body))
         out = self._broadcast(
             self._vote_targets(body["subject"]), "vote", {"body": body, "sig": sig}, now
         )
@@ -668,7 +699,7 @@ class Peer:
         if len(voters) < self.policy.failure_quorum:
             return []
         record = Record(body=vote.body, signatures=dict(vote.sigs))
-        targets = set(self.records.view().active()) - {vote.body["subject"]}
+        targets = set(self.records.active()) - {vote.body["subject"]}
         if not self._apply([record], now) or min(voters) != self.party_id:
             return []
         return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
@@ -800,7 +831,7 @@ class Peer:
             )
         rid = record_id_of(body)
         self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        mine = self.identity.sign(signing_bytes(body))
+        mine = self._sign(signing_bytes(body))
         record = Record(body=body, signatures={env.sender: sig, self.party_id: mine})
         try:
             validate_record(record, self.policy, self.records.cache)
@@ -809,7 +840,7 @@ class Peer:
         return self._sponsor_apply(record, env.sender, now)
 
     def _sponsor_apply(self, record: Record, joiner: str, now: float) -> list[Outgoing]:
-        targets = set(self.records.view().active()) - {joiner}
+        targets = set(self.records.active()) - {joiner}
         new = self._apply([record], now)
         out: list[Outgoing] = []
         if new:
@@ -867,9 +898,9 @@ class Peer:
         if self._accept_link is not None and not self._accept_link(env.sender):
             raise PolicyError(f"this party does not accept a link with {env.sender}")
         self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        mine = self.identity.sign(signing_bytes(body))
+        mine = self._sign(signing_bytes(body))
         record = Record(body=body, signatures={env.sender: sig, self.party_id: mine})
-        targets = self.records.view().active()
+        targets = self.records.active()
         self._apply([record], now)
         return self._broadcast(
             targets, "rec", {"records": [record.to_wire()]}, now, first=env.sender

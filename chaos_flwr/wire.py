@@ -7,12 +7,18 @@ Every protocol message between parties travels as one **envelope**. The frame is
     4       1     version (1)
     5       17    sender party id, ASCII ("p" + 16 lowercase hex digits)
     22      4     body length n, unsigned big-endian
-    26      n     body: codec.encode({"inc", "kind", "payload", "seq", "to", "ts"})
+    26      n     body: codec.encode({"fed", "inc", "kind", "payload", "seq", "to", "ts"})
     26+n    64    Ed25519 signature over  DOMAIN + frame[0 : 26+n]
 
 ``DOMAIN`` is ``b"chaos-flwr/envelope/v1\\x00"``, so an envelope signature can never be taken for
 a record or charter signature (those have their own domains). The signature covers the header
 too, so the sender cannot be swapped.
+
+``fed`` names the federation the envelope is meant for: the sealer's charter digest (32 bytes;
+empty for an unbound envelope). It is signed with the rest, so a receiver that passes its own
+charter digest as ``federation`` to :func:`open_sealed` refuses an envelope from another
+federation (:class:`~chaos_flwr.errors.FederationMismatchError`), even one signed by a key
+both charters list. :class:`~chaos_flwr.peer.Peer` seals and opens with its charter's digest.
 
 :func:`open_sealed` works in a fixed order and stops at the first failure: the size limit
 (:class:`~chaos_flwr.errors.OversizeError`), the fixed header and the length
@@ -45,6 +51,7 @@ from .defaults import (
 from .errors import (
     DecodeError,
     EncodeError,
+    FederationMismatchError,
     OversizeError,
     ReplayError,
     SignatureError,
@@ -81,8 +88,9 @@ _U32 = struct.Struct(">I")
 HEADER_BYTES = _LEN_AT + _U32.size
 #: Bytes an envelope adds to its body (header + signature).
 OVERHEAD_BYTES = HEADER_BYTES + SIGNATURE_BYTES
-_BODY_KEYS = frozenset({"inc", "kind", "payload", "seq", "to", "ts"})
+_BODY_KEYS = frozenset({"fed", "inc", "kind", "payload", "seq", "to", "ts"})
 _INT_MAX = 2**63 - 1
+_MAX_FED_BYTES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,8 @@ class Envelope:
         The message content (codec values).
     raw : bytes
         The exact bytes received (for forwarding unchanged).
+    federation : bytes
+        The charter digest the sender sealed it for (empty: unbound).
     """
 
     sender: str
@@ -117,6 +127,7 @@ class Envelope:
     to: str | None
     payload: dict[str, Any]
     raw: bytes
+    federation: bytes = b""
 
     @property
     def signature(self) -> bytes:
@@ -133,6 +144,7 @@ def seal(
     kind: str,
     payload: Mapping[str, Any],
     to: str | None = None,
+    federation: bytes = b"",
     max_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
 ) -> bytes:
     """Build and sign an envelope.
@@ -151,6 +163,8 @@ def seal(
         The message content: a mapping of codec values.
     to
         Receiver's party id, or ``None``.
+    federation
+        The charter digest of the federation it is meant for (signed; ``b""``: unbound).
     max_bytes
         Refuse to build an envelope larger than this (receivers refuse it anyway).
 
@@ -179,13 +193,26 @@ def seal(
         raise EncodeError(f"envelope field 'kind' must be a non-empty string, got {kind!r}")
     if to is not None and not is_party_id(to):
         raise EncodeError(f"envelope field 'to' must be a party id or None, got {to!r}")
+    if type(federation) is not bytes or len(federation) > _MAX_FED_BYTES:
+        raise EncodeError(
+            f"envelope field 'federation' must be at most {_MAX_FED_BYTES} bytes, "
+            f"got {federation!r:.40}"
+        )
     if not isinstance(payload, Mapping):
         raise EncodeError(
             f"envelope field 'payload' must be a mapping, got {type(payload).__name__}"
         )
     try:
         body = codec.encode(
-            {"inc": incarnation, "kind": kind, "payload": payload, "seq": seq, "to": to, "ts": ts}
+            {
+                "fed": federation,
+                "inc": incarnation,
+                "kind": kind,
+                "payload": payload,
+                "seq": seq,
+                "to": to,
+                "ts": ts,
+            }
         )
     except (TypeError, ValueError) as exc:
         raise EncodeError(f"envelope field 'payload' cannot be encoded: {exc}") from exc
@@ -218,6 +245,7 @@ def open_sealed(
     data: bytes | bytearray | memoryview,
     keyring: Mapping[str, bytes],
     *,
+    federation: bytes | None = None,
     max_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
 ) -> Envelope:
     """Verify and decode an envelope.
@@ -228,6 +256,9 @@ def open_sealed(
         The bytes as received.
     keyring
         Party id -> raw 32-byte Ed25519 public key of every party this receiver knows.
+    federation
+        This receiver's charter digest: a verified envelope sealed for another federation is
+        refused. ``None`` accepts any (observers that only read signed records).
     max_bytes
         Refuse larger input before looking at it.
 
@@ -247,6 +278,8 @@ def open_sealed(
         If the sender is not in ``keyring``.
     SignatureError
         If the signature does not verify under the sender's key.
+    FederationMismatchError
+        If ``federation`` is given and the (verified) envelope names another federation.
     """
     size = len(data)
     if size > max_bytes:
@@ -275,7 +308,14 @@ def open_sealed(
         verify_signature(key, raw[end:], DOMAIN + head)
     except SignatureError as exc:
         raise SignatureError(f"envelope from {sender} refused: {exc}") from None
-    return _body_of(raw, head[HEADER_BYTES:], sender)
+    env = _body_of(raw, head[HEADER_BYTES:], sender)
+    if federation is not None and env.federation != federation:
+        theirs = env.federation.hex()[:16] or "(none)"
+        raise FederationMismatchError(
+            f"envelope from {sender} was sealed for federation {theirs}, this receiver's "
+            f"charter digest is {federation.hex()[:16]}: it belongs to another federation"
+        )
+    return env
 
 
 def _check_prefix(raw: bytes, size: int) -> None:
@@ -311,12 +351,15 @@ def _body_of(raw: bytes, body_raw: bytes, sender: str) -> Envelope:
         raise DecodeError(
             f"envelope body from {sender} must be a map with keys {sorted(_BODY_KEYS)}, got {got}"
         )
+    fed = body["fed"]
     inc = body["inc"]
     seq = body["seq"]
     ts = body["ts"]
     kind = body["kind"]
     to = body["to"]
     payload = body["payload"]
+    if type(fed) is not bytes or len(fed) > _MAX_FED_BYTES:
+        raise DecodeError(f"envelope field 'federation' from {sender} is not a charter digest")
     if type(inc) is not int or inc < 0:
         raise DecodeError(f"envelope field 'incarnation' from {sender} is {inc!r}, not an int >= 0")
     if type(seq) is not int or seq < 0:
@@ -331,7 +374,7 @@ def _body_of(raw: bytes, body_raw: bytes, sender: str) -> Envelope:
         raise DecodeError(
             f"envelope field 'payload' from {sender} is a {type(payload).__name__}, not a map"
         )
-    return Envelope(sender, inc, seq, ts, kind, to, payload, raw)
+    return Envelope(sender, inc, seq, ts, kind, to, payload, raw, fed)
 
 
 class ReplayGuard:

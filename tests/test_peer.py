@@ -19,6 +19,7 @@ from chaos_flwr.charter import Charter
 from chaos_flwr.errors import (
     CharterError,
     DecodeError,
+    FederationMismatchError,
     OversizeError,
     PolicyError,
     ReplayError,
@@ -47,10 +48,11 @@ def charter(
     *,
     sponsors: int = 1,
     quorum: int = 2,
+    federation: str = FED,
 ) -> Charter:
     """A charter signed by all its founders."""
     return Charter.create(
-        FED,
+        federation,
         founders,
         allow,
         sponsors_required=sponsors,
@@ -338,8 +340,16 @@ def test_failed_party_rejoins_with_a_higher_incarnation() -> None:
     m = net.peers[F[2].party_id].view().members[victim]
     assert (m.status, m.incarnation) == ("active", 1)
     # The old incarnation's envelopes are now stale.
-    old = seal(J[0], incarnation=0, seq=10**6, timestamp=net.now, kind="hb", payload={})
     p = net.peers[F[2].party_id]
+    old = seal(
+        J[0],
+        incarnation=0,
+        seq=10**6,
+        timestamp=net.now,
+        kind="hb",
+        payload={},
+        federation=ch.digest,
+    )
     p.handle(old, net.now)
     assert isinstance(p.rejections[-1].error, StaleIncarnationError)
 
@@ -530,7 +540,16 @@ def _assert_rejected(peer: Peer, data: bytes, error: type[Exception]) -> None:
 
 def test_forged_altered_and_garbage_envelopes_are_rejected() -> None:
     _, p = _settled()
-    good = seal(F[1], incarnation=0, seq=10**6, timestamp=0.0, kind="hb", payload={"rd": b"x"})
+    fed = p.federation_tag
+    good = seal(
+        F[1],
+        incarnation=0,
+        seq=10**6,
+        timestamp=0.0,
+        kind="hb",
+        payload={"rd": b"x"},
+        federation=fed,
+    )
     flipped = bytearray(good)
     flipped[len(flipped) // 2] ^= 0x01
     _assert_rejected(p, bytes(flipped), Exception)
@@ -539,23 +558,76 @@ def test_forged_altered_and_garbage_envelopes_are_rejected() -> None:
     _assert_rejected(p, good[: len(good) // 2], DecodeError)
     outsider = Identity.from_seed(b"outsider" * 4)
     _assert_rejected(
-        p, seal(outsider, incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={}), Exception
+        p,
+        seal(outsider, incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={}, federation=fed),
+        Exception,
     )
     assert isinstance(p.rejections[-1].error, UnknownPartyError)
+
+
+def test_an_envelope_of_another_federation_is_refused_even_from_a_shared_key() -> None:
+    """Two charters list the same keys; an envelope sealed for one is refused by the other."""
+    net, p = _settled()
+    other = charter(F, J, federation="another-federation")
+    assert other.digest != p.federation_tag
+    stranger = Peer(F[1], other)  # same identity, same keys, another federation
+    for data in (
+        seal(
+            F[1],
+            incarnation=0,
+            seq=10**6,
+            timestamp=net.now,
+            kind="probe",
+            payload={"nonce": 1},
+            federation=other.digest,
+        ),
+        seal(F[1], incarnation=0, seq=10**6 + 1, timestamp=net.now, kind="probe", payload={}),
+    ):
+        _assert_rejected(p, data, FederationMismatchError)
+    # What the other federation's peer sends is refused the same way, and changes nothing.
+    for out in stranger.bootstrap(net.now):
+        if out.to == p.party_id:
+            _assert_rejected(p, out.data, FederationMismatchError)
+    assert "another federation" in str(p.rejections[-1].error)
+    # The same probe sealed for this federation is accepted.
+    ok = seal(
+        F[1],
+        incarnation=0,
+        seq=10**6 + 2,
+        timestamp=net.now,
+        kind="probe",
+        payload={"nonce": 1},
+        federation=p.federation_tag,
+    )
+    assert len(p.handle(ok, net.now)) == 1
 
 
 def test_oversized_envelope_is_refused_unparsed() -> None:
     ch = charter(F, J)
     p = Peer(F[0], ch, max_envelope_bytes=512)
     p.bootstrap(0.0)
-    big = seal(F[1], incarnation=0, seq=1, timestamp=0.0, kind="hb", payload={"rd": b"x" * 600})
+    big = seal(
+        F[1],
+        incarnation=0,
+        seq=1,
+        timestamp=0.0,
+        kind="hb",
+        payload={"rd": b"x" * 600},
+        federation=ch.digest,
+    )
     _assert_rejected(p, big, OversizeError)
 
 
 def test_replayed_envelope_is_rejected() -> None:
     net, p = _settled()
     data = seal(
-        J[0], incarnation=0, seq=10**6, timestamp=net.now, kind="probe", payload={"nonce": 1}
+        J[0],
+        incarnation=0,
+        seq=10**6,
+        timestamp=net.now,
+        kind="probe",
+        payload={"nonce": 1},
+        federation=p.federation_tag,
     )
     assert len(p.handle(data, net.now)) == 1
     _assert_rejected(p, data, ReplayError)
@@ -570,7 +642,14 @@ def test_policy_violations_inside_valid_envelopes_are_rejected() -> None:
         kind: str, payload: dict[str, Any], who: Identity = F[1], to: str | None = None
     ) -> bytes:
         return seal(
-            who, incarnation=0, seq=next(seq), timestamp=0.0, kind=kind, payload=payload, to=to
+            who,
+            incarnation=0,
+            seq=next(seq),
+            timestamp=0.0,
+            kind=kind,
+            payload=payload,
+            to=to,
+            federation=p.federation_tag,
         )
 
     # A link request naming other ends.

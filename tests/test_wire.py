@@ -15,6 +15,7 @@ from chaos_flwr.errors import (
     ChaosError,
     DecodeError,
     EncodeError,
+    FederationMismatchError,
     OversizeError,
     ReplayError,
     SignatureError,
@@ -70,6 +71,7 @@ def _frame(who: Identity, body: bytes, *, sender: bytes | None = None) -> bytes:
 
 def _body(**overrides: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
+        "fed": b"",
         "inc": 0,
         "kind": "hb",
         "payload": {},
@@ -200,6 +202,31 @@ def test_signature_is_checked_before_the_body_is_decoded() -> None:
         open_sealed(_frame(MALLORY, garbage_body), KEYRING)
 
 
+def test_envelope_is_bound_to_its_federation() -> None:
+    ours, theirs = bytes(range(32)), bytes(range(1, 33))
+    data = seal(ALICE, incarnation=0, seq=1, timestamp=1.0, kind="hb", payload={}, federation=ours)
+    assert open_sealed(data, KEYRING, federation=ours).federation == ours
+    assert open_sealed(data, KEYRING).federation == ours  # an observer may read any
+    with pytest.raises(FederationMismatchError, match="another federation"):
+        open_sealed(data, KEYRING, federation=theirs)
+    unbound = seal(ALICE, incarnation=0, seq=2, timestamp=1.0, kind="hb", payload={})
+    assert open_sealed(unbound, KEYRING).federation == b""
+    with pytest.raises(FederationMismatchError, match=r"\(none\)"):
+        open_sealed(unbound, KEYRING, federation=ours)
+    # The tag is signed: rewriting it breaks the signature, so it is refused as a forgery.
+    swapped = data.replace(ours, theirs)
+    assert swapped != data
+    with pytest.raises(SignatureError):
+        open_sealed(swapped, KEYRING, federation=theirs)
+    # A forged or altered envelope is refused before its federation is even looked at.
+    with pytest.raises(SignatureError):
+        open_sealed(data[:-1] + bytes([data[-1] ^ 1]), KEYRING, federation=theirs)
+    with pytest.raises(EncodeError, match="federation"):
+        seal(
+            ALICE, incarnation=0, seq=3, timestamp=1.0, kind="hb", payload={}, federation=b"x" * 65
+        )
+
+
 def test_signature_of_another_domain_does_not_verify() -> None:
     body = codec.encode(_body())
     head = b"CHFE\x01" + ALICE.party_id.encode() + struct.pack(">I", len(body)) + body
@@ -220,6 +247,8 @@ def test_signature_of_another_domain_does_not_verify() -> None:
         (_body(kind=3), "kind"),
         (_body(to="bob"), "to"),
         (_body(payload=[1]), "payload"),
+        (_body(fed="digest"), "federation"),
+        (_body(fed=b"x" * 65), "federation"),
         (_body(extra=1), "keys"),
         ({k: v for k, v in _body().items() if k != "to"}, "keys"),
         ([1, 2], "map"),
