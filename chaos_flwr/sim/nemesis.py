@@ -166,5 +166,6 @@ class Nemesis:
             kind="rec",
             payload={"records": [record.to_wire()]},
             to=target,
+            federation=sender.federation_tag,
         )
         return src, data
