@@ -385,6 +385,7 @@ class ChaosStrategy(Strategy):
         self._synced: set[int] = set()
         self._round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = {}
         self._forward_round = -1
+        self._hello = RoundLog(-1)
         if charter is not None:
             from chaos_flwr.flower.serverview import ServerView
 
@@ -808,8 +809,9 @@ class ChaosStrategy(Strategy):
             restore_strategy_state(self.inner, sstate)
             self._forward_round = certified_round
             result.arrays = arrays
-            hello = self.rounds[-1]
+            hello = self._hello
             hello.join_s = self._join_pulls(grid, certified_round, digest, hello, timeout)
+            self._finish(hello)
         else:
             # round 0: certify the initial state on every node that answers
             log0 = RoundLog(0, digest=digest)
@@ -926,7 +928,6 @@ class ChaosStrategy(Strategy):
         for node, (_, rnd, dig) in self.holders.items():
             if rnd > 0 and node not in self.suspects:
                 tally.setdefault((rnd, dig), []).append(node)
-        found: tuple[int, ArrayRecord, bytes, bytes] | None = None
         for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
             if len(nodes) < self.resume_min_receipts:
                 continue
@@ -951,10 +952,10 @@ class ChaosStrategy(Strategy):
             hello.holders = sorted(p for _, p in holders)
             self.last_pull = report
             log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
-            found = rnd, arrays, dig, report.strategy_state
-            break
+            self._hello = hello  # filed by start() once its joiners have pulled
+            return rnd, arrays, dig, report.strategy_state
         self._finish(hello)
-        return found
+        return None
 
     def _wait_for_nodes(self, grid: Grid, timeout: float) -> list[int]:
         """Wait (bounded) until the inner strategy's minimum of nodes is connected."""
