@@ -228,6 +228,10 @@ class Peer:
         Called for every :class:`AppliedChange`, as it is appended to :attr:`applied`.
     max_envelope_bytes : int, optional
         Larger envelopes are refused unparsed (``OversizeError`` in :attr:`rejections`).
+    replay_state : Mapping, optional
+        A :meth:`replay_state` saved by an earlier run of this party: the replay guard starts
+        from it instead of empty (the guard is in memory only; see
+        :class:`chaos_flwr.wire.ReplayGuard`). ``DecodeError`` if malformed.
 
     Attributes
     ----------
@@ -255,6 +259,7 @@ class Peer:
         resources: Resources | None = None,
         on_apply: Callable[[AppliedChange], None] | None = None,
         max_envelope_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
+        replay_state: Mapping[str, Any] | None = None,
     ) -> None:
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise PolicyError(f"'incarnation' must be an integer >= 0, got {incarnation!r}")
@@ -291,7 +296,9 @@ class Peer:
         self._resources = resources
         if resources is not None:
             self.monitor.declare(self.party_id, resources)
-        self._guard = ReplayGuard()
+        self._guard = (
+            ReplayGuard() if replay_state is None else ReplayGuard.from_snapshot(replay_state)
+        )
         self._max_envelope = max_envelope_bytes
         self._seq = 0
         self._joins: dict[str, _PendingJoin] = {}
@@ -314,6 +321,14 @@ class Peer:
         """Whether this party is an active member at its current incarnation."""
         m = self.records.member(self.party_id)
         return m is not None and m.status == ACTIVE and m.incarnation == self.incarnation
+
+    def replay_state(self) -> dict[str, list[int]]:
+        """The replay guard's state, codec-encodable, for the caller to persist.
+
+        Pass it back as ``Peer(..., replay_state=...)`` after a restart so envelopes accepted
+        before the restart are still refused as replays (the core itself does no I/O).
+        """
+        return {sender: list(entry) for sender, entry in self._guard.snapshot().items()}
 
     def declare_resources(self, resources: Resources) -> None:
         """Set what this party declares in its heartbeats (compute speed, free memory)."""

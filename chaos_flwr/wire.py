@@ -386,6 +386,15 @@ class ReplayGuard:
     a number older than the window is refused. A higher incarnation starts afresh; a lower one
     is refused.
 
+    **The state lives in memory only.** A receiver that restarts with an empty guard would accept
+    a replay of any envelope its senders sent in their current incarnations (records and votes
+    are idempotent sets, but a replayed heartbeat could make a crashed party look alive for a
+    while, and a replayed probe gets answered). The core does no I/O, so persisting it is the
+    caller's job: take :meth:`snapshot` (plain ints, codec-encodable) whenever convenient, store
+    it, and rebuild with :meth:`from_snapshot` on restart (``Peer(replay_state=...)`` /
+    :meth:`chaos_flwr.peer.Peer.replay_state`). A snapshot older than the crash is still safe
+    for everything it covers; envelopes newer than it are the only exposure.
+
     Parameters
     ----------
     window
@@ -500,6 +509,42 @@ class ReplayGuard:
     def snapshot(self) -> dict[str, tuple[int, int, int]]:
         """A copy of the whole state: sender -> (incarnation, highest seq, seen bitmap)."""
         return {sender: (s[0], s[1], s[2]) for sender, s in self._state.items()}
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snapshot: Mapping[str, Any],
+        window: int = WIRE_REPLAY_WINDOW,
+        *,
+        max_skew_s: float | None = WIRE_MAX_CLOCK_SKEW_S,
+        max_age_s: float | None = WIRE_MAX_AGE_S,
+    ) -> ReplayGuard:
+        """Rebuild a guard from :meth:`snapshot` (tuples or lists, e.g. after a codec round trip).
+
+        Raises
+        ------
+        DecodeError
+            If an entry is not ``party id -> (incarnation, seq, bitmap)`` of non-negative ints
+            with a bitmap that fits the window.
+        """
+        guard = cls(window, max_skew_s=max_skew_s, max_age_s=max_age_s)
+        if not isinstance(snapshot, Mapping):
+            raise DecodeError("replay snapshot must be a map party id -> [inc, seq, bitmap]")
+        for sender, entry in snapshot.items():
+            if not isinstance(sender, str) or not is_party_id(sender):
+                raise DecodeError(f"replay snapshot key {sender!r} is not a party id")
+            if (
+                not isinstance(entry, tuple | list)
+                or len(entry) != 3
+                or any(type(v) is not int or v < 0 for v in entry)
+                or entry[2] >= 1 << window
+            ):
+                raise DecodeError(
+                    f"replay snapshot entry of {sender} must be [incarnation, seq, bitmap] "
+                    f"(non-negative ints, bitmap below 2**{window}), got {entry!r:.80}"
+                )
+            guard._state[sender] = [entry[0], entry[1], entry[2]]
+        return guard
 
     def __len__(self) -> int:
         return len(self._state)

@@ -633,6 +633,34 @@ def test_replayed_envelope_is_rejected() -> None:
     _assert_rejected(p, data, ReplayError)
 
 
+def test_replay_state_survives_a_restart_only_when_the_caller_keeps_it() -> None:
+    from chaos_flwr import codec
+
+    net, p = _settled()
+    data = seal(
+        J[0],
+        incarnation=0,
+        seq=10**6,
+        timestamp=net.now,
+        kind="probe",
+        payload={"nonce": 7},
+        federation=p.federation_tag,
+    )
+    assert len(p.handle(data, net.now)) == 1
+    saved = codec.decode(codec.encode(p.replay_state()))  # what a store would write and read
+    ch = p.charter
+    # Restarted with the saved state: the old envelope is still a replay.
+    restored = Peer(F[0], ch, incarnation=p.incarnation + 1, replay_state=saved)
+    _assert_rejected(restored, data, ReplayError)
+    # Restarted empty (the state is in memory only): the same bytes are answered again.
+    forgetful = Peer(F[0], ch, incarnation=p.incarnation + 1)
+    assert len(forgetful.handle(data, net.now)) == 1
+    with pytest.raises(DecodeError, match="replay snapshot"):
+        Peer(F[0], ch, replay_state={J[0].party_id: [0, 1]})
+    with pytest.raises(DecodeError, match="party id"):
+        Peer(F[0], ch, replay_state={"nobody": [0, 1, 1]})
+
+
 def test_policy_violations_inside_valid_envelopes_are_rejected() -> None:
     _net, p = _settled()
     a, b, c = (f.party_id for f in F)
