@@ -532,6 +532,34 @@ def bench_flower_overhead(
     _print_json(measure_overhead(rounds, timeout_s=timeout_s, poll_interval_s=poll_interval_s))
 
 
+@bench_app.command("flower-churn")
+def bench_flower_churn(
+    engine: str = typer.Option(
+        "deployment", help="deployment (SuperLink + SuperNodes) or simulation (the demo)."
+    ),
+    work_dir: str = typer.Option("", help="Keep keys, replicas and logs here (default: temp)."),
+    as_json: bool = typer.Option(True, "--json/--no-json", help="Print the figures as JSON."),
+) -> None:
+    """Time for a join to be training and for a restarted server to resume (JSON).
+
+    deployment: a SuperNode started mid-run joins, one is killed -9, the ServerApp is killed
+    -9 mid-round and a new run resumes. simulation: the demo's churn scenario.
+    """
+    import tempfile
+
+    from chaos_flwr.flower.demo import churn_figures
+
+    if engine not in ("deployment", "simulation"):
+        raise typer.BadParameter("deployment or simulation", param_hint="--engine")
+    with tempfile.TemporaryDirectory(prefix="chaos-flwr-churn-") as tmp:
+        result = churn_figures(engine, Path(work_dir) if work_dir else Path(tmp))
+    if as_json:
+        _print_json(result)
+    else:
+        for key, value in result.items():
+            typer.echo(f"{key}: {value}")
+
+
 def main() -> None:
     """Run the ``chaos-flwr`` command line."""
     app()

@@ -309,3 +309,29 @@ def demo_cli(
     if result.plot_path is not None:
         console.print(f"plot:   {result.plot_path}")
     return result
+
+
+def churn_figures(engine: str, work_dir: Path) -> dict[str, Any]:
+    """The figures of ``chaos-flwr bench flower-churn``: join-to-training and restart-to-resume
+    times on the ``deployment`` engine (:func:`~chaos_flwr.flower.overhead.measure_deploy_churn`)
+    or in ``simulation`` (the demo's scenario, from its report)."""
+    if engine == "deployment":
+        from chaos_flwr.flower.overhead import measure_deploy_churn
+
+        fig = measure_deploy_churn(work_dir)
+        fig.pop("progress", None)
+        return {"engine": engine, **fig}
+    res = run_demo(work_dir, plot=False)
+    rep = res.report
+    keys = ["partition", "round", "ok", "donors", "bytes_per_donor", "pull_s", "lower_bound_s"]
+    keys += ["delay_ratio", "join_to_training_s"]
+    return {
+        "engine": engine,
+        "joins": [{k: j[k] for k in keys} for j in rep["joins"]],
+        "server_restart": rep["server_restart"],
+        "events": [
+            {"event": e["label"], "settle_s": e.get("settle_s"), "settled": e.get("settled")}
+            for e in rep["events"]
+        ],
+        "final_accuracy": rep["final_accuracy"],
+    }

@@ -1,4 +1,8 @@
-"""Per-round wall time of ChaosStrategy over plain FedAvg on the simulation engine.
+"""Figures of ChaosStrategy on Flower's engines.
+
+:func:`measure_overhead`: per-round wall time of ChaosStrategy over plain FedAvg on the
+simulation engine. :func:`measure_deploy_churn`: on the deployment engine, the time for a
+joining SuperNode to be training and for a restarted ServerApp to resume.
 
 Both runs use the same example app, data, seed and number of rounds; the only difference is
 the run config ``mode`` (``fedavg`` or ``chaos``). Chaos parties run without identities here
@@ -9,18 +13,25 @@ measured is the carrier's cost (extra records, relay bookkeeping, receipts), not
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from chaos_flwr.defaults import (
+    FLOWER_DEMO_POLL_S,
+    FLOWER_DEPLOY_FOUNDERS,
+    FLOWER_DEPLOY_PHASE_TIMEOUT_S,
+    FLOWER_DEPLOY_ROUNDS,
+    FLOWER_DEPLOY_TIMEOUT_S,
     FLOWER_EXAMPLE_SUPERNODES,
     FLOWER_POLL_INTERVAL_S,
     FLOWER_RUN_TIMEOUT_S,
 )
 from chaos_flwr.errors import TransportError
-from chaos_flwr.flower.runner import run_simulation_app
+from chaos_flwr.flower.runner import run_simulation_app, stop_process_tree
 
-__all__ = ["example_dir", "measure_overhead"]
+__all__ = ["example_dir", "measure_deploy_churn", "measure_overhead"]
 
 
 def example_dir() -> Path:
@@ -72,4 +83,144 @@ def measure_overhead(
         }
     out["ratio_median_round"] = out["chaos"]["median_round_s"] / out["fedavg"]["median_round_s"]
     out["accuracy_gap"] = out["chaos"]["final_accuracy"] - out["fedavg"]["final_accuracy"]
+    return out
+
+
+def _wait_for(
+    cond: Callable[[], bool], deadline: float, what: str, proc: Any | None = None
+) -> None:
+    while not cond():
+        if time.time() > deadline:
+            raise TransportError(f"timed out waiting for {what}")
+        if proc is not None and proc.poll() is not None and not cond():
+            raise TransportError(f"the run ended (exit {proc.returncode}) before {what}")
+        time.sleep(FLOWER_DEMO_POLL_S)
+
+
+def _trained_parties(line: dict[str, Any]) -> set[str]:
+    """Parties that answered their train message in the round this progress line reports."""
+    nodes = {int(k): v for k, v in (line.get("node_parties") or {}).items()}
+    for rlog in line.get("chaos_rounds") or []:
+        if rlog.get("server_round") == line.get("round") and rlog.get("trained"):
+            failed = {int(n) for n in rlog.get("errors", {})} | set(rlog.get("missing", []))
+            return {nodes[int(n)] for n in rlog["trained"] if int(n) in nodes and n not in failed}
+    return set()
+
+
+def _sampled_parties(line: dict[str, Any]) -> set[str]:
+    nodes = {int(k): v for k, v in (line.get("node_parties") or {}).items()}
+    for rlog in line.get("chaos_rounds") or []:
+        if rlog.get("server_round") == line.get("round"):
+            return {nodes[int(n)] for n in rlog.get("trained", []) if int(n) in nodes}
+    return set()
+
+
+def measure_deploy_churn(
+    work_dir: Path,
+    *,
+    app_dir: Path | None = None,
+    founders: int = FLOWER_DEPLOY_FOUNDERS,
+    rounds: int = FLOWER_DEPLOY_ROUNDS,
+    phase_timeout_s: float = FLOWER_DEPLOY_PHASE_TIMEOUT_S,
+    timeout_s: float = FLOWER_DEPLOY_TIMEOUT_S,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """A join, a crash and a server restart on the deployment engine; return the figures.
+
+    ``founders`` SuperNodes (signed: ``chaos-key``, ``chaos-charter``, ``chaos-state-dir`` in
+    their node config) start with a SuperLink on 127.0.0.1. After round 1 a new SuperNode with
+    an allowlisted key starts (the join); once it has trained, one founder's SuperNode is killed
+    with SIGKILL (the crash); after the next round the ServerApp process is killed with SIGKILL
+    mid-round and a new run resumes from the parties' replicas; once it has finished a round,
+    everything is stopped by pid (the run's remaining rounds are not waited for).
+
+    Returns
+    -------
+    dict
+        ``join_to_training_s`` (SuperNode start -> end of the first round it trained in),
+        ``restart_to_first_round_s`` (new run start -> its first finished round), the rounds
+        (certified before the kill, resumed at), what was sampled after the crash, the resume
+        pull, and every pid seen with those still alive (there must be none).
+    """
+    from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
+    from chaos_flwr.flower.report import read_progress
+    from chaos_flwr.flower.runner import DeploymentCluster, _alive
+
+    say = log or (lambda _msg: None)
+    app = app_dir or example_dir()
+    work = Path(work_dir)
+    n = founders + 1
+    keys = make_federation(work / "keys", n, founders=founders, seed="chaos-flwr-deploy")
+    ids = load_federation(keys).party_ids
+
+    def node_config(i: int) -> dict[str, object]:
+        return {
+            "partition-id": i,
+            "num-partitions": n,
+            "chaos-key": str(key_path(keys, i)),
+            "chaos-charter": str(charter_path(keys)),
+            "chaos-state-dir": str(work / "state" / f"party-{i}"),
+        }
+
+    cfg: dict[str, object] = {
+        "mode": "chaos",
+        "num-server-rounds": rounds,
+        "min-nodes": max(1, founders - 1),
+        "local-epochs": 1,
+        "chaos-keys-dir": str(keys),
+        "phase-timeout-s": phase_timeout_s,
+        "round-timeout-s": timeout_s,
+        "poll-interval-s": 0.2,
+    }
+    progress1, progress2 = work / "progress-1.jsonl", work / "progress-2.jsonl"
+    deadline = time.time() + timeout_s
+    out: dict[str, Any] = {"founders": founders, "rounds": rounds, "party_ids": ids}
+    joiner, victim = founders, founders - 1
+    with DeploymentCluster(app, work / "home") as cluster:
+        for i in range(founders):
+            cluster.start_supernode(f"party-{i}", node_config(i))
+        run1 = cluster.start_run({**cfg, "progress-path": str(progress1)}, "run-1.log")
+        _wait_for(lambda: any(x["round"] >= 1 for x in read_progress(progress1)), deadline,
+                  "round 1 of the first run", run1)  # fmt: skip
+        say("round 1 done: starting the joiner's SuperNode")
+        t_join = cluster.start_supernode(f"party-{joiner}", node_config(joiner))
+        out["join_started_after_round"] = max(x["round"] for x in read_progress(progress1))
+
+        def joiner_trained() -> bool:
+            return any(ids[joiner] in _trained_parties(x) for x in read_progress(progress1))
+
+        _wait_for(joiner_trained, deadline, "the joiner's first training round", run1)
+        first = next(x for x in read_progress(progress1) if ids[joiner] in _trained_parties(x))
+        out["join_trained_in_round"] = first["round"]
+        out["join_to_training_s"] = float(first["time"]) - t_join
+        say(f"the joiner trained in round {first['round']}: crashing party-{victim}")
+        cluster.kill_supernode(f"party-{victim}")
+        crash_round = max(x["round"] for x in read_progress(progress1))
+        out["crash_after_round"] = crash_round
+        _wait_for(lambda: any(x["round"] >= crash_round + 2 for x in read_progress(progress1)),
+                  deadline, "two rounds after the crash", run1)  # fmt: skip
+        after = [x for x in read_progress(progress1) if x["round"] >= crash_round + 2]
+        out["victim_sampled_after_crash"] = any(ids[victim] in _sampled_parties(x) for x in after)
+        out["trained_after_crash"] = sorted(_trained_parties(after[0]))
+        certified = max(x["round"] for x in read_progress(progress1))
+        say(f"round {certified} done: killing the ServerApp")
+        out["server_killed_pids"] = len(cluster.kill_serverapps())
+        out["certified_before_kill"] = certified
+        cluster.note_pids()
+        stop_process_tree(run1)
+        t_restart = time.time()
+        run2 = cluster.start_run({**cfg, "progress-path": str(progress2)}, "run-2.log")
+        _wait_for(lambda: any(x["round"] >= 1 for x in read_progress(progress2)), deadline,
+                  "the resumed run's first round", run2)  # fmt: skip
+        resumed = next(x for x in read_progress(progress2) if x["round"] >= 1)
+        out["resumed_at_round"] = resumed["round"]
+        out["restart_to_first_round_s"] = float(resumed["time"]) - t_restart
+        out["resume_pull"] = resumed.get("last_pull")
+        say(f"resumed at round {resumed['round']}: stopping the cluster")
+        out["resumed_trained"] = sorted(_trained_parties(resumed))
+        out["final_accuracy"] = resumed.get("accuracy")
+        out["progress"] = {"run1": read_progress(progress1), "run2": read_progress(progress2)}
+    pids = cluster.close()
+    out["pids_seen"] = len(pids)
+    out["pids_alive"] = [p for p in pids if _alive(p)]
     return out

@@ -37,6 +37,7 @@ from chaos_flwr.errors import ConfigError, TransportError
 
 __all__ = [
     "FLOWER_ENV",
+    "DeploymentCluster",
     "SimulationRun",
     "descendants",
     "flower_env",
@@ -519,3 +520,159 @@ def run_deployment_app(
             pids.extend(stop_process_tree(p))
         if keep_home is None:
             shutil.rmtree(home, ignore_errors=True)
+
+
+class DeploymentCluster:
+    """A SuperLink and SuperNodes on 127.0.0.1 that a test drives step by step.
+
+    Unlike :func:`run_deployment_app` (everything at once), SuperNodes can be started while a
+    run goes (a join), killed with SIGKILL (a crash), and the process running a ServerApp
+    (``flwr-serverapp``, started by the SuperLink per run) can be killed mid-round, after which
+    a new run is started. Every process started is stopped by pid in :meth:`close` (also on
+    ``with`` exit), whatever happened.
+
+    Parameters
+    ----------
+    app_dir:
+        The Flower app (its ``pyproject.toml``).
+    home:
+        ``FLWR_HOME`` and the logs folder of the cluster (kept).
+    startup_timeout_s:
+        How long to wait for the SuperLink to answer.
+    """
+
+    def __init__(
+        self,
+        app_dir: Path | str,
+        home: Path,
+        *,
+        startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.app = Path(app_dir).resolve()
+        if not (self.app / "pyproject.toml").is_file():
+            raise ConfigError(
+                f"app_dir: {self.app} has no pyproject.toml; pass the Flower app's folder"
+            )
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.logs = self.home / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.env = flower_env(self.home)
+        self.port = free_port()
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n',
+            encoding="utf-8",
+        )
+        self.bin = Path(sys.executable).parent
+        self.started: list[subprocess.Popen[Any]] = []
+        self.supernodes: dict[str, subprocess.Popen[Any]] = {}
+        self.runs: list[subprocess.Popen[Any]] = []
+        self.seen: set[int] = set()
+        self.killed: list[int] = []
+        self.link = self._spawn(
+            [
+                str(self.bin / "flower-superlink"),
+                "--insecure",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--database",
+                str(self.home / "state.db"),
+                "--disable-runtime-dependency-installation",
+            ],
+            "superlink.log",
+        )
+        try:
+            _wait_health(self.port, self.link, startup_timeout_s, self.logs / "superlink.log")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> DeploymentCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, cmd: list[str], log_name: str) -> subprocess.Popen[Any]:
+        with (self.logs / log_name).open("ab") as log_file:
+            proc = subprocess.Popen(
+                cmd,
+                env=self.env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started.append(proc)
+        self.seen.add(proc.pid)
+        return proc
+
+    def note_pids(self) -> None:
+        """Remember every process now below the processes started (for the final check)."""
+        for p in self.started:
+            self.seen.update(descendants(p.pid))
+
+    def start_supernode(self, name: str, node_config: Mapping[str, object]) -> float:
+        """Start a SuperNode named ``name`` with ``node_config``; return its start time."""
+        if name in self.supernodes and self.supernodes[name].poll() is None:
+            raise ConfigError(f"supernode {name!r} is already running")
+        t = time.time()
+        self.supernodes[name] = self._spawn(
+            [
+                str(self.bin / "flower-supernode"),
+                "--insecure",
+                "--superlink",
+                f"127.0.0.1:{self.port}",
+                "--port",
+                str(free_port()),
+                "--node-config",
+                _node_config(node_config),
+            ],
+            f"supernode-{name}.log",
+        )
+        return t
+
+    def kill_supernode(self, name: str) -> list[int]:
+        """SIGKILL a SuperNode and its ClientApp processes at once (a crash)."""
+        proc = self.supernodes[name]
+        self.note_pids()
+        victims = kill_tree_now(proc.pid)
+        self.killed.extend(victims)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=FLOWER_STOP_GRACE_S)
+        return victims
+
+    def start_run(self, run_config: Mapping[str, object], log_name: str) -> subprocess.Popen[Any]:
+        """Start ``flwr run <app> deployment`` with ``run_config`` (streams to ``log_name``)."""
+        proc = self._spawn(
+            [
+                str(self.bin / "flwr"),
+                "run",
+                str(self.app),
+                "deployment",
+                "--stream",
+                "--run-config",
+                " ".join(f"{k}={_toml_value(v)}" for k, v in run_config.items()),
+            ],
+            log_name,
+        )
+        self.runs.append(proc)
+        return proc
+
+    def kill_serverapps(self) -> list[int]:
+        """SIGKILL every ``flwr-serverapp`` process below the SuperLink (the running server)."""
+        self.note_pids()
+        victims: list[int] = []
+        for pid in serverapp_pids(self.link.pid):
+            victims.extend(kill_tree_now(pid))
+        self.killed.extend(victims)
+        return victims
+
+    def close(self) -> list[int]:
+        """Stop every process started (runs first, SuperLink last), by pid; return them all."""
+        self.note_pids()
+        for p in reversed(self.started):
+            self.seen.update(stop_process_tree(p))
+        return sorted(self.seen)
