@@ -322,3 +322,12 @@ FLOWER_DEMO_OUT_DIR: str = "chaos-demo-report"
 FLOWER_DEMO_MAX_ACCURACY_GAP: float = 0.02
 #: Wall-time bound of each simulation run of the demo, in seconds.
 FLOWER_DEMO_RUN_TIMEOUT_S: float = 600.0
+#: Founding SuperNodes of the deployment-engine churn figure (one more joins mid-run).
+FLOWER_DEPLOY_FOUNDERS: int = 3
+#: Rounds of the deployment-engine churn figure's runs (more than the join, the crash and the
+#: server kill need: the figure stops once the resumed run has finished a round).
+FLOWER_DEPLOY_ROUNDS: int = 12
+#: Phase deadline on the deployment engine (a ClientApp process starts per message there).
+FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 60.0
+#: Wall-time bound of the whole deployment-engine churn figure, in seconds.
+FLOWER_DEPLOY_TIMEOUT_S: float = 540.0
