@@ -754,6 +754,7 @@ async def _run(
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     rng = random.Random(seed)
+    load_before = os.getloadavg()[0]
     verify_us = _verify_cost_us()
     cl = _Cluster(peers, workers, carrier)
     t_setup = time.perf_counter()
@@ -794,6 +795,8 @@ async def _run(
         "gc": "collected before and disabled inside each timed window (as timeit does)",
         "affected": "every active member (membership and neighbour graph are in every view)",
         "verify_us": round(verify_us, 2),
+        "loadavg_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
+        "nice": os.nice(0),
         "floor": (
             "floor_p50_ms = signatures the affected peers verified (envelope + record "
             "signatures, counted per event) x verify_us / cores_used: the least any "

@@ -294,15 +294,20 @@ class GrpcCarrier(Carrier):
         if self._push_handler is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this carrier takes no pushes")
             return b""
-        async for batch in requests:
-            self.bytes_received += len(batch)
-            self.batches_received += 1
-            try:
-                items = unpack_batch(batch)
-            except TransportError as err:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-                return b""
-            self._push_handler(src, items)
+        try:
+            async for batch in requests:
+                self.bytes_received += len(batch)
+                self.batches_received += 1
+                try:
+                    items = unpack_batch(batch)
+                except TransportError as err:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+                    return b""
+                self._push_handler(src, items)
+        except asyncio.CancelledError:
+            # The server is stopping while the sender's stream is still open: the stream simply
+            # ends here (anything unread is lost, as at-most-once allows).
+            return b""
         return b""
 
     # --- calling -----------------------------------------------------------------------------
