@@ -303,6 +303,9 @@ class ReceiptLedger:
     ----------
     keyring : Mapping[str, bytes]
         Party id -> raw public key: ``charter.keyring()`` (use :meth:`from_charter`).
+    verified : set, optional
+        A cache of receipts already verified under the same keyring, shared by ledgers hosted
+        in one process (the simulator), so each receipt's signature is checked once there.
 
     Attributes
     ----------
@@ -313,6 +316,7 @@ class ReceiptLedger:
     """
 
     keyring: Mapping[str, bytes]
+    verified: set[tuple[str, int, bytes, bytes]] | None = None
     equivocations: dict[int, Equivocation] = field(default_factory=dict)
     rejections: list[ReceiptRejection] = field(default_factory=list)
     _rounds: dict[int, dict[bytes, dict[str, Receipt]]] = field(default_factory=dict)
@@ -326,6 +330,21 @@ class ReceiptLedger:
         self.rejections.append(ReceiptRejection(exc, party, round))
         if len(self.rejections) > PEER_MAX_REJECTIONS_LOGGED:
             del self.rejections[: len(self.rejections) - PEER_MAX_REJECTIONS_LOGGED]
+
+    def _verify(self, receipt: Receipt) -> None:
+        key = (receipt.party, receipt.round, receipt.digest, receipt.signature)
+        cache = self.verified
+        if cache is not None and key in cache:
+            return
+        try:
+            receipt.verify(self.keyring)
+        except SignatureError as exc:
+            self._reject(exc, receipt.party, receipt.round)
+            raise
+        if cache is not None:
+            if len(cache) >= PEER_MAX_REJECTIONS_LOGGED:
+                cache.clear()
+            cache.add(key)
 
     def add(self, receipt: Receipt) -> Equivocation | None:
         """Verify and record ``receipt``.
@@ -348,11 +367,7 @@ class ReceiptLedger:
             If the receipt does not verify under the charter's keys; it is logged in
             :attr:`rejections` and nothing else changes.
         """
-        try:
-            receipt.verify(self.keyring)
-        except SignatureError as exc:
-            self._reject(exc, receipt.party, receipt.round)
-            raise
+        self._verify(receipt)
         by_digest = self._rounds.setdefault(receipt.round, {})
         held = by_digest.get(receipt.digest, {})
         if receipt.party in held:
@@ -380,11 +395,8 @@ class ReceiptLedger:
         UnknownPartyError, SignatureError
             If a receipt of the evidence does not verify (logged; nothing changes).
         """
-        try:
-            evidence.verify(self.keyring)
-        except SignatureError as exc:
-            self._reject(exc, evidence.first.party, evidence.round)
-            raise
+        for receipt in (evidence.first, evidence.second):
+            self._verify(receipt)
         for receipt in (evidence.first, evidence.second):
             by_digest = self._rounds.setdefault(receipt.round, {})
             by_digest.setdefault(receipt.digest, {})[receipt.party] = receipt

@@ -62,6 +62,8 @@ class Nemesis:
         """Stop ``pid``: no ticks, no deliveries."""
         self.sim.net.crashed.add(pid)
         self.sim.generation[pid] = self.sim.generation.get(pid, 0) + 1
+        if self.sim.trainer is not None:
+            self.sim.trainer.on_crash(pid)
 
     def restart(self, pid: str, *, disk: bool) -> None:
         """Bring ``pid`` back (same identity, higher incarnation), with or without its records."""

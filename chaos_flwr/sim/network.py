@@ -85,6 +85,7 @@ class Network:
         self._uplink = {k: float(v) for k, v in (uplink_bps or {}).items()}
         self._uplink_free: dict[str, float] = {}
         self._group: dict[str, int] = {}
+        self._cuts: set[tuple[str, str]] = set()
         self.faults = Faults()
         self.crashed: set[str] = set()
         self.sent = 0
@@ -108,12 +109,23 @@ class Network:
         self._group = {pid: 1 for pid in sorted(group_a)}
 
     def heal(self) -> None:
-        """Remove any partition."""
+        """Remove any partition and every cut link."""
         self._group = {}
+        self._cuts.clear()
+
+    def cut(self, a: str, b: str) -> None:
+        """Cut the link between ``a`` and ``b`` only (a link flap; :meth:`restore` undoes it)."""
+        self._cuts.add((a, b) if a < b else (b, a))
+
+    def restore(self, a: str, b: str) -> None:
+        """Restore a link cut with :meth:`cut`."""
+        self._cuts.discard((a, b) if a < b else (b, a))
 
     def reachable(self, a: str, b: str) -> bool:
         """Whether a message from ``a`` to ``b`` would get through now (ignoring random drops)."""
         if a in self.crashed or b in self.crashed:
+            return False
+        if self._cuts and ((a, b) if a < b else (b, a)) in self._cuts:
             return False
         return self._group.get(a, 0) == self._group.get(b, 0)
 

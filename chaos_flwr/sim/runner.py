@@ -8,6 +8,7 @@ forged), one peer tick, or one timeline action.
 from __future__ import annotations
 
 import functools
+import hashlib
 import random
 import statistics
 import time
@@ -19,8 +20,16 @@ from ..defaults import (
     SIM_BENCH_RUNS,
     SIM_FOUNDERS,
     SIM_REJOIN_INTERVAL_S,
+    SIM_SOAK_EVENTS,
+    SIM_SOAK_GAP_MAX_S,
+    SIM_SOAK_GAP_MIN_S,
+    SIM_SOAK_LARGE_SHARE,
     SIM_SOAK_MAX_PARTIES,
-    SIM_TICK_INTERVAL_S,
+    SIM_SOAK_MEDIUM_SHARE,
+    SIM_SOAK_SETTLE_S,
+    SIM_SOAK_TICK_INTERVAL_S,
+    SIM_TRAIN_QUIESCE_S,
+    SIM_TRAIN_ROUND_TIMEOUT_S,
 )
 from ..errors import ChaosError, ConfigError
 from ..identity import Identity
@@ -30,6 +39,7 @@ from .engine import Engine, SimBoundError
 from .nemesis import Nemesis
 from .network import Faults, Network
 from .scenario import Event, Scenario, load_scenario, parse_scenario
+from .training import TRAIN_TAG, Trainer
 
 __all__ = ["Simulation", "bench_sim", "random_scenario", "run_scenario", "soak"]
 
@@ -84,6 +94,8 @@ class Simulation:
         self.last_delivered: dict[str, bytes] = {}
         self.last_sender: dict[str, str] = {}
         self.skipped: list[str] = []
+        self.tick_s = scenario.tick_interval_s
+        self.trainer: Trainer | None = Trainer(self) if scenario.training else None
 
     # --- parties -----------------------------------------------------------------------------
 
@@ -99,7 +111,9 @@ class Simulation:
         self.net.crashed.discard(pid)
         gen = self.generation.get(pid, 0) + 1
         self.generation[pid] = gen
-        phase = self.engine.rng.uniform(0.0, SIM_TICK_INTERVAL_S)
+        if self.trainer is not None and pid not in self.trainer.parties:
+            self.trainer.add_party(pid)
+        phase = self.engine.rng.uniform(0.0, self.tick_s)
         self.engine.after(phase, lambda: self._tick(pid, gen))
         return peer
 
@@ -139,6 +153,8 @@ class Simulation:
         if disk:
             for record in old.records:
                 peer.records.add(record, validated=True)
+        if self.trainer is not None:
+            self.trainer.on_restart(pid, disk=disk)
         if pid in self.wants:
             self._join(pid)
 
@@ -150,6 +166,9 @@ class Simulation:
             send(src, o.to, o.data)
 
     def _deliver(self, src: str, dst: str, data: bytes) -> None:
+        if self.trainer is not None and data[:16] == TRAIN_TAG:
+            self.trainer.deliver(src, dst, data)
+            return
         peer = self.peers.get(dst)
         if peer is None:
             return
@@ -174,7 +193,7 @@ class Simulation:
             and now - self._last_join.get(pid, -1e18) >= SIM_REJOIN_INTERVAL_S
         ):
             self._join(pid)
-        self.engine.after(SIM_TICK_INTERVAL_S, lambda: self._tick(pid, gen))
+        self.engine.after(self.tick_s, lambda: self._tick(pid, gen))
 
     # --- timeline ----------------------------------------------------------------------------
 
@@ -219,8 +238,34 @@ class Simulation:
                 if p not in self.peers:
                     raise ChaosError("party has no peer")
                 self.nemesis.forge(p, ev.count)
+            elif ev.action == "flap":
+                assert ev.a is not None and ev.b is not None
+                a, b = self.pids[ev.a], self.pids[ev.b]
+                self.net.cut(a, b)
+                self.engine.after(ev.down_s, functools.partial(self.net.restore, a, b))
+            elif ev.action in ("relay_restart", "equivocate", "crash_donor"):
+                self._act_training(ev)
         except ChaosError as exc:
             self.skipped.append(f"{now:g} {ev.action} {ev.party}: {exc}")
+
+    def _act_training(self, ev: Event) -> None:
+        tr = self.trainer
+        if tr is None:
+            raise ChaosError("the scenario has no training (training: true)")
+        if ev.action == "relay_restart":
+            tr.restart_relay(ev.down_s)
+        elif ev.action == "equivocate":
+            tr.equivocate_next = True
+        else:
+            tr.arm_donor_kill(ev.down_s, ev.disk)
+
+    def kill(self, pid: str, down_s: float, *, disk: bool) -> None:
+        """Crash ``pid`` now and restart it ``down_s`` later (with or without its disk)."""
+        if pid in self.net.crashed:
+            return
+        self.net.note(f"kill {self.engine.now!r} {pid[:12]}")
+        self.nemesis.crash(pid)
+        self.engine.after(down_s, functools.partial(self.nemesis.restart, pid, disk=disk))
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -241,6 +286,12 @@ class Simulation:
             eng.at(0.5 + eng.rng.uniform(0.0, 1.0), functools.partial(self._join, pid))
         for ev in sorted(sc.events, key=lambda e: e.at):
             eng.at(ev.at, functools.partial(self._act, ev))
+        if self.trainer is not None:
+            end = sc.last_event_at + sc.settle_s
+            stop = max(sc.last_event_at, end - SIM_TRAIN_QUIESCE_S)
+            first = stop + SIM_TRAIN_ROUND_TIMEOUT_S + 0.5
+            self.trainer.start()
+            self.trainer.quiesce(stop, [first, first + 2.0])
 
     def run(self) -> dict[str, Any]:
         """Play the scenario, settle, check the invariants; return a JSON-able result."""
@@ -262,6 +313,8 @@ class Simulation:
             "signatures": self._check_signatures(),
             "forged_rejected": self._check_forged(),
         }
+        if self.trainer is not None:
+            invariants.update(self.trainer.check(self.live(), self.wants, sc.last_event_at))
         ok = bound is None and all(v["ok"] for v in invariants.values())
         for pid in self.live():
             self.net.note(f"final {pid[:12]} {self.peers[pid].view().digest.hex()}")
@@ -280,6 +333,7 @@ class Simulation:
                 "dropped": self.net.dropped,
             },
             "skipped_actions": self.skipped,
+            "training": dict(self.trainer.stats) if self.trainer is not None else None,
             "trace_digest": self.net.trace_digest(),
         }
 
@@ -361,87 +415,256 @@ def run_scenario(scenario: Scenario | str, seed: int) -> dict[str, Any]:
     return result
 
 
-def random_scenario(seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES) -> Scenario:
-    """A random schedule over 5..``max_parties`` parties (a pure function of ``seed``)."""
+def _party_count(rng: random.Random, max_parties: int) -> int:
+    """5..``max_parties`` parties, mostly small: the cost of a seed grows with n^2."""
+    if max_parties <= 12:
+        return rng.randint(5, max_parties)
+    u = rng.random()
+    if u < SIM_SOAK_LARGE_SHARE:
+        return rng.randint(max(13, max_parties // 2), max_parties)
+    if u < SIM_SOAK_LARGE_SHARE + SIM_SOAK_MEDIUM_SHARE:
+        return rng.randint(13, max(13, min(max_parties, 40)))
+    return rng.randint(5, 12)
+
+
+def random_scenario(
+    seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES, events: int = SIM_SOAK_EVENTS
+) -> Scenario:
+    """A random Jepsen-style schedule over 5..``max_parties`` parties (a pure function of seed).
+
+    About ``events`` timeline events: joins (some concurrent), leaves and rejoins, crashes with
+    restarts with or without disk, partitions and heals, link flaps, link records, message
+    drop/duplicate/reorder/delay, forged envelopes, relay restarts, relay equivocation and a
+    donor dying mid transfer; it ends with faults off and the network healed. Training is on.
+    """
     if max_parties < 5:
         raise ConfigError(f"'max_parties' must be >= 5, got {max_parties}")
+    if events < 1:
+        raise ConfigError(f"'events' must be >= 1, got {events}")
     rng = random.Random(seed)
-    n = rng.randint(5, max_parties)
-    initial = n - rng.randint(0, 2)
-    events: list[dict[str, Any]] = []
-    t = 4.0
-    for j in range(initial, n):
-        events.append({"at": t + rng.uniform(0, 3), "action": "join", "party": j})
-    for _ in range(rng.randint(2, 6)):
-        t += rng.uniform(1.0, 4.0)
-        choice = rng.choice(["crash", "partition", "faults", "link", "forge", "leave"])
-        p = rng.randrange(initial)
-        if choice == "crash":
-            events.append({"at": t, "action": "crash", "party": p})
-            t += rng.uniform(2.0, 8.0)
-            events.append({"at": t, "action": "restart", "party": p, "disk": rng.random() < 0.5})
+    n = _party_count(rng, max_parties)
+    initial = n - rng.randint(0, min(5, n // 4))
+    evs: list[dict[str, Any]] = []
+    pending = list(range(initial, n))
+    crashed_until: dict[int, float] = {}
+    left: set[int] = set()
+    t = 3.0
+    kinds = [
+        ("crash", 6),
+        ("join", 2),
+        ("leave", 2),
+        ("partition", 3),
+        ("flap", 4),
+        ("link", 2),
+        ("faults", 3),
+        ("forge", 2),
+        ("relay_restart", 2),
+        ("equivocate", 1),
+        ("crash_donor", 2),
+    ]
+    names = [k for k, _ in kinds]
+    weights = [w for _, w in kinds]
+    last = t
+    while len(evs) < events:
+        t += rng.uniform(SIM_SOAK_GAP_MIN_S, SIM_SOAK_GAP_MAX_S)
+        for i in [i for i, until in crashed_until.items() if until <= t]:
+            del crashed_until[i]
+        choice = rng.choices(names, weights)[0]
+        up = [i for i in range(n) if i not in crashed_until and i not in pending]
+        if choice == "join" and (pending or left):
+            k = rng.randint(1, 3)  # concurrent joins at one instant
+            for _ in range(k):
+                if pending:
+                    j = pending.pop(0)
+                elif left:
+                    j = min(left)
+                    left.discard(j)
+                else:
+                    break
+                evs.append({"at": t, "action": "join", "party": j})
+        elif choice == "crash" and len(crashed_until) < (n - 1) // 2 and up:
+            p = rng.choice(up)
+            back = t + rng.uniform(0.5, 5.0)
+            crashed_until[p] = back
+            evs.append({"at": t, "action": "crash", "party": p})
+            evs.append({"at": back, "action": "restart", "party": p, "disk": rng.random() < 0.5})
+        elif choice == "leave":
+            cand = [i for i in up if i >= SIM_FOUNDERS and i not in left]
+            if cand:
+                p = rng.choice(cand)
+                left.add(p)
+                evs.append({"at": t, "action": "leave", "party": p})
         elif choice == "partition":
-            group = sorted(rng.sample(range(n), rng.randint(1, max(1, n // 2 - 1))))
-            events.append({"at": t, "action": "partition", "group": group})
-            t += rng.uniform(2.0, 8.0)
-            events.append({"at": t, "action": "heal"})
+            group = sorted(rng.sample(range(n), rng.randint(1, max(1, n // 2))))
+            evs.append({"at": t, "action": "partition", "group": group})
+            evs.append({"at": t + rng.uniform(0.5, 4.0), "action": "heal"})
+        elif choice == "flap" and len(up) >= 2:
+            a, b = rng.sample(up, 2)
+            evs.append({"at": t, "action": "flap", "a": a, "b": b, "down_s": rng.uniform(0.1, 1.5)})
+        elif choice == "link" and len(up) >= 2:
+            a, b = rng.sample(up, 2)
+            evs.append({"at": t, "action": "link_up", "a": a, "b": b})
+            if rng.random() < 0.5:
+                evs.append({"at": t + rng.uniform(0.5, 3.0), "action": "link_down", "a": b, "b": a})
         elif choice == "faults":
-            events.append(
+            if rng.random() < 0.3:
+                evs.append({"at": t, "action": "faults"})
+            else:
+                evs.append(
+                    {
+                        "at": t,
+                        "action": "faults",
+                        "drop": round(rng.uniform(0, 0.15), 3),
+                        "duplicate": round(rng.uniform(0, 0.15), 3),
+                        "reorder": round(rng.uniform(0, 0.5), 3),
+                        "reorder_max_s": round(rng.uniform(0, 0.5), 3),
+                        "delay_s": round(rng.uniform(0, 0.05), 3),
+                    }
+                )
+        elif choice == "forge" and up:
+            evs.append(
+                {"at": t, "action": "forge", "party": rng.choice(up), "count": rng.randint(1, 4)}
+            )
+        elif choice == "relay_restart":
+            evs.append({"at": t, "action": "relay_restart", "down_s": rng.uniform(0.2, 2.0)})
+        elif choice == "equivocate":
+            evs.append({"at": t, "action": "equivocate"})
+        elif choice == "crash_donor":
+            # a party that lost its disk pulls at its next invitation: kill one of its donors
+            cand = [i for i in up if i not in crashed_until]
+            if len(cand) >= 2 and len(crashed_until) < (n - 1) // 2:
+                p = rng.choice(cand)
+                back = t + rng.uniform(0.3, 1.5)
+                crashed_until[p] = back
+                evs.append({"at": t, "action": "crash", "party": p})
+                evs.append({"at": back, "action": "restart", "party": p, "disk": False})
+            evs.append(
                 {
                     "at": t,
-                    "action": "faults",
-                    "drop": round(rng.uniform(0, 0.2), 3),
-                    "duplicate": round(rng.uniform(0, 0.2), 3),
-                    "reorder": round(rng.uniform(0, 0.5), 3),
-                    "reorder_max_s": round(rng.uniform(0, 0.5), 3),
-                    "delay_s": round(rng.uniform(0, 0.05), 3),
+                    "action": "crash_donor",
+                    "down_s": rng.uniform(0.5, 3.0),
+                    "disk": rng.random() < 0.5,
                 }
             )
-        elif choice == "link":
-            a, b = rng.sample(range(initial), 2)
-            events.append({"at": t, "action": "link_up", "a": a, "b": b})
-            if rng.random() < 0.5:
-                events.append({"at": t + 2.0, "action": "link_down", "a": b, "b": a})
-        elif choice == "forge":
-            events.append({"at": t, "action": "forge", "party": p, "count": rng.randint(1, 4)})
-        elif choice == "leave" and p >= SIM_FOUNDERS:
-            events.append({"at": t, "action": "leave", "party": p})
-    t += 1.0
-    events.append({"at": t, "action": "faults"})
-    events.append({"at": t, "action": "heal"})
+        last = max(last, max(e["at"] for e in evs[-2:]) if evs else t)
+    end = max(e["at"] for e in evs) + 0.5
+    evs.append({"at": end, "action": "faults"})
+    evs.append({"at": end, "action": "heal"})
     return parse_scenario(
-        {"name": f"soak-{seed}", "parties": n, "initial": initial, "events": events},
+        {
+            "name": f"soak-{seed}",
+            "parties": n,
+            "initial": initial,
+            "training": True,
+            "settle_s": SIM_SOAK_SETTLE_S,
+            "tick_interval_s": SIM_SOAK_TICK_INTERVAL_S,
+            "events": evs,
+        },
         f"soak seed {seed}",
     )
 
 
-def soak(runs: int, seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES) -> dict[str, Any]:
-    """Run ``runs`` random schedules (seeds ``seed .. seed+runs-1``); report failures."""
-    failures: list[dict[str, Any]] = []
-    events = 0
-    wall = 0.0
-    for s in range(seed, seed + runs):
-        result = run_scenario(random_scenario(s, max_parties), s)
-        events += int(result["events"])
-        wall += float(result["wall_s"])
-        if not result["ok"]:
-            failures.append(
-                {
-                    "seed": s,
-                    "bound": result["bound"],
-                    "invariants": {k: v["detail"] for k, v in result["invariants"].items()},
-                    "replay": f"chaos-flwr simulate --soak 1 --seed {s} --max-parties "
-                    f"{max_parties} --json",
-                }
-            )
+def _soak_one(args: tuple[int, int, int]) -> dict[str, Any]:
+    """One soak seed, summarised (a top-level function, so worker processes can run it)."""
+    s, max_parties, events = args
+    sc = random_scenario(s, max_parties, events)
+    result = run_scenario(sc, s)
+    out: dict[str, Any] = {
+        "seed": s,
+        "parties": sc.parties,
+        "schedule_events": len(sc.events),
+        "actions": [ev.action for ev in sc.events],
+        "events": int(result["events"]),
+        "wall_s": float(result["wall_s"]),
+        "training": result.get("training") or {},
+        "ok": bool(result["ok"]),
+        "trace_digest": result["trace_digest"],
+    }
+    if not result["ok"]:
+        out["failure"] = {
+            "seed": s,
+            "parties": sc.parties,
+            "bound": result["bound"],
+            "invariants": {k: v["detail"] for k, v in result["invariants"].items() if not v["ok"]},
+            "replay": f"chaos-flwr simulate --soak 1 --seed {s} --max-parties "
+            f"{max_parties} --events {events} --json",
+        }
+    return out
+
+
+def soak(
+    runs: int,
+    seed: int,
+    max_parties: int = SIM_SOAK_MAX_PARTIES,
+    events: int = SIM_SOAK_EVENTS,
+    workers: int = 1,
+) -> dict[str, Any]:
+    """Run ``runs`` random schedules (seeds ``seed .. seed+runs-1``); report failures.
+
+    Parameters
+    ----------
+    runs, seed
+        How many schedules, and the first seed.
+    max_parties, events
+        Passed to :func:`random_scenario`.
+    workers
+        Processes to run seeds in (each seed is still a pure function of its seed; the
+        report is the same for any ``workers``, except the wall times).
+
+    Returns
+    -------
+    dict
+        JSON-able: ``runs``, ``seeds``, ``events`` (engine events), ``schedule_events``
+        (timeline actions), ``events_per_s`` (engine events per second of simulation, per
+        process), ``wall_s``, ``parties`` (min / median / max), ``faults`` (injected faults by
+        kind), ``training`` (summed counters), ``digest`` (over every seed's trace digest) and
+        ``failures`` (each with the seed, the failing invariants and a replay command).
+    """
+    if runs < 0 or workers < 1:
+        raise ConfigError(f"'runs' must be >= 0 and 'workers' >= 1, got {runs}, {workers}")
+    t0 = time.perf_counter()
+    jobs = [(s, max_parties, events) for s in range(seed, seed + runs)]
+    if workers > 1 and runs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            rows = list(pool.map(_soak_one, jobs, chunksize=1))
+    else:
+        rows = [_soak_one(j) for j in jobs]
+    faults: dict[str, int] = {}
+    training: dict[str, int] = {}
+    trace = hashlib.sha256()
+    for row in rows:
+        for action in row["actions"]:
+            faults[action] = faults.get(action, 0) + 1
+        for k, v in row["training"].items():
+            training[k] = training.get(k, 0) + int(v)
+        trace.update(row["trace_digest"].encode())
+    sizes = [int(r["parties"]) for r in rows]
+    total = sum(int(r["events"]) for r in rows)
+    sim_s = sum(float(r["wall_s"]) for r in rows)
     return {
         "runs": runs,
         "seeds": [seed, seed + runs - 1],
         "max_parties": max_parties,
-        "events": events,
-        "events_per_s": events / wall if wall > 0 else 0.0,
-        "failures": failures,
-        "ok": not failures,
+        "parties": {
+            "min": min(sizes, default=0),
+            "median": statistics.median(sizes) if sizes else 0,
+            "max": max(sizes, default=0),
+            "over_100": sum(1 for n in sizes if n > 100),
+        },
+        "events": total,
+        "schedule_events": sum(int(r["schedule_events"]) for r in rows),
+        "events_per_s": total / sim_s if sim_s > 0 else 0.0,
+        "workers": workers,
+        "wall_s": time.perf_counter() - t0,
+        "faults": dict(sorted(faults.items())),
+        "training": dict(sorted(training.items())),
+        "digest": trace.hexdigest(),
+        "failures": [r["failure"] for r in rows if not r["ok"]],
+        "ok": all(r["ok"] for r in rows),
     }
 
 

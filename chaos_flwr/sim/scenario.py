@@ -32,6 +32,7 @@ from ..defaults import (
     SIM_DEFAULT_SETTLE_S,
     SIM_MAX_EVENTS,
     SIM_MAX_VIRTUAL_S,
+    SIM_TICK_INTERVAL_S,
 )
 from ..errors import ConfigError
 
@@ -50,9 +51,13 @@ Action = Literal[
     "heal",
     "faults",
     "forge",
+    "flap",
+    "relay_restart",
+    "equivocate",
+    "crash_donor",
 ]
 _NEEDS_PARTY = {"join", "leave", "crash", "restart", "forge"}
-_NEEDS_LINK = {"link_up", "link_down"}
+_NEEDS_LINK = {"link_up", "link_down", "flap"}
 
 
 class Event(BaseModel):
@@ -73,6 +78,7 @@ class Event(BaseModel):
     reorder: float = Field(default=0.0, ge=0.0, le=1.0)
     reorder_max_s: float = Field(default=0.0, ge=0.0, le=60.0)
     delay_s: float = Field(default=0.0, ge=0.0, le=60.0)
+    down_s: float = Field(default=1.0, ge=0.0, le=600.0)
 
     @model_validator(mode="after")
     def _fields_for_action(self) -> Event:
@@ -102,6 +108,8 @@ class Scenario(BaseModel):
     settle_s: float = Field(default=SIM_DEFAULT_SETTLE_S, ge=0.0)
     max_virtual_s: float = Field(default=SIM_MAX_VIRTUAL_S, gt=0.0)
     max_events: int = Field(default=SIM_MAX_EVENTS, ge=1)
+    tick_interval_s: float = Field(default=SIM_TICK_INTERVAL_S, gt=0.0, le=60.0)
+    training: bool = False
     events: list[Event] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -1,0 +1,883 @@
+"""Training rounds in the simulator: a relay, certified digests, replicas and real pulls.
+
+Model (deterministic, every random choice from the engine's RNG):
+
+* The **state** of round ``r`` is a :class:`~chaos_flwr.state.TrainingState` whose array is a
+  deterministic "aggregate": bytes expanded from ``sha256(prev digest, r, contributors)``. Any
+  party that holds the previous state can recompute it, so an honest relay cannot make up a
+  state, and a state's digest pins its whole history.
+* The **relay** (``RELAY``, the Flower SuperLink + ServerApp) drives rounds. All round traffic
+  hops through it: ``train`` invitations (to the founders and a sample of members, carrying the
+  newest certificate it knows), ``ready`` replies (the round each party holds, with its
+  certificate), ``agg`` (the contributor set ``C``), ``rcpt`` receipts, ``cert`` certificates.
+  It keeps nothing durable: a restart loses its in-flight messages and its round bookkeeping,
+  which it learns again from the parties' ``ready`` replies.
+* A party signs one :class:`~chaos_flwr.receipts.Receipt` per round, only for a state it
+  recomputed from a certified predecessor, and sends it to the relay and, directly, to the
+  founders (the witnesses). A round is **certified** for a party when its
+  :class:`~chaos_flwr.receipts.ReceiptLedger` holds receipts for one digest from every party of
+  ``C``, ``C`` holds a majority of the founders (so two certificates of one round always share
+  a founder) and the ledger has no equivocation evidence for the round. Contributors then keep
+  the state as a replica (the newest ``keep_rounds``).
+* A party that is invited while it holds an older round than the relay's certificate **pulls**
+  the certified state from the certificate's holders with the real sans-I/O
+  :class:`~chaos_flwr.transfer.PullSession` over the simulated network (manifest checked against
+  the certified digest, every shard verified, donors lost or timed out re-planned).
+* An **equivocating** relay sends two contributor sets to two halves of ``C``; both halves sign
+  valid receipts for different digests, the founders see both and broadcast the
+  :class:`~chaos_flwr.receipts.Equivocation` evidence; no party certifies the round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import codec
+from ..defaults import (
+    SIM_TRAIN_COLLECT_S,
+    SIM_TRAIN_MAX_CONTRIBUTORS,
+    SIM_TRAIN_MAX_INVITED,
+    SIM_TRAIN_MAX_SHARDS,
+    SIM_TRAIN_MIN_SHARD_BYTES,
+    SIM_TRAIN_PULL_TIMEOUT_S,
+    SIM_TRAIN_ROUND_GAP_S,
+    SIM_TRAIN_ROUND_TIMEOUT_S,
+    SIM_TRAIN_STATE_BYTES,
+)
+from ..errors import ChaosError, SignatureError
+from ..planner import Donor, plan_transfer
+from ..receipts import Equivocation, Receipt, ReceiptLedger
+from ..state import Manifest, TrainingState
+from ..transfer import CancelRequest, PullSession
+
+if TYPE_CHECKING:
+    from .runner import Simulation
+
+__all__ = ["RELAY", "TRAIN_TAG", "Trainer", "aggregate_state", "genesis_state"]
+
+#: Prefix of every training message (peer envelopes never start with it).
+TRAIN_TAG = b"chaos-sim/train\x00"
+#: Network id of the relay.
+RELAY = "relay"
+_GENESIS_PREV = bytes(32)
+
+
+def aggregate_state(prev: bytes, round: int, contributors: Sequence[str]) -> TrainingState:
+    """The deterministic aggregate of round ``round`` over ``prev`` and ``contributors``."""
+    members = sorted(contributors)
+    mdigest = hashlib.sha256(codec.encode(members)).digest()
+    seed = hashlib.sha256(
+        b"chaos-sim/aggregate\x00" + codec.encode({"prev": prev, "round": round, "m": mdigest})
+    ).digest()
+    rng = np.random.default_rng(int.from_bytes(seed[:8], "big"))
+    w = rng.integers(0, 256, SIM_TRAIN_STATE_BYTES, dtype=np.uint8)
+    return TrainingState({"w": w}, round=round, meta={"prev": prev, "members": mdigest})
+
+
+def genesis_state(founders: Sequence[str]) -> TrainingState:
+    """Round 0: derived from the charter's founders, known to every party without a transfer."""
+    return aggregate_state(_GENESIS_PREV, 0, founders)
+
+
+def _msg(kind: str, **fields: Any) -> bytes:
+    return TRAIN_TAG + codec.encode({"k": kind, **fields})
+
+
+@dataclass
+class _Cert:
+    round: int
+    digest: bytes
+    members: tuple[str, ...]
+    receipts: tuple[bytes, ...]
+
+    def value(self) -> dict[str, Any]:
+        return {
+            "r": self.round,
+            "d": self.digest,
+            "c": list(self.members),
+            "x": list(self.receipts),
+        }
+
+    @classmethod
+    def of(cls, v: Any) -> _Cert | None:
+        if not isinstance(v, dict):
+            return None
+        return cls(int(v["r"]), bytes(v["d"]), tuple(v["c"]), tuple(v["x"]))
+
+
+@dataclass
+class _Pull:
+    round: int
+    digest: bytes
+    donors: list[str]
+    started: float
+    session: PullSession | None = None
+    manifest_from: str | None = None
+    token: int = 0
+    lost: int = 0
+
+
+@dataclass
+class TrainParty:
+    """One party's training side (its replicas, ledger, receipts and current pull)."""
+
+    pid: str
+    ledger: ReceiptLedger
+    held: dict[int, bytes] = field(default_factory=dict)
+    digests: dict[int, bytes] = field(default_factory=dict)
+    certs: dict[int, _Cert] = field(default_factory=dict)
+    known: dict[int, bytes] = field(default_factory=dict)
+    signed: dict[int, bytes] = field(default_factory=dict)
+    tentative: dict[int, tuple[bytes, bytes, tuple[str, ...]]] = field(default_factory=dict)
+    pull: _Pull | None = None
+    fresh: bool = False
+    receipts: dict[int, bytes] = field(default_factory=dict)
+    manifests: dict[tuple[int, int, int], bytes] = field(default_factory=dict)
+
+    def top(self) -> int:
+        """Newest certified round held."""
+        return max(self.held)
+
+
+@dataclass
+class _Round:
+    round: int
+    invited: list[str]
+    ready: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    certs: dict[int, _Cert] = field(default_factory=dict)
+    members: tuple[str, ...] = ()
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    fresh: set[str] = field(default_factory=set)
+    agg_round: int = -1
+    done: bool = False
+
+
+class Trainer:
+    """The training model of one :class:`~chaos_flwr.sim.runner.Simulation`."""
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+        self.keyring = sim.charter.keyring()
+        self.founders = list(sim.founders)
+        self.quorum = len(self.founders) // 2 + 1
+        self.keep = int(sim.charter.replication.keep_rounds)
+        g = genesis_state(self.founders)
+        self.genesis = g.to_bytes()
+        self.genesis_digest = g.digest()
+        self.parties: dict[str, TrainParty] = {}
+        self.verified: set[tuple[str, int, bytes, bytes]] = set()
+        # relay
+        self.relay_gen = 0
+        self.relay_up = True
+        self.next_round = 1
+        self.cur: _Round | None = None
+        self.latest: _Cert | None = None
+        self.newest: _Cert | None = None
+        self.equivocate_next = False
+        self.stop_at = float("inf")
+        self._relay_receipts: dict[bytes, dict[str, Receipt]] = {}
+        self.kill_armed: tuple[float, bool] | None = None
+        self.pull_failures: dict[str, int] = {}
+        self.history: list[tuple[float, int, str, tuple[str, ...]]] = []
+        self.holder_receipts: dict[tuple[int, bytes], dict[str, bytes]] = {}
+        # global observations (the checker's, not any party's)
+        self.accepted: dict[int, dict[bytes, set[str]]] = {}
+        self.chain: dict[bytes, bytes] = {self.genesis_digest: _GENESIS_PREV}
+        self.equivocated: dict[int, dict[str, Any]] = {}
+        self.detected: dict[int, set[str]] = {}
+        self.holder_gaps: list[str] = []
+        self.progress_marks: list[tuple[float, int]] = []
+        self.stats = {
+            "rounds_started": 0,
+            "rounds_certified": 0,
+            "rounds_failed": 0,
+            "pulls_started": 0,
+            "pulls_done": 0,
+            "pulls_failed": 0,
+            "donors_lost": 0,
+            "donor_kills_mid_transfer": 0,
+            "pulls_survived_donor_loss": 0,
+            "relay_restarts": 0,
+            "bad_inputs": 0,
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def add_party(self, pid: str, *, keep: TrainParty | None = None, fresh: bool = False) -> None:
+        """A new peer runs for ``pid`` (a new party, or one restarted with its disk).
+
+        A ``fresh`` party (joined late, or restarted without disk) knows no round it may have
+        signed before, so it contributes only after it pulled a certified state.
+        """
+        if keep is not None:
+            keep.pull = None
+            self.parties[pid] = keep
+            return
+        tp = TrainParty(pid, ReceiptLedger(self.keyring, self.verified), fresh=fresh)
+        tp.held[0] = self.genesis
+        tp.digests[0] = self.genesis_digest
+        tp.known[0] = self.genesis_digest
+        self.parties[pid] = tp
+
+    def start(self) -> None:
+        """Schedule the first round."""
+        self.sim.engine.after(1.0, self._round_timer(self.relay_gen))
+
+    def on_crash(self, pid: str) -> None:
+        """``pid`` crashed: its pull is gone (replicas, written with receipts, stay on disk)."""
+        tp = self.parties.get(pid)
+        if tp is not None:
+            tp.pull = None
+        self._note_holder_gap(f"crash {pid[:12]}")
+
+    def on_restart(self, pid: str, *, disk: bool) -> None:
+        """``pid`` runs again: with its replicas, certificates and ledger, or from nothing."""
+        old = self.parties.get(pid)
+        if disk and old is not None:
+            self.add_party(pid, keep=old)
+        else:
+            self.add_party(pid, fresh=True)
+            self._note_holder_gap(f"restart without disk {pid[:12]}")
+
+    def arm_donor_kill(self, down_s: float, disk: bool) -> None:
+        """Crash the next donor asked for a shard, mid transfer (restarted ``down_s`` later)."""
+        self.kill_armed = (down_s, disk)
+
+    def restart_relay(self, down_s: float) -> None:
+        """The relay process dies (in-flight messages lost) and comes back after ``down_s``."""
+        sim = self.sim
+        self.stats["relay_restarts"] += 1
+        sim.net.crashed.add(RELAY)
+        self.relay_gen += 1
+        self.relay_up = False
+        self.cur = None
+        self.latest = None
+        self.newest = None
+        self.holder_receipts = {}
+        self.next_round = 1
+        gen = self.relay_gen
+
+        def back() -> None:
+            if self.relay_gen != gen:
+                return
+            sim.net.crashed.discard(RELAY)
+            self.relay_up = True
+            self._round_timer(gen)()
+
+        sim.engine.after(down_s, back)
+
+    def _note_holder_gap(self, why: str) -> None:
+        top = max(self.accepted, default=0)
+        if top == 0:
+            return
+        live = set(self.sim.live())
+        for digest in self.accepted[top]:
+            for pid, tp in self.parties.items():
+                if pid not in live or pid not in self.sim.wants:
+                    continue
+                tent = tp.tentative.get(top)
+                if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
+                    return
+        self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
+
+    # --- traffic -----------------------------------------------------------------------------
+
+    def _send(self, src: str, dst: str, data: bytes) -> None:
+        self.sim.net.send(src, dst, data)
+
+    def deliver(self, src: str, dst: str, data: bytes) -> None:
+        """A training message arrived at ``dst``."""
+        try:
+            msg = codec.decode(memoryview(data)[len(TRAIN_TAG) :])
+            if not isinstance(msg, dict):
+                raise ChaosError("not a map")
+            if dst == RELAY:
+                self._relay_handle(src, msg)
+            else:
+                tp = self.parties.get(dst)
+                if tp is not None and dst not in self.sim.net.crashed:
+                    self._party_handle(tp, src, msg)
+        except (ChaosError, KeyError, TypeError, ValueError):
+            self.stats["bad_inputs"] += 1
+
+    # --- relay -------------------------------------------------------------------------------
+
+    def _round_timer(self, gen: int) -> Any:
+        def fire() -> None:
+            if gen != self.relay_gen or not self.relay_up:
+                return
+            self._start_round()
+
+        return fire
+
+    def _start_round(self) -> None:
+        sim = self.sim
+        eng = sim.engine
+        if eng.now >= self.stop_at:
+            return
+        r = self.next_round
+        self.next_round += 1
+        self.stats["rounds_started"] += 1
+        wanted = sorted(p for p in sim.wants if p in self.parties)
+        founders = [p for p in self.founders if p in wanted]
+        others = [p for p in wanted if p not in founders]
+        room = max(0, SIM_TRAIN_MAX_INVITED - len(founders))
+        if len(others) > room:
+            others = sorted(eng.rng.sample(others, room))
+        invited = founders + others
+        self.cur = _Round(r, invited)
+        cert = self.latest.value() if self.latest is not None else None
+        newest = self.newest.value() if self.newest is not None else None
+        hx: list[bytes] = []
+        for c in (self.latest, self.newest):
+            if c is not None:
+                by = self.holder_receipts.get((c.round, c.digest), {})
+                hx.extend(by[p] for p in sorted(by)[:SIM_TRAIN_MAX_CONTRIBUTORS])
+        for p in invited:
+            self._send(RELAY, p, _msg("train", r=r, cert=cert, newest=newest, hx=hx))
+        gen = self.relay_gen
+        eng.after(SIM_TRAIN_COLLECT_S, lambda: self._collected(gen, r))
+        eng.after(SIM_TRAIN_ROUND_TIMEOUT_S, lambda: self._timeout(gen, r))
+
+    def quiesce(self, at: float, sync_at: Sequence[float]) -> None:
+        """Stop starting rounds at ``at``; at each ``sync_at`` tell every member the latest."""
+        self.stop_at = at
+        for t in sync_at:
+            self.sim.engine.at(t, self._sync)
+
+    def _sync(self) -> None:
+        if not self.relay_up or self.latest is None:
+            return
+        cert = self.latest.value()
+        for p in sorted(self.sim.wants):
+            if p in self.parties:
+                self._send(RELAY, p, _msg("sync", cert=cert))
+
+    def _relay_handle(self, src: str, msg: dict[str, Any]) -> None:
+        if not self.relay_up:
+            return
+        kind = msg["k"]
+        cur = self.cur
+        if kind == "ready":
+            r = int(msg["r"])
+            self.next_round = max(self.next_round, int(msg["seen"]) + 1)
+            if cur is None or cur.round != r or cur.members:
+                return
+            cur.ready[src] = (int(msg["held"]), bytes(msg["hd"]))
+            if msg["rx"]:
+                self._note_holder(Receipt.decode(bytes(msg["rx"])))
+            if msg["fresh"]:
+                cur.fresh.add(src)
+            c = _Cert.of(msg.get("cert"))
+            if c is not None:
+                cur.certs.setdefault(c.round, c)
+            n = _Cert.of(msg.get("newest"))
+            if n is not None and (self.newest is None or n.round > self.newest.round):
+                self.newest = n
+        elif kind == "rcpt":
+            receipt = Receipt.decode(bytes(msg["x"]))
+            receipt.verify(self.keyring)
+            self._note_holder(receipt, verified=True)
+            if cur is None or not cur.members or cur.done or receipt.round != cur.agg_round:
+                return
+            self._relay_receipts.setdefault(receipt.digest, {})[receipt.party] = receipt
+            self._maybe_certify()
+        elif kind == "evid":
+            ev = Equivocation.decode(bytes(msg["x"]))
+            ev.verify(self.keyring)
+            self.detected.setdefault(ev.round, set()).add(RELAY)
+
+    def _note_holder(self, receipt: Receipt, *, verified: bool = False) -> None:
+        if not verified:
+            receipt.verify(self.keyring)
+        self.holder_receipts.setdefault((receipt.round, receipt.digest), {})[receipt.party] = (
+            receipt.encode()
+        )
+        if len(self.holder_receipts) > 4 * self.keep + 4:
+            for key in sorted(self.holder_receipts)[: len(self.holder_receipts) - 4 * self.keep]:
+                del self.holder_receipts[key]
+
+    def _collected(self, gen: int, r: int) -> None:
+        cur = self.cur
+        if gen != self.relay_gen or cur is None or cur.round != r:
+            return
+        if not cur.ready:
+            self.stats["rounds_failed"] += 1
+            return
+        top = max(h for h, _ in cur.ready.values())
+        base = cur.certs.get(top)
+        if top == 0:
+            base = _Cert(0, self.genesis_digest, (), ())
+        if base is None:
+            self.stats["rounds_failed"] += 1
+            return
+        if top > 0 and (self.latest is None or self.latest.round <= top):
+            self.latest = base
+        # Nothing certified is known by anyone: every wanted party answered, none holds or
+        # knows a certified round (all lost their disks). Only then may fresh parties start over.
+        amnesia = (
+            self.newest is None
+            and top == 0
+            and all(p in cur.ready for p in self.sim.wants if p in self.parties)
+        )
+        holders = sorted(
+            p
+            for p, (h, d) in cur.ready.items()
+            if h == top and d == base.digest and (amnesia or p not in cur.fresh)
+        )
+        fholders = [p for p in holders if p in self.founders]
+        if len(fholders) < self.quorum:
+            self.stats["rounds_failed"] += 1  # founders behind: they pull from ``latest``
+            return
+        rest = [p for p in holders if p not in fholders]
+        room = max(0, SIM_TRAIN_MAX_CONTRIBUTORS - len(fholders))
+        members = tuple(sorted(fholders + rest[:room]))
+        r = max(r, top + 1, self.newest.round + 1 if self.newest is not None else 0)
+        self.next_round = max(self.next_round, r + 1)
+        cur.members = members
+        cur.agg_round = r
+        self._relay_receipts = {}
+        if self.equivocate_next and len(members) >= 4:
+            self.equivocate_next = False
+            g1, g2 = list(members[0::2]), list(members[1::2])
+            c1 = tuple(p for p in members if p != g2[0])
+            c2 = tuple(p for p in members if p != g1[0])
+            for p in g1:
+                cur.groups[p] = c1
+            for p in g2:
+                cur.groups[p] = c2
+            self.equivocated[r] = {
+                "groups": [g1, g2],
+                "at": self.sim.engine.now,
+                "digests": [aggregate_state(base.digest, r, c).digest() for c in (c1, c2)],
+            }
+        else:
+            for p in members:
+                cur.groups[p] = members
+        for p in members:
+            self._send(RELAY, p, _msg("agg", r=r, pr=top, pd=base.digest, c=list(cur.groups[p])))
+
+    def _maybe_certify(self) -> None:
+        cur = self.cur
+        assert cur is not None
+        for digest, by_party in sorted(self._relay_receipts.items()):
+            for members in sorted(set(cur.groups.values())):
+                if all(p in by_party for p in members):
+                    cert = _Cert(
+                        cur.agg_round, digest, members, tuple(by_party[p].encode() for p in members)
+                    )
+                    cur.done = True
+                    self.history.append(
+                        (self.sim.engine.now, cur.agg_round, digest.hex()[:8], members)
+                    )
+                    self.latest = cert
+                    self.newest = cert
+                    for p in sorted(set(cur.invited) | set(members)):
+                        self._send(RELAY, p, _msg("cert", cert=cert.value()))
+                    gen = self.relay_gen
+                    self.sim.engine.after(SIM_TRAIN_ROUND_GAP_S, self._round_timer(gen))
+                    return
+
+    def _timeout(self, gen: int, r: int) -> None:
+        cur = self.cur
+        if gen != self.relay_gen or cur is None or cur.round != r:
+            return
+        if not cur.done:
+            self.stats["rounds_failed"] += 1
+            self._start_round()
+
+    # --- parties -----------------------------------------------------------------------------
+
+    def _party_handle(self, tp: TrainParty, src: str, msg: dict[str, Any]) -> None:
+        kind = msg["k"]
+        if kind == "train":
+            self._on_train(tp, msg)
+        elif kind == "agg":
+            self._on_agg(tp, msg)
+        elif kind == "sync":
+            c = _Cert.of(msg["cert"])
+            if c is not None:
+                self._accept_cert(tp, c)
+            if c is not None and c.round > tp.top() and c.round in tp.certs and tp.pull is None:
+                self._start_pull(tp, tp.certs[c.round])
+        elif kind == "rcpt":
+            self._add_receipts(tp, [bytes(msg["x"])])
+        elif kind == "cert":
+            c = _Cert.of(msg["cert"])
+            if c is not None:
+                self._accept_cert(tp, c)
+        elif kind == "evid":
+            ev = Equivocation.decode(bytes(msg["x"]))
+            try:
+                tp.ledger.add_evidence(ev)
+            except SignatureError:
+                self.stats["bad_inputs"] += 1
+                return
+            tp.tentative.pop(ev.round, None)
+            self.detected.setdefault(ev.round, set()).add(tp.pid)
+        elif kind in ("man?", "shard?"):
+            self._serve(tp, src, kind, msg)
+        elif kind in ("man", "shard", "nack"):
+            self._on_pull_reply(tp, src, kind, msg)
+
+    def _seen(self, tp: TrainParty) -> int:
+        return max([*tp.known, *tp.signed, 0])
+
+    def _on_train(self, tp: TrainParty, msg: dict[str, Any]) -> None:
+        c = _Cert.of(msg.get("cert"))
+        if c is not None:
+            self._accept_cert(tp, c)
+        n = _Cert.of(msg.get("newest"))
+        if n is not None:
+            self._accept_cert(tp, n)
+        self._add_receipts(tp, [bytes(x) for x in msg["hx"]])
+        top = tp.top()
+        mine = tp.certs.get(top)
+        newest = max(tp.certs, default=0)
+        self._send(
+            tp.pid,
+            RELAY,
+            _msg(
+                "ready",
+                r=int(msg["r"]),
+                held=top,
+                hd=tp.digests[top],
+                seen=self._seen(tp),
+                fresh=tp.fresh,
+                cert=mine.value() if mine is not None else None,
+                newest=tp.certs[newest].value() if newest else None,
+                rx=tp.receipts.get(top, b""),
+            ),
+        )
+        if tp.pull is None:
+            if c is not None and c.round > top and c.round in tp.certs:
+                self._start_pull(tp, tp.certs[c.round])
+            elif newest > top:
+                self._start_pull(tp, tp.certs[newest])
+
+    def _valid_members(self, members: Sequence[str]) -> bool:
+        return (
+            len(set(members)) == len(members)
+            and all(p in self.keyring for p in members)
+            and sum(1 for p in members if p in self.founders) >= self.quorum
+        )
+
+    def _on_agg(self, tp: TrainParty, msg: dict[str, Any]) -> None:
+        r, pr, pd = int(msg["r"]), int(msg["pr"]), bytes(msg["pd"])
+        members = tuple(msg["c"])
+        if (
+            tp.pid not in members
+            or r <= pr
+            or r in tp.signed
+            or tp.digests.get(pr) != pd
+            or tp.known.get(pr) != pd
+            or not self._valid_members(members)
+            or tp.ledger.conflicted(r)
+        ):
+            self.stats["bad_inputs"] += 1
+            return
+        state = aggregate_state(pd, r, members)
+        data = state.to_bytes()
+        digest = state.digest()
+        self.chain.setdefault(digest, pd)
+        tp.signed[r] = digest
+        tp.tentative[r] = (digest, data, members)
+        receipt = Receipt.sign(self.sim.identities[tp.pid], r, digest)
+        tp.ledger.add(receipt)
+        self._publish(tp, receipt)
+
+    def _publish(self, tp: TrainParty, receipt: Receipt) -> None:
+        raw = receipt.encode()
+        tp.receipts[receipt.round] = raw
+        self._send(tp.pid, RELAY, _msg("rcpt", x=raw))
+        for f in self.founders:
+            if f != tp.pid:
+                self._send(tp.pid, f, _msg("rcpt", x=raw))
+
+    def _add_receipts(self, tp: TrainParty, raws: Sequence[bytes]) -> None:
+        for raw in raws:
+            try:
+                ev = tp.ledger.add(Receipt.decode(raw))
+            except ChaosError:
+                self.stats["bad_inputs"] += 1
+                continue
+            if ev is not None:
+                self._report(tp, ev)
+
+    def _report(self, tp: TrainParty, ev: Equivocation) -> None:
+        self.detected.setdefault(ev.round, set()).add(tp.pid)
+        tp.tentative.pop(ev.round, None)
+        raw = ev.encode()
+        for p in sorted(self.sim.wants):
+            if p != tp.pid:
+                self._send(tp.pid, p, _msg("evid", x=raw))
+        self._send(tp.pid, RELAY, _msg("evid", x=raw))
+
+    def _accept_cert(self, tp: TrainParty, c: _Cert) -> None:
+        if c.round in tp.certs or c.round <= 0:
+            return
+        self._add_receipts(tp, c.receipts)
+        led = tp.ledger
+        if (
+            led.conflicted(c.round)
+            or not self._valid_members(c.members)
+            or not set(c.members) <= set(led.holders(c.round, c.digest))
+        ):
+            return
+        tp.certs[c.round] = c
+        tp.known[c.round] = c.digest
+        self.accepted.setdefault(c.round, {}).setdefault(c.digest, set()).add(tp.pid)
+        tent = tp.tentative.pop(c.round, None)
+        if tent is not None and tent[0] == c.digest:
+            self._hold(tp, c.round, c.digest, tent[1])
+        for r in [r for r in tp.tentative if r < c.round]:
+            del tp.tentative[r]
+
+    def _hold(self, tp: TrainParty, r: int, digest: bytes, data: bytes) -> None:
+        tp.held[r] = data
+        tp.digests[r] = digest
+        if r > max((m for _, m in self.progress_marks), default=0):
+            self.progress_marks.append((self.sim.engine.now, r))
+            self.stats["rounds_certified"] += 1
+        for old in sorted(tp.held)[: max(0, len(tp.held) - self.keep)]:
+            if old != 0:
+                del tp.held[old]
+                del tp.digests[old]
+
+    # --- pulls -------------------------------------------------------------------------------
+
+    def _start_pull(self, tp: TrainParty, c: _Cert) -> None:
+        known = set(c.members) | set(tp.ledger.holders(c.round, c.digest))
+        donors = sorted(p for p in known if p != tp.pid)
+        if len(donors) > 1:
+            self.sim.engine.rng.shuffle(donors)
+        if not donors:
+            return
+        self.stats["pulls_started"] += 1
+        tp.pull = _Pull(c.round, c.digest, donors, self.sim.engine.now)
+        self._ask_manifest(tp)
+
+    def _ask_manifest(self, tp: TrainParty) -> None:
+        pull = tp.pull
+        assert pull is not None
+        if not pull.donors:
+            self._fail_pull(tp, "no donor answered")
+            return
+        donor = pull.donors[0]
+        pull.manifest_from = donor
+        pull.token += 1
+        token = pull.token
+        total = len(self.genesis)
+        plan, _ = self._plan(tp, pull.donors, total)
+        self._send(tp.pid, donor, _msg("man?", r=pull.round, s=plan.shard_bytes, n=plan.num_shards))
+        gen = self.sim.generation.get(tp.pid)
+        self.sim.engine.after(
+            SIM_TRAIN_PULL_TIMEOUT_S, lambda: self._manifest_timeout(tp, gen, token)
+        )
+
+    def _plan(self, tp: TrainParty, donors: Sequence[str], total: int) -> tuple[Any, list[Donor]]:
+        net = self.sim.net
+        ds = [Donor(d, net.bandwidth(d), net.latency(d, tp.pid)) for d in donors]
+        return plan_transfer(
+            total, ds, max_shards=SIM_TRAIN_MAX_SHARDS, min_shard_bytes=SIM_TRAIN_MIN_SHARD_BYTES
+        ), ds
+
+    def _manifest_timeout(self, tp: TrainParty, gen: int | None, token: int) -> None:
+        pull = tp.pull
+        if (
+            self.parties.get(tp.pid) is not tp
+            or self.sim.generation.get(tp.pid) != gen
+            or pull is None
+            or pull.session is not None
+            or pull.token != token
+        ):
+            return
+        pull.donors.pop(0)
+        self._ask_manifest(tp)
+
+    def _fail_pull(self, tp: TrainParty, why: str) -> None:
+        tp.pull = None
+        self.stats["pulls_failed"] += 1
+        self.pull_failures[why] = self.pull_failures.get(why, 0) + 1
+
+    def _serve(self, tp: TrainParty, src: str, kind: str, msg: dict[str, Any]) -> None:
+        r = int(msg["r"])
+        data = tp.held.get(r)
+        if data is None or r == 0:
+            self._send(tp.pid, src, _msg("nack", r=r))
+            return
+        if kind == "man?":
+            key = (r, int(msg["s"]), int(msg["n"]))
+            m = tp.manifests.get(key)
+            if m is None:
+                m = Manifest.build(data, key[1], num_shards=key[2]).to_bytes()
+                tp.manifests = {key: m}
+            self._send(tp.pid, src, _msg("man", r=r, m=m))
+        else:
+            if self.kill_armed is not None:
+                down_s, disk = self.kill_armed
+                self.kill_armed = None
+                self.stats["donor_kills_mid_transfer"] += 1
+                self.sim.kill(tp.pid, down_s, disk=disk)
+                return
+            i, s, e = int(msg["i"]), int(msg["s"]), int(msg["e"])
+            self._send(tp.pid, src, _msg("shard", r=r, i=i, x=data[s:e]))
+
+    def _on_pull_reply(self, tp: TrainParty, src: str, kind: str, msg: dict[str, Any]) -> None:
+        pull = tp.pull
+        if pull is None or int(msg["r"]) != pull.round:
+            return
+        now = self.sim.engine.now
+        try:
+            if pull.session is None:
+                if src != pull.manifest_from:
+                    return
+                if kind != "man":
+                    pull.donors.remove(src)
+                    self._ask_manifest(tp)
+                    return
+                manifest = Manifest.from_bytes(bytes(msg["m"]))
+                (plan, ds) = self._plan(tp, pull.donors, manifest.total_bytes)
+                pull.session = PullSession(manifest, plan, ds, now=now, expected_digest=pull.digest)
+                self._actions(tp, pull.session.poll(now))
+            elif kind == "nack":
+                self.stats["donors_lost"] += 1
+                pull.lost += 1
+                self._actions(tp, pull.session.on_donor_lost(src, now))
+            elif kind == "shard":
+                self._actions(tp, pull.session.on_shard(src, int(msg["i"]), bytes(msg["x"]), now))
+        except ChaosError as exc:
+            self._fail_pull(tp, type(exc).__name__)
+
+    def _actions(self, tp: TrainParty, actions: Sequence[Any]) -> None:
+        pull = tp.pull
+        assert pull is not None and pull.session is not None
+        for a in actions:
+            if isinstance(a, CancelRequest):
+                continue
+            self._send(tp.pid, a.donor, _msg("shard?", r=pull.round, i=a.index, s=a.start, e=a.end))
+        session = pull.session
+        if session.done:
+            data = bytes(session.assemble())
+            self._hold(tp, pull.round, pull.digest, data)
+            tp.fresh = False
+            tp.pull = None
+            if tp.signed.get(pull.round, pull.digest) == pull.digest:
+                tp.signed[pull.round] = pull.digest
+                receipt = Receipt.sign(self.sim.identities[tp.pid], pull.round, pull.digest)
+                tp.ledger.add(receipt)
+                self._publish(tp, receipt)
+            self.stats["pulls_done"] += 1
+            if pull.lost:
+                self.stats["pulls_survived_donor_loss"] += 1
+            return
+        deadline = session.next_deadline()
+        if deadline is not None:
+            pull.token += 1
+            token = pull.token
+            gen = self.sim.generation.get(tp.pid)
+            self.sim.engine.at(deadline + 1e-6, lambda: self._pull_tick(tp, gen, token))
+
+    def _pull_tick(self, tp: TrainParty, gen: int | None, token: int) -> None:
+        pull = tp.pull
+        if (
+            self.parties.get(tp.pid) is not tp
+            or self.sim.generation.get(tp.pid) != gen
+            or pull is None
+            or pull.session is None
+            or pull.token != token
+        ):
+            return
+        try:
+            before = len(pull.session.live_donors())
+            actions = pull.session.tick(self.sim.engine.now)
+            lost = before - len(pull.session.live_donors())
+            self.stats["donors_lost"] += lost
+            pull.lost += lost
+            self._actions(tp, actions)
+        except ChaosError as exc:
+            self._fail_pull(tp, type(exc).__name__)
+
+    # --- invariants --------------------------------------------------------------------------
+
+    def check(self, live: Sequence[str], wanted: set[str], settle_from: float) -> dict[str, Any]:
+        """Invariants 3-5 and equivocation (see the module docstring of the runner)."""
+        out: dict[str, Any] = {}
+        # (3) every party's state for round r has the certified digest for r
+        bad3: list[str] = []
+        for r, by_digest in sorted(self.accepted.items()):
+            if len(by_digest) > 1 and not self.holder_gaps:
+                bad3.append(f"round {r} certified with {len(by_digest)} digests")
+        for pid, tp in sorted(self.parties.items()):
+            for r, digest in tp.digests.items():
+                if hashlib.sha256(tp.held[r]).digest() != digest:
+                    bad3.append(f"{pid[:12]} round {r}: held bytes do not hash to their digest")
+                if r and self.accepted.get(r, {}).get(digest) is None:
+                    bad3.append(f"{pid[:12]} holds uncertified state for round {r}")
+                if r and tp.known.get(r) != digest:
+                    bad3.append(f"{pid[:12]} round {r}: held digest is not the one it certified")
+        out["certified_states"] = {
+            "ok": not bad3,
+            "detail": bad3
+            or f"{sum(len(tp.held) for tp in self.parties.values())} replicas match their "
+            f"certified digests over {len(self.accepted)} rounds",
+        }
+        # (4) the latest certified state is recovered while a holder is alive
+        final_top = max(self.accepted, default=0)
+        bad4: list[str] = []
+        latest = {tp.top() for p, tp in self.parties.items() if p in live and p in wanted}
+        holders = [p for p in live if final_top in self.parties[p].held]
+        if final_top and holders and not self.holder_gaps:
+            d = next(iter(self.accepted[final_top]))
+            for p in live:
+                if p not in wanted:
+                    continue
+                tp = self.parties[p]
+                if tp.digests.get(final_top) != d:
+                    bad4.append(f"{p[:12]} holds round {tp.top()}, not the latest {final_top}")
+        out["recovered"] = {
+            "ok": not bad4,
+            "detail": bad4
+            or (
+                f"all live parties hold round {final_top} (from {len(holders)} holders)"
+                if not self.holder_gaps
+                else f"state lost with every holder: {self.holder_gaps[:3]}"
+            ),
+            "latest": final_top,
+            "held_rounds": sorted(latest),
+        }
+        # (5) progress whenever the founders' quorum is connected
+        live_founders = [p for p in self.founders if p in live and p in wanted]
+        progressed = any(t >= settle_from for t, _ in self.progress_marks)
+        ok5 = progressed or len(live_founders) < self.quorum or bool(self.holder_gaps)
+        out["progress"] = {
+            "ok": ok5,
+            "detail": (
+                f"{self.stats['rounds_certified']} rounds certified, newest {final_top}"
+                if ok5
+                else f"no round certified after heal at {settle_from:g} s although "
+                f"{len(live_founders)} founders are live"
+            ),
+        }
+        # equivocation: never certified; reported by the parties
+        bad_e: list[str] = []
+        for r, info in sorted(self.equivocated.items()):
+            hit = [d for d in info["digests"] if d in self.accepted.get(r, {})]
+            if hit:
+                who = sorted(p[:12] for d in hit for p in self.accepted[r][d])
+                bad_e.append(f"an equivocated digest of round {r} was certified by {who}")
+            info["detected_by"] = len(self.detected.get(r, set()))
+        out["equivocation"] = {
+            "ok": not bad_e,
+            "detail": bad_e
+            or f"{len(self.equivocated)} equivocated rounds, none certified, "
+            f"{sum(1 for r in self.equivocated if self.detected.get(r))} detected",
+            "rounds": len(self.equivocated),
+            "detected": sum(1 for r in self.equivocated if self.detected.get(r)),
+        }
+        return out
