@@ -363,6 +363,8 @@ FLOWER_DEPLOY_FOUNDERS: int = 3
 #: server kill need: the figure stops once the resumed run has finished a round).
 FLOWER_DEPLOY_ROUNDS: int = 12
 #: Phase deadline on the deployment engine (a ClientApp process starts per message there).
-FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 60.0
+FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 40.0
 #: Wall-time bound of the whole deployment-engine churn figure, in seconds.
-FLOWER_DEPLOY_TIMEOUT_S: float = 540.0
+FLOWER_DEPLOY_TIMEOUT_S: float = 660.0
+#: Rounds after its start the deployment figure waits for the joiner to train before the crash.
+FLOWER_DEPLOY_JOIN_ROUNDS: int = 2

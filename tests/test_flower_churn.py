@@ -207,6 +207,29 @@ def test_wrapper_leaves_and_drops_links_once_through_party_for(
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4]  # the handlers still ran: the party decides
 
 
+def test_an_action_the_party_refuses_is_reported_once_and_the_node_keeps_answering(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from chaos_flwr.errors import PolicyError
+    from chaos_flwr.flower import client
+
+    class Refusing(FakeParty):
+        def leave(self) -> None:
+            self.calls.append(("leave", ""))
+            raise PolicyError("not an active member")
+
+    party = Refusing()
+    monkeypatch.setattr(client, "party_for", lambda ctx, app=None: party)
+    app, seen = _plain_app()
+    churn.apply(app, parse_scenario(_base()))
+    leaver = _ctx(2)
+    for rnd in (3, 4, 5):
+        _train(app, leaver, rnd)
+    assert party.calls == [("leave", "")]
+    assert seen == [3, 4, 5]
+    assert "leave p2 @r3 refused: PolicyError" in capsys.readouterr().err
+
+
 def test_wrapper_reads_the_scenario_path_from_the_run_config(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text(json.dumps(_base()))

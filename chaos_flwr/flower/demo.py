@@ -195,6 +195,7 @@ def run_demo(
             kill_when=kill_when,
         )
         tail.poll()
+        (work / f"{label}.log").write_text(run.log, encoding="utf-8")
         runs.append(run)
         info.append(
             {

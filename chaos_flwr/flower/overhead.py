@@ -21,6 +21,7 @@ from typing import Any
 from chaos_flwr.defaults import (
     FLOWER_DEMO_POLL_S,
     FLOWER_DEPLOY_FOUNDERS,
+    FLOWER_DEPLOY_JOIN_ROUNDS,
     FLOWER_DEPLOY_PHASE_TIMEOUT_S,
     FLOWER_DEPLOY_ROUNDS,
     FLOWER_DEPLOY_TIMEOUT_S,
@@ -129,17 +130,20 @@ def measure_deploy_churn(
 
     ``founders`` SuperNodes (signed: ``chaos-key``, ``chaos-charter``, ``chaos-state-dir`` in
     their node config) start with a SuperLink on 127.0.0.1. After round 1 a new SuperNode with
-    an allowlisted key starts (the join); once it has trained, one founder's SuperNode is killed
-    with SIGKILL (the crash); after the next round the ServerApp process is killed with SIGKILL
-    mid-round and a new run resumes from the parties' replicas; once it has finished a round,
-    everything is stopped by pid (the run's remaining rounds are not waited for).
+    an allowlisted key starts (the join); once it has trained (or ``FLOWER_DEPLOY_JOIN_ROUNDS``
+    rounds later), one founder's SuperNode is killed with SIGKILL (the crash); after that round
+    the ServerApp process is killed with SIGKILL mid-round and a new run resumes from the
+    parties' replicas; once it has finished a round, everything is stopped by pid (the run's
+    remaining rounds are not waited for).
 
     Returns
     -------
     dict
-        ``join_to_training_s`` (SuperNode start -> end of the first round it trained in),
+        ``join_to_training_s`` (SuperNode start -> end of the first round it trained in;
+        ``None`` if it did not train in time), whether the server's view admitted the joiner,
         ``restart_to_first_round_s`` (new run start -> its first finished round), the rounds
-        (certified before the kill, resumed at), what was sampled after the crash, the resume
+        (certified before the kill, resumed at), whether the dead party was sampled after the
+        restart, the resume
         pull, and every pid seen with those still alive (there must be none).
     """
     from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
@@ -186,22 +190,41 @@ def measure_deploy_churn(
         t_join = cluster.start_supernode(f"party-{joiner}", node_config(joiner))
         out["join_started_after_round"] = max(x["round"] for x in read_progress(progress1))
 
+        join_round = out["join_started_after_round"] + 1
+
         def joiner_trained() -> bool:
             return any(ids[joiner] in _trained_parties(x) for x in read_progress(progress1))
 
-        _wait_for(joiner_trained, deadline, "the joiner's first training round", run1)
-        first = next(x for x in read_progress(progress1) if ids[joiner] in _trained_parties(x))
-        out["join_trained_in_round"] = first["round"]
-        out["join_to_training_s"] = float(first["time"]) - t_join
-        say(f"the joiner trained in round {first['round']}: crashing party-{victim}")
+        def join_waited() -> bool:
+            last = max(x["round"] for x in read_progress(progress1))
+            return joiner_trained() or last >= join_round + FLOWER_DEPLOY_JOIN_ROUNDS
+
+        _wait_for(join_waited, deadline, "the joiner's first training round", run1)
+        lines = read_progress(progress1)
+        first = next((x for x in lines if ids[joiner] in _trained_parties(x)), None)
+        out["join_trained_in_round"] = first["round"] if first is not None else None
+        out["join_to_training_s"] = float(first["time"]) - t_join if first is not None else None
+        out["joiner_admitted"] = any(
+            ids[joiner] in (r.get("members") or {}).get("active", [])
+            for x in lines
+            for r in x.get("chaos_rounds") or []
+        )
+        out["join_pulls"] = [
+            {k: j.get(k) for k in ("server_round", "ok", "error", "donors", "bytes_per_donor")}
+            | {"pull_s": j.get("pull_s"), "lower_bound_s": j.get("lower_bound_s")}
+            for r in (lines[-1].get("chaos_rounds") or [])
+            for j in r.get("joins", [])
+            if j.get("party") == ids[joiner]
+        ]
+        say(f"join: trained in round {out['join_trained_in_round']}; crashing party-{victim}")
         cluster.kill_supernode(f"party-{victim}")
-        crash_round = max(x["round"] for x in read_progress(progress1))
-        out["crash_after_round"] = crash_round
-        _wait_for(lambda: any(x["round"] >= crash_round + 2 for x in read_progress(progress1)),
-                  deadline, "two rounds after the crash", run1)  # fmt: skip
-        after = [x for x in read_progress(progress1) if x["round"] >= crash_round + 2]
-        out["victim_sampled_after_crash"] = any(ids[victim] in _sampled_parties(x) for x in after)
-        out["trained_after_crash"] = sorted(_trained_parties(after[0]))
+        crash_round = max(x["round"] for x in read_progress(progress1)) + 1
+        out["crash_in_round"] = crash_round
+        # the crash round itself may still sample the victim (its message then goes unanswered)
+        _wait_for(lambda: any(x["round"] >= crash_round for x in read_progress(progress1)),
+                  deadline, "the crash round", run1)  # fmt: skip
+        crash_line = next(x for x in read_progress(progress1) if x["round"] >= crash_round)
+        out["trained_in_crash_round"] = sorted(_trained_parties(crash_line))
         certified = max(x["round"] for x in read_progress(progress1))
         say(f"round {certified} done: killing the ServerApp")
         out["server_killed_pids"] = len(cluster.kill_serverapps())
@@ -216,6 +239,8 @@ def measure_deploy_churn(
         out["resumed_at_round"] = resumed["round"]
         out["restart_to_first_round_s"] = float(resumed["time"]) - t_restart
         out["resume_pull"] = resumed.get("last_pull")
+        # a restarted server knows no suspects: the dead party must still not be sampled
+        out["victim_sampled_after_restart"] = ids[victim] in _sampled_parties(resumed)
         say(f"resumed at round {resumed['round']}: stopping the cluster")
         out["resumed_trained"] = sorted(_trained_parties(resumed))
         out["final_accuracy"] = resumed.get("accuracy")
