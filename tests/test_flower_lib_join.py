@@ -455,3 +455,23 @@ def test_honest_rounds_give_no_evidence(tmp_path: Path) -> None:
     assert all(not w.party(p).evidence for p in range(3))
     assert all(r.equivocations == [] and r.errors == {} for r in strategy.rounds)
     assert sorted(strategy.rounds[-1].trained) == sorted(n.node_id for n in w.nodes.values())
+
+
+def test_members_link_up_and_a_dropped_link_is_a_signed_link_down(tmp_path: Path) -> None:
+    w = World(tmp_path, 4, founders=4)
+    for p in range(4):
+        w.add(p)
+    w.hooks[3] = lambda: w.party(0).disconnect(w.pid(1))
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    ups = [e for r in strategy.rounds for e in r.events if e.kind == "link_up"]
+    assert len(ups) == 6  # every pair of the 4 members, each asked once by its lower id
+    downs = [(r, e) for r in strategy.rounds for e in r.events if e.kind == "link_down"]
+    ((rlog, down),) = downs
+    assert down.subject == "|".join(sorted([w.pid(0), w.pid(1)]))
+    assert rlog.server_round >= 3 and down.settle_s is not None
+    for p in range(4):
+        view = w.party(p).peer.view()  # type: ignore[union-attr]
+        assert w.pid(1) not in view.neighbours(w.pid(0))
+        assert w.pid(2) in view.neighbours(w.pid(0))
+    assert sorted(strategy.rounds[-1].trained) == sorted(n.node_id for n in w.nodes.values())

@@ -262,6 +262,8 @@ class Party:
     joins_done: list[ConfigRecord] = field(default_factory=list)
     _join_asked: tuple[float | None, tuple[str, ...]] = field(default=(None, ()), repr=False)
     evidence: list[Equivocation] = field(default_factory=list)
+    auto_link: bool = True
+    _links_asked: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _ledger: ReceiptLedger | None = field(default=None, repr=False)
     _evidence_sent: int = field(default=0, repr=False)
     _bytes: bytes = field(default=b"", repr=False)
@@ -505,6 +507,35 @@ class Party:
                 self.errors.append(f"EquivocationError: {ev.error()}")
         return bool(self.evidence)
 
+    def _auto_links(self, now: float) -> list[OutgoingLike]:
+        """A member links up with every active member it has no live link with (the lower id
+        asks; a link someone took down stays down). Links are what :meth:`disconnect` drops
+        and what the monitor's failure votes follow."""
+        peer = self.peer
+        if not self.auto_link or peer is None or self.left or not getattr(peer, "is_member", 0):
+            return []
+        records = getattr(peer, "records", None)
+        connect = getattr(peer, "connect", None)
+        if records is None or connect is None:
+            return []
+        out: list[OutgoingLike] = []
+        for other in records.view().active():
+            if other <= self.party_id:
+                continue
+            link = records.link(self.party_id, other)
+            if link is not None and (link.live or link.state != "up"):
+                continue
+            m = records.member(other)
+            key = (other, getattr(m, "incarnation", 0), getattr(peer, "incarnation", 0))
+            if key in self._links_asked:
+                continue
+            self._links_asked.add(key)
+            try:
+                out.extend(connect(other, now))
+            except ChaosError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+        return out
+
     def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
         """A non-member asks for a sponsored join when it hears from the relay.
 
@@ -568,6 +599,7 @@ class Party:
                     self.errors.append(f"{type(exc).__name__}: {exc}")
         if record is not None and self.peer is not None:
             outgoing.extend(self._maybe_join(record, now))
+            outgoing.extend(self._auto_links(now))
         if self.peer is not None:
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") == "certify" and arrays is not None:
