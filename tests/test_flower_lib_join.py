@@ -475,3 +475,38 @@ def test_members_link_up_and_a_dropped_link_is_a_signed_link_down(tmp_path: Path
         assert w.pid(1) not in view.neighbours(w.pid(0))
         assert w.pid(2) in view.neighbours(w.pid(0))
     assert sorted(strategy.rounds[-1].trained) == sorted(n.node_id for n in w.nodes.values())
+
+
+def _ctx(node_config: dict[str, Any], run_config: dict[str, Any]) -> Context:
+    return Context(
+        run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config=run_config
+    )
+
+
+def test_party_settings_fall_back_to_the_run_config_and_name_what_is_wrong(
+    tmp_path: Path,
+) -> None:
+    from chaos_flwr.errors import ConfigError
+    from chaos_flwr.flower.client import party_settings
+
+    keys = make_federation(tmp_path / "fed", 2, founders=1, seed="cfg")
+    run = {"chaos-keys-dir": str(keys), "chaos-state-root": str(tmp_path / "st")}
+    got = party_settings(_ctx({"partition-id": 1, "num-partitions": 2}, run))
+    assert got.key_path == keys / "party-1.key" and got.charter_path == keys / "charter.yaml"
+    assert got.state_dir == tmp_path / "st" / "party-1" and not got.unsigned
+    # node_config keys win over the fallback
+    mine = tmp_path / "elsewhere"
+    got = party_settings(_ctx({"partition-id": 1, "chaos-state-dir": str(mine)}, run))
+    assert got.state_dir == mine and got.key_path == keys / "party-1.key"
+    with pytest.raises(ConfigError, match="node_config 'partition-id'"):
+        party_settings(_ctx({}, run))
+    with pytest.raises(ConfigError, match=r"run_config 'chaos-keys-dir'.*party-5\.key"):
+        party_settings(_ctx({"partition-id": 5}, run))
+    with pytest.raises(ConfigError, match=r"run_config 'chaos-keys-dir'.*not a directory"):
+        party_settings(_ctx({"partition-id": 0}, {"chaos-keys-dir": str(tmp_path / "nope")}))
+    with pytest.raises(ConfigError, match="node_config 'chaos-state-dir' is missing"):
+        party_settings(_ctx({"partition-id": 0}, {"chaos-keys-dir": str(keys)}))
+    # a party built from the fallback is the partition's identity
+    party = default_party_factory(_ctx({"partition-id": 0}, run))
+    assert party.party_id == load_federation(keys).party_ids[0]
+    assert party.peer is not None and party.peer.is_member  # type: ignore[attr-defined]
