@@ -347,6 +347,9 @@ FLOWER_CHURN_MAX_FILE_BYTES: int = 1 << 20
 FLOWER_CHURN_RUN_CONFIG_KEY: str = "churn-scenario"
 #: ``run_config`` key: round a resumed run starts in (rounds of messages that name none).
 FLOWER_CHURN_START_ROUND_KEY: str = "churn-start-round"
+#: Extra time the train handlers of the server-kill round take in the killed run, in seconds
+#: (so the kill lands while the parties train).
+FLOWER_CHURN_KILL_TRAIN_DELAY_S: float = 3.0
 #: ``run_config`` key: file the example's ServerApp appends one JSON line to per round.
 FLOWER_PROGRESS_RUN_CONFIG_KEY: str = "progress-path"
 #: How often the demo reads the progress file of a running simulation, in seconds.

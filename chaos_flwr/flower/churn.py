@@ -33,9 +33,15 @@ around an enabled ``ClientApp``, so the app itself keeps its Chaos diff):
   (no useful reply). In simulation the party's process memory survives a crash unless the
   simulation itself is restarted in between (a ``server-kill``), in which case the returning
   party really restarts from its disk.
-- ``server-kill``: not a client-side event; the orchestrator (:mod:`chaos_flwr.flower.demo`)
-  kills the process tree running the ServerApp during that round and starts a new run that
-  resumes from the parties' replicas.
+- ``server-kill``: the orchestrator (:mod:`chaos_flwr.flower.demo`) kills the process tree
+  running the ServerApp during that round and starts a new run that resumes from the parties'
+  replicas (run config ``churn-start-round`` = that round). On the client side, the train
+  handlers of that round take ``FLOWER_CHURN_KILL_TRAIN_DELAY_S`` longer in the first run, so
+  that the kill lands while the parties train (simulated rounds are shorter than the
+  orchestrator's polling), not at an arbitrary point of the round.
+
+Context.state is per run, so in a resumed run (``churn-start-round`` = r) the once-only
+actions of rounds before r are not repeated: they happened in the killed run.
 
 Which round a message belongs to is read from the message itself (``server-round`` of a train
 or evaluate config, else the Chaos record's phase and round), so the emulation does not depend
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from chaos_flwr.defaults import (
     FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_CHURN_KILL_TRAIN_DELAY_S,
     FLOWER_CHURN_MAX_FILE_BYTES,
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
@@ -394,7 +402,17 @@ class _Emulator:
         if scenario.is_down(pid, rnd):
             _forget(context)  # a crash loses the process: the party comes back from its disk
             raise NodeCrashedError(f"churn: partition {pid} is crashed in round {rnd}")
-        due = scenario.actions(pid, rnd)
+        kill = scenario.server_kill_round()
+        if (
+            kill is not None
+            and rnd == kill
+            and start < kill
+            and str(message.metadata.message_type).startswith("train")
+        ):
+            # the server is killed while the parties train: training takes this long here
+            time.sleep(FLOWER_CHURN_KILL_TRAIN_DELAY_S)
+        # once-only actions of rounds before a resumed run's start happened in the killed run
+        due = [(i, ev) for i, ev in scenario.actions(pid, rnd) if ev.round >= start]
         if not due:
             return
         done = _done_events(context)
