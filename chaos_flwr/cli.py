@@ -308,16 +308,30 @@ def simulate(
     seed: int = typer.Option(0, "--seed", help="Seed of the run (or first seed of a soak)."),
     soak_runs: int = typer.Option(0, "--soak", min=0, help="Run N random schedules instead."),
     max_parties: int | None = typer.Option(None, "--max-parties", help="Soak: most parties."),
+    events: int | None = typer.Option(
+        None, "--events", min=1, help="Soak: timeline events per schedule (default 200)."
+    ),
+    workers: int = typer.Option(1, "--workers", min=1, help="Soak: processes to run seeds in."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Run a deterministic simulation, check its invariants (exit code 1 if one fails)."""
-    from .defaults import SIM_SOAK_MAX_PARTIES
+    """Run a deterministic simulation, check its invariants (exit code 1 if one fails).
+
+    With ``--soak N``: N random Jepsen-style schedules (seeds SEED..SEED+N-1) with training,
+    relay restarts and equivocation; the report names every failing seed and how to replay it.
+    """
+    from .defaults import SIM_SOAK_EVENTS, SIM_SOAK_MAX_PARTIES
     from .errors import ChaosError
     from .sim.runner import run_scenario, soak
 
     try:
         if soak_runs:
-            result = soak(soak_runs, seed, max_parties or SIM_SOAK_MAX_PARTIES)
+            result = soak(
+                soak_runs,
+                seed,
+                max_parties or SIM_SOAK_MAX_PARTIES,
+                events or SIM_SOAK_EVENTS,
+                workers=workers,
+            )
         elif scenario is None:
             raise typer.BadParameter("give --scenario FILE_OR_NAME or --soak N")
         else:
@@ -328,8 +342,10 @@ def simulate(
         _print_json(result)
     elif soak_runs:
         typer.echo(
-            f"soak: seeds {result['seeds'][0]}..{result['seeds'][1]} ({result['runs']} runs), "
-            f"{result['events']} events, {result['events_per_s']:.0f} events/s"
+            f"soak: seeds {result['seeds'][0]}..{result['seeds'][1]} ({result['runs']} runs, "
+            f"{result['parties']['min']}..{result['parties']['max']} parties), "
+            f"{result['schedule_events']} schedule events, {result['events']} events, "
+            f"{result['events_per_s']:.0f} events/s, {len(result['failures'])} failures"
         )
         for f in result["failures"]:
             typer.echo(f"  FAILED seed {f['seed']}: {f['invariants']} bound={f['bound']}")

@@ -36,7 +36,14 @@ from ..defaults import (
 )
 from ..errors import ConfigError
 
-__all__ = ["Event", "Scenario", "load_scenario", "parse_scenario", "scenario_names"]
+__all__ = [
+    "Event",
+    "Scenario",
+    "load_scenario",
+    "parse_scenario",
+    "scenario_from_yaml",
+    "scenario_names",
+]
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 
@@ -185,7 +192,22 @@ def load_scenario(file_or_name: str | Path) -> Scenario:
             )
         path = shipped
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"scenario {str(path)!r} cannot be read as YAML: {exc}") from None
-    return parse_scenario(data, str(path))
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"scenario {str(path)!r} cannot be read: {exc}") from None
+    return scenario_from_yaml(text, str(path))
+
+
+def scenario_from_yaml(text: str, source: str = "scenario") -> Scenario:
+    """Parse and validate a scenario given as YAML text.
+
+    Raises
+    ------
+    ConfigError
+        If the text is not YAML, not a mapping, or fails validation.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"scenario {source!r} cannot be read as YAML: {exc}") from None
+    return parse_scenario(data, source)

@@ -872,6 +872,11 @@ class Trainer:
                 who = sorted(p[:12] for d in hit for p in self.accepted[r][d])
                 bad_e.append(f"an equivocated digest of round {r} was certified by {who}")
             info["detected_by"] = len(self.detected.get(r, set()))
+        self.stats["equivocated_rounds"] = len(self.equivocated)
+        self.stats["equivocations_detected"] = sum(
+            1 for r in self.equivocated if self.detected.get(r)
+        )
+        self.stats["holder_gaps"] = len(self.holder_gaps)
         out["equivocation"] = {
             "ok": not bad_e,
             "detail": bad_e
