@@ -50,6 +50,7 @@ each peer's delay is about that (plus the sender's per-destination sends, not me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -376,19 +377,25 @@ async def _worker(conn: Any, index: int, hosts: int, n: int) -> None:
                     for h, address in args[0].items():
                         carrier.add_peer(f"host{h}", address)
                     result: Any = None
+                elif name == "end_pushes":
+                    ending.add(loop.create_task(carrier.end_pushes()))
+                    result = None
                 else:
                     result = host.dispatch(name, args)
                 conn.send(("ok", result))
             except Exception as exc:  # reported to the coordinator, which raises
                 conn.send(("error", f"{name}: {exc!r}"))
 
-    conn.send(("ready", carrier.address))
     loop = asyncio.get_running_loop()
+    ending: set[asyncio.Task[None]] = set()
+    conn.send(("ready", carrier.address))
     loop.add_reader(conn.fileno(), on_command)
     try:
         await stop.wait()
     finally:
         loop.remove_reader(conn.fileno())
+        for task in ending:
+            await task
         await carrier.close()
         conn.send(("stopped", None))
 
@@ -461,6 +468,9 @@ class _ProcessHosts:
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
+        for i in range(len(self._conns)):  # every stream ends before any server stops
+            with contextlib.suppress(OSError, ConfigError):
+                await self.call(i, "end_pushes")
         for i, conn in enumerate(self._conns):
             try:
                 conn.send(("stop", ()))
@@ -608,10 +618,13 @@ async def _build(cl: _Cluster, rng: random.Random, progress: Callable[[str], Non
             b = rng.choice(ids)
             if a != b:
                 pairs.add(tuple(sorted((a, b))))
-    ordered = sorted(pairs)
-    for h in range(cl.workers):
-        await cl.hosts.call(h, "connect_many", [(a, b) for a, b in ordered if cl.owner[a] == h])
-    await cl.settle()
+    by_first: dict[str, list[tuple[str, str]]] = {}
+    for a, b in sorted(pairs):
+        by_first.setdefault(a, []).append((a, b))
+    # One initiator's links at a time: no single command keeps a worker busy for long.
+    for a, links in sorted(by_first.items()):
+        await cl.call(a, "connect_many", links)
+        await cl.settle()
     await cl.heartbeat_round(_HEARTBEAT_S)
 
 

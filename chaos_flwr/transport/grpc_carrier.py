@@ -434,9 +434,13 @@ class GrpcCarrier(Carrier):
                 except (grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
                     pass
 
-    async def close(self) -> None:
-        """Stop the server (short grace for in-flight calls) and close all channels."""
-        for _ in range(TRANSPORT_PUSH_DRAIN_SPINS):  # let queued pushes go out first
+    async def end_pushes(self) -> None:
+        """Let queued pushes go out, then end every push stream this carrier opened.
+
+        Peers that stop together call this on all carriers before :meth:`close`, so no server
+        stops while a stream to it is still open. Pushing again opens new streams.
+        """
+        for _ in range(TRANSPORT_PUSH_DRAIN_SPINS):
             if not self.pending():
                 break
             await asyncio.sleep(0)
@@ -446,6 +450,10 @@ class GrpcCarrier(Carrier):
         for task in pushers:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def close(self) -> None:
+        """Stop the server (short grace for in-flight calls) and close all channels."""
+        await self.end_pushes()
         server, self._server = self._server, None
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
