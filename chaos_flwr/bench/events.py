@@ -32,7 +32,7 @@ events over pipes; the peers' ``now`` is a virtual clock it sets (they are sans-
 
 Security is not traded for speed: every peer opens (verifies) every envelope addressed to it and
 verifies every record signature itself (each peer has its own signature cache: a cache hit is
-only ever a signature that *this* peer verified before).
+only ever a signature that *this* peer verified before, or made itself).
 
 Floor and deployment figure
 ---------------------------
@@ -40,11 +40,13 @@ Floor and deployment figure
 the hosts count the signatures the affected peers had to verify (one envelope plus every record
 signature, per peer); ``floor_p50_ms`` is that count times ``verify_us`` divided by the cores in
 use: no implementation that keeps per-peer verification can settle the event faster on this
-machine. ``hop_p50_ms``/``hop_p99_ms`` are measured, not modelled: from the trigger until the
-*first* peer outside the event's own parties (the leaver, the link's ends, the suspect's
-watchers) applied the record: the event's protocol steps, then one seal, one loopback hop, one
-verify-and-apply. In a deployment every peer has its own cores and verifies in parallel, so
-each peer's delay is about that (plus the sender's per-destination sends, not measured here).
+machine (``floor_quiet_p50_ms`` uses ``verify_min_us``, the fastest timing round: the floor
+on cores nobody else is using). ``hop_p50_ms``/``hop_p99_ms`` are measured, not modelled: from
+the trigger until the *first* peer outside the event's own parties (the leaver, the link's
+ends, the suspect's watchers) applied the record: the event's protocol steps, then one seal, one
+loopback hop, one verify-and-apply. In a deployment every peer has its own cores and verifies
+in parallel, so each peer's delay is about that (plus the sender's per-destination sends, not
+measured here).
 """
 
 from __future__ import annotations
