@@ -201,33 +201,39 @@ def test_wrapper_leaves_and_drops_links_once_through_party_for(
     linker, leaver = _ctx(0, run_config), _ctx(2, run_config)
     for rnd in (1, 2, 3, 4):
         _train(app, linker, rnd)
-        _train(app, leaver, rnd)
+        if rnd < 4:
+            _train(app, leaver, rnd)
+    with pytest.raises(churn.NodeLeftError):
+        _train(app, leaver, 4)
     assert parties[0].calls == [("disconnect", ids[1])]  # once, at round 3
     assert parties[2].calls == [("leave", "")]
-    assert seen == [1, 1, 2, 2, 3, 3, 4, 4]  # the handlers still ran: the party decides
+    # the handlers ran in the leave round (the party decides); then the node is shut down
+    assert seen == [1, 1, 2, 2, 3, 3, 4]
 
 
 def test_an_action_the_party_refuses_is_reported_once_and_the_node_keeps_answering(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from chaos_flwr.errors import PolicyError
     from chaos_flwr.flower import client
+    from chaos_flwr.flower.keys import make_federation
 
     class Refusing(FakeParty):
-        def leave(self) -> None:
-            self.calls.append(("leave", ""))
-            raise PolicyError("not an active member")
+        def disconnect(self, other: str) -> None:
+            self.calls.append(("disconnect", other))
+            raise PolicyError("there is no up link")
 
     party = Refusing()
     monkeypatch.setattr(client, "party_for", lambda ctx, app=None: party)
+    keys = make_federation(tmp_path / "keys", 4, founders=3, seed="t")
     app, seen = _plain_app()
     churn.apply(app, parse_scenario(_base()))
-    leaver = _ctx(2)
+    linker = _ctx(0, {"chaos-keys-dir": str(keys)})
     for rnd in (3, 4, 5):
-        _train(app, leaver, rnd)
-    assert party.calls == [("leave", "")]
+        _train(app, linker, rnd)
+    assert len(party.calls) == 1 and party.calls[0][0] == "disconnect"
     assert seen == [3, 4, 5]
-    assert "leave p2 @r3 refused: PolicyError" in capsys.readouterr().err
+    assert "link-down p0-p1 @r3 refused: PolicyError" in capsys.readouterr().err
 
 
 def test_wrapper_reads_the_scenario_path_from_the_run_config(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ around an enabled ``ClientApp``, so the app itself keeps its Chaos diff):
   reply, as from a node that is not connected). From its round on the node answers, and its
   Chaos party is built on the first message it handles (it holds nothing and must join).
 - ``leave``: the party signs a leave record (``party_for(ctx).leave()``) on its first message
-  of that round; what happens next is the party's business (it answers nothing as a member).
+  of that round and answers the rest of the round as the party decides (the leave record goes
+  out with those replies); from the next round on its node is shut down: every message fails.
 - ``link-down`` / ``link-up``: ``party_for(ctx).disconnect(peer)`` / ``.connect(peer)``.
 
   An action the party refuses (e.g. a link-down with no link up) is reported on stderr and not
@@ -76,6 +77,7 @@ __all__ = [
     "ChurnEvent",
     "ChurnScenario",
     "NodeCrashedError",
+    "NodeLeftError",
     "NodeNotJoinedError",
     "apply",
     "load_scenario",
@@ -97,6 +99,10 @@ class NodeNotJoinedError(ChaosError):
 
 class NodeCrashedError(ChaosError):
     """A message reached a node that the scenario has crashed (until its ``return`` event)."""
+
+
+class NodeLeftError(ChaosError):
+    """A message reached the node of a party that left (its institution shut the node down)."""
 
 
 class ChurnEvent(BaseModel):
@@ -256,6 +262,14 @@ class ChurnScenario(BaseModel):
                 down = False
         return down
 
+    def gone_round(self, party: int) -> int | None:
+        """First round the node of a party that left is shut down (the round after its leave:
+        the leave record gets out with the node's replies of the leave round)."""
+        for ev in self.events:
+            if ev.kind == "leave" and ev.party == party:
+                return ev.round + 1
+        return None
+
     def actions(self, party: int, server_round: int) -> list[tuple[int, ChurnEvent]]:
         """Once-only actions (leave, link-down, link-up) due for the party by ``server_round``,
         each with its index in :attr:`events`."""
@@ -402,6 +416,9 @@ class _Emulator:
         if scenario.is_down(pid, rnd):
             _forget(context)  # a crash loses the process: the party comes back from its disk
             raise NodeCrashedError(f"churn: partition {pid} is crashed in round {rnd}")
+        gone = scenario.gone_round(pid)
+        if gone is not None and rnd >= gone:
+            raise NodeLeftError(f"churn: partition {pid} left; its node is shut down")
         kill = scenario.server_kill_round()
         if (
             kill is not None
