@@ -214,6 +214,8 @@ class Simulation:
                 self.wants.discard(p)
                 self.left.add(p)
                 self._send(p, self.peers[p].leave(now))
+                if self.trainer is not None:
+                    self.trainer.note_holder_gap(f"leave {p[:12]}")
             elif ev.action in ("link_up", "link_down"):
                 assert ev.a is not None and ev.b is not None
                 a, b = self.pids[ev.a], self.pids[ev.b]

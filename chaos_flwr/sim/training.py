@@ -191,6 +191,8 @@ class Trainer:
         self.equivocated: dict[int, dict[str, Any]] = {}
         self.detected: dict[int, set[str]] = {}
         self.holder_gaps: list[str] = []
+        self.gap_rounds: list[tuple[float, int]] = []
+        self.accepted_at: dict[tuple[int, bytes], float] = {}
         self.progress_marks: list[tuple[float, int]] = []
         self.stats = {
             "rounds_started": 0,
@@ -271,6 +273,10 @@ class Trainer:
 
         sim.engine.after(down_s, back)
 
+    def note_holder_gap(self, why: str) -> None:
+        """Record it if no live member holds the newest certified state any more."""
+        self._note_holder_gap(why)
+
     def _note_holder_gap(self, why: str) -> None:
         top = max(self.accepted, default=0)
         if top == 0:
@@ -284,6 +290,7 @@ class Trainer:
                 if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
                     return
         self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
+        self.gap_rounds.append((self.sim.engine.now, top))
 
     # --- traffic -----------------------------------------------------------------------------
 
@@ -632,6 +639,7 @@ class Trainer:
         tp.certs[c.round] = c
         tp.known[c.round] = c.digest
         self.accepted.setdefault(c.round, {}).setdefault(c.digest, set()).add(tp.pid)
+        self.accepted_at.setdefault((c.round, c.digest), self.sim.engine.now)
         tent = tp.tentative.pop(c.round, None)
         if tent is not None and tent[0] == c.digest:
             self._hold(tp, c.round, c.digest, tent[1])
@@ -811,8 +819,11 @@ class Trainer:
         # (3) every party's state for round r has the certified digest for r
         bad3: list[str] = []
         for r, by_digest in sorted(self.accepted.items()):
-            if len(by_digest) > 1 and not self.holder_gaps:
-                bad3.append(f"round {r} certified with {len(by_digest)} digests")
+            if len(by_digest) > 1:
+                second = sorted(self.accepted_at[(r, d)] for d in by_digest)[1]
+                # a round number is reused only after the state (and who signed it) was lost
+                if not any(t < second for t, _ in self.gap_rounds):
+                    bad3.append(f"round {r} certified with {len(by_digest)} digests")
         for pid, tp in sorted(self.parties.items()):
             for r, digest in tp.digests.items():
                 if hashlib.sha256(tp.held[r]).digest() != digest:
@@ -832,7 +843,8 @@ class Trainer:
         bad4: list[str] = []
         latest = {tp.top() for p, tp in self.parties.items() if p in live and p in wanted}
         holders = [p for p in live if final_top in self.parties[p].held]
-        if final_top and holders and not self.holder_gaps:
+        lost = any(r == final_top for _, r in self.gap_rounds)
+        if final_top and not lost:
             d = next(iter(self.accepted[final_top]))
             for p in live:
                 if p not in wanted:
@@ -845,8 +857,9 @@ class Trainer:
             "detail": bad4
             or (
                 f"all live parties hold round {final_top} (from {len(holders)} holders)"
-                if not self.holder_gaps
-                else f"state lost with every holder: {self.holder_gaps[:3]}"
+                if not lost
+                else f"round {final_top} was lost with every live holder (excused): "
+                f"{[g for g in self.holder_gaps if f'round {final_top}:' in g][:2]}"
             ),
             "latest": final_top,
             "held_rounds": sorted(latest),
@@ -854,7 +867,7 @@ class Trainer:
         # (5) progress whenever the founders' quorum is connected
         live_founders = [p for p in self.founders if p in live and p in wanted]
         progressed = any(t >= settle_from for t, _ in self.progress_marks)
-        ok5 = progressed or len(live_founders) < self.quorum or bool(self.holder_gaps)
+        ok5 = progressed or len(live_founders) < self.quorum
         out["progress"] = {
             "ok": ok5,
             "detail": (
@@ -877,6 +890,7 @@ class Trainer:
             1 for r in self.equivocated if self.detected.get(r)
         )
         self.stats["holder_gaps"] = len(self.holder_gaps)
+        self.stats["latest_lost"] = int(lost)
         out["equivocation"] = {
             "ok": not bad_e,
             "detail": bad_e
