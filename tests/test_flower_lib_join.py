@@ -250,6 +250,13 @@ def test_a_leaver_signs_its_leave_and_is_never_sampled_again(tmp_path: Path) -> 
     for p in range(3):
         view = w.party(p).peer.view()  # type: ignore[union-attr]
         assert view.members[leaver].status == "left"
+    # leaving is durable: its SuperNode restarts (and the ServerApp too): it stays out
+    forget_party(w.nodes[3].context)
+    again = w.strategy()
+    again.start(w.grid, _initial(), num_rounds=8, timeout=10)
+    assert w.party(3).left and not any(e.kind == "join" for r in again.rounds for e in r.events)
+    assert again.rounds[-1].members["left"] == [leaver]
+    assert all(node not in r.trained for r in again.rounds)
 
 
 def test_a_crashed_party_is_not_sampled_then_declared_failed_by_its_peers(tmp_path: Path) -> None:

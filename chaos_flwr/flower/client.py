@@ -93,6 +93,8 @@ RUN_KEYS_DIR = "chaos-keys-dir"
 RUN_STATE_ROOT = "chaos-state-root"
 #: ``node_config`` key Flower's simulation engine sets on every virtual SuperNode.
 NODE_PARTITION_ID = "partition-id"
+#: File in a party's state directory that says it left the federation (it stays out).
+LEFT_MARKER = "left"
 
 
 def certified_digest(arrays: ArrayRecord, server_round: int, strategy_state: bytes = b"") -> bytes:
@@ -263,6 +265,7 @@ class Party:
     _join_asked: tuple[float | None, tuple[str, ...]] = field(default=(None, ()), repr=False)
     evidence: list[Equivocation] = field(default_factory=list)
     auto_link: bool = True
+    state_dir: Path | None = None
     _links_asked: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _ledger: ReceiptLedger | None = field(default=None, repr=False)
     _evidence_sent: int = field(default=0, repr=False)
@@ -297,6 +300,12 @@ class Party:
             raise ConfigError(f"the peer of {self.party_id} has no leave action")
         self.pending.extend(action(self.clock()))
         self.left = True
+        if self.state_dir is not None:  # leaving is durable: a restart does not rejoin
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                (self.state_dir / LEFT_MARKER).write_text(f"{self.party_id}\n")
+            except OSError as exc:
+                self.errors.append(f"StoreError: cannot write the leave marker: {exc}")
 
     def connect(self, other_party_id: str) -> None:
         """Ask ``other_party_id`` for a link (a signed link-up record, both ends sign).
@@ -662,8 +671,18 @@ def default_party_factory(context: Context) -> Party:
     peer, out = _build_peer(ident, settings)
     keyring = dict(peer.policy.keyring) if hasattr(peer, "policy") else None
     party = Party(
-        party_id=str(ident.party_id), peer=peer, signer=ident.sign, store=store, keyring=keyring
+        party_id=str(ident.party_id),
+        peer=peer,
+        signer=ident.sign,
+        store=store,
+        keyring=keyring,
+        state_dir=settings.state_dir,
     )
+    if settings.state_dir is not None and (settings.state_dir / LEFT_MARKER).is_file():
+        # it left the federation before this restart: it stays out (delete the marker, or use
+        # a fresh state directory, to come back as a joiner)
+        party.left = True
+        return party
     party.restore()
     party.pending.extend(out)
     return party
