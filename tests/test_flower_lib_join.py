@@ -305,6 +305,7 @@ def test_restarted_parties_with_and_without_their_disks(tmp_path: Path) -> None:
     assert new3.peer.incarnation > old3.peer.incarnation  # type: ignore[union-attr]
     hello = second.rounds[0]
     assert hello.server_round == 3 and w.pid(3) in hello.holders  # its replica verified
+    assert second.last_pull is not None and len(second.last_pull.shares) >= 2  # in parallel
     assert w.pid(4) not in hello.holders
     assert [j.party for j in hello.joins] == [w.pid(4)]  # only the diskless one pulls
     assert hello.joins[0].ok and len(hello.joins[0].bytes_per_donor) >= 2

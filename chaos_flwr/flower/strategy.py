@@ -49,7 +49,6 @@ from chaos_flwr.defaults import (
     FLOWER_POLL_INTERVAL_S,
     FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
     FLOWER_PULL_DATA_KEY,
-    FLOWER_PULL_MIN_SHARD_BYTES,
     FLOWER_RESUME_MIN_RECEIPTS,
 )
 from chaos_flwr.errors import ChaosError, DecodeError
@@ -348,7 +347,7 @@ class ChaosStrategy(Strategy):
         relay: Relay | None = None,
         resume: bool = True,
         resume_min_receipts: int = FLOWER_RESUME_MIN_RECEIPTS,
-        resume_min_shard_bytes: int = FLOWER_PULL_MIN_SHARD_BYTES,
+        resume_min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
         charter: Any | None = None,
         join_min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
         join_max_donors: int = FLOWER_JOIN_MAX_DONORS,
