@@ -82,6 +82,7 @@ def _ask(
     poll_interval_s: float,
     clock: Callable[[], float],
     sleep: Callable[[float], None],
+    on_reply: Callable[[int, Message], None] | None = None,
 ) -> tuple[dict[int, ConfigRecord], set[int]]:
     msgs = []
     for node, req in requests.items():
@@ -103,6 +104,8 @@ def _ask(
     )
     out: dict[int, ConfigRecord] = {}
     for node, reply in res.replies.items():
+        if on_reply is not None:
+            on_reply(node, reply)  # the party's Chaos record (envelopes, receipt) is not lost
         rec = reply.content.get(FLOWER_PULL_DATA_KEY) if reply.has_content() else None
         if isinstance(rec, ConfigRecord):
             out[node] = rec
@@ -121,6 +124,7 @@ def pull_state(
     min_shard_bytes: int,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    on_reply: Callable[[int, Message], None] | None = None,
 ) -> tuple[ArrayRecord, PullReport]:
     """Pull the state certified as ``(server_round, digest)`` from ``holders`` in parallel.
 
@@ -130,6 +134,9 @@ def pull_state(
         ``(node id, party id)`` of parties whose verified receipts name that state.
     timeout_s:
         Deadline of each exchange; the whole pull ends when no live holder is left.
+    on_reply:
+        Called with every reply before its pull data is read (the caller absorbs the party's
+        Chaos record: relay envelopes, receipt).
 
     Raises
     ------
@@ -147,6 +154,7 @@ def pull_state(
         poll_interval_s=poll_interval_s,
         clock=clock,
         sleep=sleep,
+        on_reply=on_reply,
     )
     node_of = {party: node for node, party in holders}
     live = list(holders)

@@ -530,32 +530,7 @@ class ChaosStrategy(Strategy):
             sleep=self.sleep,
         )
         for node, reply in res.replies.items():
-            self.suspects.discard(node)
-            record = split_chaos(reply)
-            if record is None:
-                continue
-            try:
-                pr = self.relay.absorb(node, record)
-            except DecodeError as exc:
-                log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
-                continue
-            evidence = record.get("evidence")
-            if isinstance(evidence, list) and evidence:
-                who = pr.party or str(node)
-                log(WARNING, "Chaos: %s reports equivocation evidence (%d)", who, len(evidence))
-                log_.equivocations.extend(e for e in evidence if isinstance(e, bytes))
-            held = record.get("records")
-            if self.view is not None and isinstance(held, list):
-                self.view.sync(r for r in held if isinstance(r, bytes))
-            if self.view is not None:
-                for _, data in pr.outgoing:
-                    self.view.sent(data, log_.server_round)
-                party = pr.party or self.relay.party_of.get(node)
-                if party:
-                    self.view.delivered(party, taken.get(node, []))
-            self._note_receipt(
-                node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_
-            )
+            self._absorb(node, reply, taken, log_)
         for node, code in res.errors.items():
             self.suspects.add(node)
             log_.errors[node] = code
@@ -569,6 +544,35 @@ class ChaosStrategy(Strategy):
             live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
             self.view.settle(live)
         return res
+
+    def _absorb(
+        self, node: int, reply: Message, taken: Mapping[int, list[bytes]], log_: RoundLog
+    ) -> None:
+        """Take a party's Chaos record off its reply: route, fold, note its receipt."""
+        self.suspects.discard(node)
+        record = split_chaos(reply)
+        if record is None:
+            return
+        try:
+            pr = self.relay.absorb(node, record)
+        except DecodeError as exc:
+            log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
+            return
+        evidence = record.get("evidence")
+        if isinstance(evidence, list) and evidence:
+            who = pr.party or str(node)
+            log(WARNING, "Chaos: %s reports equivocation evidence (%d)", who, len(evidence))
+            log_.equivocations.extend(e for e in evidence if isinstance(e, bytes))
+        held = record.get("records")
+        if self.view is not None and isinstance(held, list):
+            self.view.sync(r for r in held if isinstance(r, bytes))
+        if self.view is not None:
+            for _, data in pr.outgoing:
+                self.view.sent(data, log_.server_round)
+            party = pr.party or self.relay.party_of.get(node)
+            if party:
+                self.view.delivered(party, taken.get(node, []))
+        self._note_receipt(node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_)
 
     def _phase(
         self,
@@ -942,6 +946,7 @@ class ChaosStrategy(Strategy):
                     min_shard_bytes=self.resume_min_shard_bytes,
                     clock=self.clock,
                     sleep=self.sleep,
+                    on_reply=lambda n, m: self._absorb(n, m, {}, hello),
                 )
             except ChaosError as exc:
                 log(WARNING, "Chaos: pulling round %d from its holders failed: %s", rnd, exc)
