@@ -813,6 +813,11 @@ class Trainer:
 
     # --- invariants --------------------------------------------------------------------------
 
+    def accepted_digest(self, round: int) -> bytes:
+        """The digest parties certified for ``round`` (the first, if a lost round was reused)."""
+        by_digest = self.accepted[round]
+        return min(by_digest, key=lambda d: self.accepted_at[(round, d)])
+
     def check(self, live: Sequence[str], wanted: set[str], settle_from: float) -> dict[str, Any]:
         """Invariants 3-5 and equivocation (see the module docstring of the runner)."""
         out: dict[str, Any] = {}
