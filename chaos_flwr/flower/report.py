@@ -195,7 +195,11 @@ def build_report(
             }
         )
 
-    membership = [(run_no, ev) for run_no, rlog in logs for ev in rlog.get("events", []) or []]
+    membership = [
+        (run_no, ev)
+        for run_no, rlog in [*logs, *((len(chaos_runs), r) for r in resume_logs)]
+        for ev in rlog.get("events", []) or []
+    ]
     joins_out = _joins(logs, parts, scenario, line_time, by_round)
     events_out = []
     for i, ev in enumerate(scenario.events):
@@ -348,7 +352,14 @@ def _joins(
             first_trained = (
                 _first_round_with(by_round, part, rnd, parts) if part is not None else None
             )
-            join_round = scenario.join_round(part) if part is not None else rnd
+            # from the start of the round of the scenario event that made it pull (its join, or
+            # its return after a crash) to the end of the first round it trained in
+            starts = [
+                ev.round
+                for ev in scenario.events
+                if ev.party == part and ev.kind in ("join", "return") and ev.round <= rnd + 1
+            ]
+            join_round = max(starts) if starts else rnd
             start = line_time.get(join_round - 1)
             end = line_time.get(first_trained) if first_trained is not None else None
             out.append(
