@@ -172,6 +172,41 @@ def test_exchange_returns_as_soon_as_the_awaited_nodes_answered() -> None:
     assert res.elapsed_s < 0.1
 
 
+def test_a_reply_that_misses_its_deadline_is_collected_by_a_later_exchange() -> None:
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    fast, slow = grid.add_node(app), grid.add_node(app)
+    slow.delay_s = 3.0
+
+    def msg(node: int) -> Message:
+        return Message(RecordDict(), dst_node_id=node, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+
+    first = exchange(
+        grid, [msg(fast.node_id), msg(slow.node_id)], timeout_s=1.0, clock=clock,
+        sleep=clock.sleep,
+    )  # fmt: skip
+    assert first.missing == {slow.node_id} and set(first.missing_ids.values()) == {slow.node_id}
+    late_id = next(iter(first.missing_ids))
+    second = exchange(
+        grid, [msg(fast.node_id)], timeout_s=5.0, clock=clock, sleep=clock.sleep,
+        late=first.missing_ids,
+    )  # fmt: skip
+    assert set(second.replies) == {fast.node_id}  # it did not wait for the late one ...
+    assert second.late == {}
+    third = exchange(
+        grid, [msg(fast.node_id)], timeout_s=5.0, wait_for=set(), clock=clock,
+        sleep=clock.sleep, late=first.missing_ids,
+    )  # fmt: skip
+    clock.t += 3.0  # the slow node's reply is ready now
+    fourth = exchange(
+        grid, [msg(fast.node_id)], timeout_s=5.0, clock=clock, sleep=clock.sleep,
+        late=first.missing_ids,
+    )  # fmt: skip
+    assert third.late == {} and set(fourth.late) == {slow.node_id}
+    assert fourth.late[slow.node_id].metadata.reply_to_message_id == late_id
+
+
 # -- peers talking through the relay ----------------------------------------------------------
 def test_envelopes_travel_between_peers_through_the_relay() -> None:
     grid = FakeGrid()

@@ -294,12 +294,20 @@ class ExchangeResult:
         Nodes that were sent a message and had not replied by the deadline.
     elapsed_s:
         Wall time of the exchange.
+    missing_ids:
+        Message id -> node of the messages still unanswered (pass them as ``late`` to a later
+        exchange to collect replies that come after the deadline).
+    late:
+        Node -> a reply to a message of an *earlier* exchange (see ``late``) that came in
+        during this one.
     """
 
     replies: dict[int, Message]
     errors: dict[int, int]
     missing: set[int]
     elapsed_s: float
+    missing_ids: dict[str, int] = field(default_factory=dict)
+    late: dict[int, Message] = field(default_factory=dict)
 
 
 def exchange(
@@ -311,6 +319,7 @@ def exchange(
     poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    late: Mapping[str, int] | None = None,
 ) -> ExchangeResult:
     """Push ``messages``, then pull replies until all of ``wait_for`` answered or the deadline.
 
@@ -328,6 +337,9 @@ def exchange(
         that they never hold a phase up.
     poll_interval_s:
         Pause between pulls.
+    late:
+        Message id -> node of earlier messages whose replies missed their deadline: they are
+        pulled too (never waited for) and returned in ``late``.
     """
     start = clock()
     ids = list(grid.push_messages(messages))
@@ -339,9 +351,17 @@ def exchange(
     replies: dict[int, Message] = {}
     errors: dict[int, int] = {}
     deadline = start + timeout_s
+    late_out = dict(late or {})
+    late_replies: dict[int, Message] = {}
     while outstanding:
-        for reply in grid.pull_messages([m for m in ids if m in outstanding]):
+        asked = [m for m in ids if m in outstanding] + list(late_out)
+        for reply in grid.pull_messages(asked):
             mid = reply.metadata.reply_to_message_id
+            if mid in late_out:
+                lnode = late_out.pop(mid)
+                if not reply.has_error():
+                    late_replies[lnode] = reply
+                continue
             node = node_of_msg.get(mid)
             if node is None or mid not in outstanding:
                 continue
@@ -355,7 +375,14 @@ def exchange(
             break
         sleep(min(poll_interval_s, max(0.0, deadline - clock())))
     missing = {node_of_msg[mid] for mid in outstanding}
-    return ExchangeResult(replies, errors, missing, clock() - start)
+    return ExchangeResult(
+        replies,
+        errors,
+        missing,
+        clock() - start,
+        missing_ids={mid: node_of_msg[mid] for mid in outstanding},
+        late=late_replies,
+    )
 
 
 def node_map(messages: Iterable[Message]) -> Mapping[int, Message]:

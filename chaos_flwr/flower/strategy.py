@@ -385,6 +385,7 @@ class ChaosStrategy(Strategy):
         self._round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = {}
         self._forward_round = -1
         self._hello = RoundLog(-1)
+        self._late: dict[str, int] = {}
         if charter is not None:
             from chaos_flwr.flower.serverview import ServerView
 
@@ -528,7 +529,16 @@ class ChaosStrategy(Strategy):
             poll_interval_s=self.poll_interval_s,
             clock=self.clock,
             sleep=self.sleep,
+            late=self._late,
         )
+        # replies to earlier messages that missed their deadline: their envelopes and
+        # receipts still count (a recipient refuses a duplicate envelope as a replay)
+        for mid in list(self._late):
+            if self._late[mid] in res.late or self._late[mid] in addressed:
+                del self._late[mid]  # answered late, or superseded by this exchange's message
+        for node, reply in res.late.items():
+            self._absorb(node, reply, {}, log_)
+        self._late.update(res.missing_ids)
         for node, reply in res.replies.items():
             self._absorb(node, reply, taken, log_)
         for node, code in res.errors.items():
