@@ -307,38 +307,6 @@ SIM_SOAK_TICK_INTERVAL_S: float = 0.5
 SIM_SOAK_LARGE_SHARE: float = 0.01
 #: Soak (max parties > 12): share of seeds with 13..40 parties (the rest have 5..12).
 SIM_SOAK_MEDIUM_SHARE: float = 0.05
-#: Sim training: bytes of the deterministic aggregate array of a round's state.
-SIM_TRAIN_STATE_BYTES: int = 4096
-#: Sim training: most contributors per round (the relay samples, founders first).
-SIM_TRAIN_MAX_CONTRIBUTORS: int = 8
-#: Sim training: most parties invited per round (founders plus a sample of members).
-SIM_TRAIN_MAX_INVITED: int = 12
-#: Sim training: how long the relay collects ``ready`` replies before fixing the contributors.
-SIM_TRAIN_COLLECT_S: float = 0.3
-#: Sim training: a round not certified this long after its start is abandoned.
-SIM_TRAIN_ROUND_TIMEOUT_S: float = 2.0
-#: Sim training: pause between a certified round and the next one.
-SIM_TRAIN_ROUND_GAP_S: float = 0.5
-#: Sim training: a donor that does not answer a manifest request this long is skipped.
-SIM_TRAIN_PULL_TIMEOUT_S: float = 1.0
-#: Sim training: smallest shard of a simulated pull (small, so pulls use several donors).
-SIM_TRAIN_MIN_SHARD_BYTES: int = 512
-#: Sim training: most shards of a simulated pull.
-SIM_TRAIN_MAX_SHARDS: int = 16
-#: Sim training: rounds stop this long before the end so pulls and certificates settle.
-SIM_TRAIN_QUIESCE_S: float = 8.0
-#: Timeline events of a random soak schedule (``chaos-flwr simulate --soak``).
-SIM_SOAK_EVENTS: int = 200
-#: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
-SIM_SOAK_CI_SEEDS: int = 300
-#: Soak: settle time after the last schedule event, in virtual seconds.
-SIM_SOAK_SETTLE_S: float = 22.0
-#: Soak: peer tick interval of a random schedule, in virtual seconds.
-SIM_SOAK_TICK_INTERVAL_S: float = 0.5
-#: Soak (max parties > 12): share of seeds with max_parties/2..max_parties parties.
-SIM_SOAK_LARGE_SHARE: float = 0.01
-#: Soak (max parties > 12): share of seeds with 13..40 parties (the rest have 5..12).
-SIM_SOAK_MEDIUM_SHARE: float = 0.05
 
 # --- flower: churn scenarios, the demo and its report ------------------------------------------
 #: Largest churn scenario YAML file read, in bytes.
