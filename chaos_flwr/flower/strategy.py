@@ -537,7 +537,7 @@ class ChaosStrategy(Strategy):
             if self._late[mid] in res.late or self._late[mid] in addressed:
                 del self._late[mid]  # answered late, or superseded by this exchange's message
         for node, reply in res.late.items():
-            self._absorb(node, reply, {}, log_)
+            self._absorb(node, reply, {}, log_, in_time=False)  # still a suspect
         self._late.update(res.missing_ids)
         for node, reply in res.replies.items():
             self._absorb(node, reply, taken, log_)
@@ -556,10 +556,17 @@ class ChaosStrategy(Strategy):
         return res
 
     def _absorb(
-        self, node: int, reply: Message, taken: Mapping[int, list[bytes]], log_: RoundLog
+        self,
+        node: int,
+        reply: Message,
+        taken: Mapping[int, list[bytes]],
+        log_: RoundLog,
+        *,
+        in_time: bool = True,
     ) -> None:
         """Take a party's Chaos record off its reply: route, fold, note its receipt."""
-        self.suspects.discard(node)
+        if in_time:
+            self.suspects.discard(node)
         record = split_chaos(reply)
         if record is None:
             return
