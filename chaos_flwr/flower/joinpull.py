@@ -12,8 +12,9 @@ manifest and every shard, and assembles the state. One relay **step** is two exc
    replica (:func:`chaos_flwr.flower.pull.serve_request`); a donor that errs, misses the
    deadline or sends nothing is reported *lost* to the joiner, which re-plans its shards.
 
-Steps: size (one donor), manifest (one donor), then the shards from all donors at once (and a
-re-plan step per lost donor). Records, per RecordDict of a message:
+Steps: size and manifest (one donor, which plans the shard shape as the joiner will), then the
+shards from all donors at once (and a re-plan step per lost donor or odd manifest). Records,
+per RecordDict of a message:
 
 - ``chaos-pull`` (:data:`~chaos_flwr.defaults.FLOWER_PULL_DATA_KEY`): the control record;
 - ``chaos-pull.<party id>``: the request to / reply from that donor.
@@ -163,23 +164,46 @@ class JoinerPull:
             return self.stage, {}
         if self.stage == "size":
             if self._asked:
-                value = replies.get(self._asked, ConfigRecord()).get("total")
+                rec = replies.get(self._asked, ConfigRecord())
+                value = rec.get("total")
                 if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                     self.total = value
                     self.plan = plan_transfer(
                         value, self._plan_donors(), min_shard_bytes=self.min_shard_bytes
                     )
+                    asked, self._asked = self._asked, ""
                     self.stage = "manifest"
-                    self._asked = ""
+                    raw = rec.get("manifest")
+                    if isinstance(raw, bytes):
+                        try:
+                            manifest = Manifest.from_bytes(raw)
+                            manifest.check_certified(self.digest, value)
+                        except (ChaosError, ValueError):
+                            self._lose(asked)  # a manifest that does not name the digest
+                        else:
+                            if (manifest.shard_bytes, manifest.num_shards) == (
+                                self.plan.shard_bytes,
+                                self.plan.num_shards,
+                            ):
+                                return self._start_shards(manifest, now)
                 else:
                     self._lose(self._asked)
             if self.stage == "size":
                 if not self._live:
                     return self._fail("no donor answered with the state size")
                 self._asked = self._live[0]
-                return WANT, {self._asked: ConfigRecord({"op": "size"})}
+                # size and manifest in one step: the donor plans as the joiner will (same
+                # donor count and assumed rates); a manifest of another shape is asked again
+                req = ConfigRecord(
+                    {
+                        "op": "plan-manifest",
+                        "donors": len(self._live),
+                        "min-shard": self.min_shard_bytes,
+                    }
+                )
+                return WANT, {self._asked: req}
         if self.stage == "manifest":
-            assert self.plan is not None and self.total is not None
+            assert self.total is not None
             if self._asked:
                 raw = replies.get(self._asked, ConfigRecord()).get("manifest")
                 try:
@@ -190,28 +214,13 @@ class JoinerPull:
                 except (ChaosError, ValueError):
                     self._lose(self._asked)
                 else:
-                    live = set(self._live)
-                    self.session = PullSession(
-                        manifest,
-                        self.plan,
-                        [d for d in self._plan_donors() if d.id in live],
-                        now=now,
-                        expected_digest=self.digest,
-                        # one relay step carries every request: the ServerApp's per-phase
-                        # deadline decides who is lost, not a local request timer
-                        window=max(1, self.plan.num_shards),
-                        min_timeout_s=FLOWER_JOIN_REQUEST_TIMEOUT_S,
-                    )
-                    self.stage = "shards"
-                    self._asked = ""
-                    return self._requests(self.session.poll(now), now)
+                    return self._start_shards(manifest, now)
             if not self._live:
                 return self._fail("no donor sent a manifest that names the certified digest")
-            if self._asked and self._asked not in self._live and self.plan is not None:
-                # re-plan over the donors left (the lost one must not get shards)
-                self.plan = plan_transfer(
-                    self.total, self._plan_donors(), min_shard_bytes=self.min_shard_bytes
-                )
+            # plan over the donors left (a lost one must not get shards)
+            self.plan = plan_transfer(
+                self.total, self._plan_donors(), min_shard_bytes=self.min_shard_bytes
+            )
             self._asked = self._live[0]
             req = ConfigRecord(
                 {
@@ -260,6 +269,24 @@ class JoinerPull:
             self.stage = DONE
             return DONE, {}
         return self._requests(actions, now)
+
+    def _start_shards(self, manifest: Manifest, now: float) -> tuple[str, dict[str, ConfigRecord]]:
+        assert self.plan is not None
+        live = set(self._live)
+        self.session = PullSession(
+            manifest,
+            self.plan,
+            [d for d in self._plan_donors() if d.id in live],
+            now=now,
+            expected_digest=self.digest,
+            # one relay step carries every request: the ServerApp's per-phase deadline
+            # decides who is lost, not a local request timer
+            window=max(1, self.plan.num_shards),
+            min_timeout_s=FLOWER_JOIN_REQUEST_TIMEOUT_S,
+        )
+        self.stage = "shards"
+        self._asked = ""
+        return self._requests(self.session.poll(now), now)
 
     def _requests(
         self, actions: Sequence[object], now: float

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid
 from chaos_flwr.defaults import (
     FLOWER_CHAOS_MESSAGE_TYPE,
     FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_JOIN_MAX_DONORS,
     FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
     FLOWER_PULL_DATA_KEY,
 )
@@ -52,6 +53,17 @@ def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
     op = request.get("op")
     if op == "size":
         return ConfigRecord({"total": len(state_bytes)})
+    if op == "plan-manifest":  # size + manifest in one reply, shaped as the joiner plans
+        n, min_shard = request.get("donors"), request.get("min-shard")
+        if not isinstance(n, int) or not isinstance(min_shard, int) or n < 1 or min_shard < 1:
+            raise DecodeError("pull request fields 'donors'/'min-shard' must be ints >= 1")
+        n = min(n, FLOWER_JOIN_MAX_DONORS)
+        donors = [
+            PlanDonor(id=f"d{i}", bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS) for i in range(n)
+        ]
+        plan = plan_transfer(len(state_bytes), donors, min_shard_bytes=min_shard)
+        manifest = Manifest.build(state_bytes, plan.shard_bytes, num_shards=plan.num_shards)
+        return ConfigRecord({"total": len(state_bytes), "manifest": manifest.to_bytes()})
     if op == "manifest":
         shard_bytes, num_shards = request.get("shard-bytes"), request.get("num-shards")
         if not isinstance(shard_bytes, int) or not isinstance(num_shards, int):
@@ -69,7 +81,9 @@ def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
                 raise DecodeError("pull request ranges must be ints with 0 <= start <= end")
             data.append(state_bytes[s:e])
         return ConfigRecord({"index": [i for i in idx if isinstance(i, int)], "data": data})
-    raise DecodeError(f"pull request field 'op' must be size, manifest or shards, got {op!r}")
+    raise DecodeError(
+        f"pull request field 'op' must be size, plan-manifest, manifest or shards, got {op!r}"
+    )
 
 
 def _ask(
