@@ -338,4 +338,7 @@ FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 40.0
 #: Wall-time bound of the whole deployment-engine churn figure, in seconds.
 FLOWER_DEPLOY_TIMEOUT_S: float = 660.0
 #: Rounds after its start the deployment figure waits for the joiner to train before the crash.
-FLOWER_DEPLOY_JOIN_ROUNDS: int = 2
+FLOWER_DEPLOY_JOIN_ROUNDS: int = 1
+#: Phase deadline of the resumed run of the deployment figure, in phase deadlines (its hello
+#: waits while SuperNodes work through the killed run's queued messages).
+FLOWER_DEPLOY_RESUME_PHASES: float = 3.0

@@ -45,6 +45,7 @@ def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) 
     # server restart: the new run resumed right after the last certified round, from the
     # parties' replicas (shards from >= 2 holders, checked against their signed receipts)
     assert fig["server_killed_pids"] >= 1
+    assert fig["resumed_first_round"] == fig["certified_before_kill"] + 1
     assert fig["resumed_at_round"] == fig["certified_before_kill"] + 1
     pull = fig["resume_pull"]
     assert pull and len(pull["shares"]) >= 2 and sum(pull["shares"].values()) > 0

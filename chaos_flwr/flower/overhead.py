@@ -23,6 +23,7 @@ from chaos_flwr.defaults import (
     FLOWER_DEPLOY_FOUNDERS,
     FLOWER_DEPLOY_JOIN_ROUNDS,
     FLOWER_DEPLOY_PHASE_TIMEOUT_S,
+    FLOWER_DEPLOY_RESUME_PHASES,
     FLOWER_DEPLOY_ROUNDS,
     FLOWER_DEPLOY_TIMEOUT_S,
     FLOWER_EXAMPLE_SUPERNODES,
@@ -232,10 +233,19 @@ def measure_deploy_churn(
         cluster.note_pids()
         stop_process_tree(run1)
         t_restart = time.time()
-        run2 = cluster.start_run({**cfg, "progress-path": str(progress2)}, "run-2.log")
-        _wait_for(lambda: any(x["round"] >= 1 for x in read_progress(progress2)), deadline,
-                  "the resumed run's first round", run2)  # fmt: skip
-        resumed = next(x for x in read_progress(progress2) if x["round"] >= 1)
+        # the SuperNodes first work through the killed run's queued messages (a ClientApp
+        # process each): the resumed run's hello gets a longer deadline
+        resume_cfg = {**cfg, "phase-timeout-s": phase_timeout_s * FLOWER_DEPLOY_RESUME_PHASES}
+        run2 = cluster.start_run({**resume_cfg, "progress-path": str(progress2)}, "run-2.log")
+
+        def trained_round(x: dict[str, Any]) -> bool:
+            return bool(x["round"] >= 1 and _trained_parties(x))
+
+        _wait_for(lambda: any(trained_round(x) for x in read_progress(progress2)), deadline,
+                  "the resumed run's first trained round", run2)  # fmt: skip
+        lines2 = read_progress(progress2)
+        resumed = next(x for x in lines2 if trained_round(x))
+        out["resumed_first_round"] = next(x["round"] for x in lines2 if x["round"] >= 1)
         out["resumed_at_round"] = resumed["round"]
         out["restart_to_first_round_s"] = float(resumed["time"]) - t_restart
         out["resume_pull"] = resumed.get("last_pull")
