@@ -307,6 +307,8 @@ SIM_SOAK_TICK_INTERVAL_S: float = 0.5
 SIM_SOAK_LARGE_SHARE: float = 0.01
 #: Soak (max parties > 12): share of seeds with 13..40 parties (the rest have 5..12).
 SIM_SOAK_MEDIUM_SHARE: float = 0.05
+#: Soak: share of crashed parties that restart without their disk.
+SIM_SOAK_DISK_LOSS: float = 0.35
 
 # --- flower: churn scenarios, the demo and its report ------------------------------------------
 #: Largest churn scenario YAML file read, in bytes.

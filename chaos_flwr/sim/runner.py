@@ -20,6 +20,7 @@ from ..defaults import (
     SIM_BENCH_RUNS,
     SIM_FOUNDERS,
     SIM_REJOIN_INTERVAL_S,
+    SIM_SOAK_DISK_LOSS,
     SIM_SOAK_EVENTS,
     SIM_SOAK_GAP_MAX_S,
     SIM_SOAK_GAP_MIN_S,
@@ -489,7 +490,8 @@ def random_scenario(
             back = t + rng.uniform(0.5, 5.0)
             crashed_until[p] = back
             evs.append({"at": t, "action": "crash", "party": p})
-            evs.append({"at": back, "action": "restart", "party": p, "disk": rng.random() < 0.5})
+            disk = rng.random() >= SIM_SOAK_DISK_LOSS
+            evs.append({"at": back, "action": "restart", "party": p, "disk": disk})
         elif choice == "leave":
             cand = [i for i in up if i >= SIM_FOUNDERS and i not in left]
             if cand:

@@ -179,6 +179,7 @@ class Trainer:
         self.latest: _Cert | None = None
         self.newest: _Cert | None = None
         self.equivocate_next = False
+        self.census = False
         self.stop_at = float("inf")
         self._relay_receipts: dict[bytes, dict[str, Receipt]] = {}
         self.kill_armed: tuple[float, bool] | None = None
@@ -205,6 +206,7 @@ class Trainer:
             "donor_kills_mid_transfer": 0,
             "pulls_survived_donor_loss": 0,
             "relay_restarts": 0,
+            "rollbacks": 0,
             "bad_inputs": 0,
         }
 
@@ -334,7 +336,9 @@ class Trainer:
         founders = [p for p in self.founders if p in wanted]
         others = [p for p in wanted if p not in founders]
         room = max(0, SIM_TRAIN_MAX_INVITED - len(founders))
-        if len(others) > room:
+        if self.census:  # nobody sampled held the newest round: ask everyone once
+            self.census = False
+        elif len(others) > room:
             others = sorted(eng.rng.sample(others, room))
         invited = founders + others
         self.cur = _Round(r, invited)
@@ -427,11 +431,16 @@ class Trainer:
             self.latest = base
         # Nothing certified is known by anyone: every wanted party answered, none holds or
         # knows a certified round (all lost their disks). Only then may fresh parties start over.
-        amnesia = (
-            self.newest is None
-            and top == 0
-            and all(p in cur.ready for p in self.sim.wants if p in self.parties)
-        )
+        # After a total loss (every wanted party answered and none holds the newest round
+        # anyone knows of) training goes on from the best state still held, under new round
+        # numbers (never reusing one): what a restarted federation can do without the lost state.
+        everyone = all(p in cur.ready for p in self.sim.wants if p in self.parties)
+        newest = self.newest.round if self.newest is not None else 0
+        amnesia = everyone and (top < newest or newest == top == 0)
+        if amnesia and top < newest:
+            self.stats["rollbacks"] += 1
+        elif top < newest and not everyone:
+            self.census = True
         holders = sorted(
             p
             for p, (h, d) in cur.ready.items()
@@ -649,6 +658,7 @@ class Trainer:
     def _hold(self, tp: TrainParty, r: int, digest: bytes, data: bytes) -> None:
         tp.held[r] = data
         tp.digests[r] = digest
+        tp.fresh = False  # it holds a certified state: it may contribute again
         if r > max((m for _, m in self.progress_marks), default=0):
             self.progress_marks.append((self.sim.engine.now, r))
             self.stats["rounds_certified"] += 1
@@ -848,9 +858,9 @@ class Trainer:
         bad4: list[str] = []
         latest = {tp.top() for p, tp in self.parties.items() if p in live and p in wanted}
         holders = [p for p in live if final_top in self.parties[p].held]
-        lost = any(r == final_top for _, r in self.gap_rounds)
+        lost = not holders and any(r == final_top for _, r in self.gap_rounds)
         if final_top and not lost:
-            d = next(iter(self.accepted[final_top]))
+            d = max(self.accepted[final_top], key=lambda x: self.accepted_at[(final_top, x)])
             for p in live:
                 if p not in wanted:
                     continue
