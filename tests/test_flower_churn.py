@@ -346,6 +346,7 @@ def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> Non
     from chaos_flwr.flower import runner
     from chaos_flwr.flower.demo import run_demo
 
+    before = set(runner.descendants(os.getpid()))  # e.g. workers of earlier tests
     result = run_demo(tmp_path / "out", timeout_s=180, plot=False)
     rep = result.report
     assert json.loads(result.report_path.read_text()) == json.loads(
@@ -374,4 +375,5 @@ def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> Non
     # nothing left running: every pid the runs saw is gone, and no child of this process
     for run in result.runs:
         assert not [p for p in run.pids if runner._alive(p)]
-    assert [p for p in runner.descendants(os.getpid()) if runner._alive(p)] == []
+    new = [p for p in runner.descendants(os.getpid()) if p not in before]
+    assert [p for p in new if runner._alive(p)] == []
