@@ -16,6 +16,13 @@ Example::
       - {at: 20, action: restart, party: 2, disk: true}
       - {at: 10, action: faults, drop: 0.05, duplicate: 0.05, reorder: 0.2, reorder_max_s: 0.3}
       - {at: 12, action: forge, party: 1, count: 4}
+
+With ``training: true`` the federation also trains (:mod:`chaos_flwr.sim.training`: a relay,
+certified digests, replicas, pulls) and four more actions apply: ``relay_restart`` (down for
+``down_s``), ``equivocate`` (the relay's next round shows two contributor sets),
+``crash_donor`` (the next donor asked for a shard crashes mid transfer and restarts ``down_s``
+later, with or without ``disk``). ``flap`` (fields ``a``, ``b``, ``down_s``) cuts one link for
+a while, with or without training.
 """
 
 from __future__ import annotations
