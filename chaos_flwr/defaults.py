@@ -330,6 +330,8 @@ FLOWER_DEMO_OUT_DIR: str = "chaos-demo-report"
 FLOWER_DEMO_MAX_ACCURACY_GAP: float = 0.02
 #: Wall-time bound of each simulation run of the demo, in seconds.
 FLOWER_DEMO_RUN_TIMEOUT_S: float = 600.0
+#: Phase deadline of the demo's Chaos runs, in seconds (their first exchange waits for Ray).
+FLOWER_DEMO_PHASE_TIMEOUT_S: float = 90.0
 #: Founding SuperNodes of the deployment-engine churn figure (one more joins mid-run).
 FLOWER_DEPLOY_FOUNDERS: int = 3
 #: Rounds of the deployment-engine churn figure's runs (more than the join, the crash and the

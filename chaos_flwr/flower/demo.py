@@ -33,6 +33,7 @@ from chaos_flwr.defaults import (
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
     FLOWER_DEMO_MAX_ACCURACY_GAP,
+    FLOWER_DEMO_PHASE_TIMEOUT_S,
     FLOWER_DEMO_RUN_TIMEOUT_S,
     FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
@@ -172,6 +173,10 @@ def run_demo(
         "num-server-rounds": scen.rounds,
         # fewest parties a round trains with: the scenario takes several away at once
         "min-nodes": max(1, scen.institutions - 2),
+        # the first exchange of a run waits for Ray to start its workers (tens of seconds on a
+        # loaded machine); a node that misses it stays a suspect. Churned nodes answer at once
+        # (with an error), so a long deadline costs nothing when nothing is slow.
+        "phase-timeout-s": FLOWER_DEMO_PHASE_TIMEOUT_S,
     }
     if local_epochs is not None:
         common["local-epochs"] = local_epochs
