@@ -415,3 +415,31 @@ def test_resume_pulls_shares_from_several_holders_and_survives_a_lost_one() -> N
     assert "p1003" in report.lost and "p1003" not in report.shares
     for key, arr in _arrays(first.arrays).items():
         np.testing.assert_array_equal(_arrays(res.arrays)[key], arr)
+
+
+def test_nodes_that_all_missed_a_deadline_are_waited_for_again_once_they_answer() -> None:
+    clock = VClock()
+    grid = _grid(True, n=3, clock=clock)
+    for node in grid.get_node_ids():  # the first exchange is slower than its deadline
+        grid.node(node).delay_s = 5.0
+    strategy = ChaosStrategy(
+        FedAvg(min_available_nodes=3), phase_timeout_s=1.0, clock=clock, sleep=clock.sleep
+    )
+    original = strategy._exchange
+    calls = {"n": 0}
+
+    def exchange_then_speed_up(*args, **kwargs):  # type: ignore[no-untyped-def]
+        res = original(*args, **kwargs)
+        calls["n"] += 1
+        for node in grid.get_node_ids():
+            grid.node(node).delay_s = 0.0  # the federation is fast from then on
+        return res
+
+    strategy._exchange = exchange_then_speed_up  # type: ignore[method-assign]
+    res = strategy.start(grid, _initial(), num_rounds=4, timeout=60)
+    first = strategy.rounds[0]
+    assert sorted(first.missing) == sorted(grid.get_node_ids())  # all missed round 0
+    assert strategy.rounds[-1].trained and sorted(strategy.rounds[-1].trained) == sorted(
+        grid.get_node_ids()
+    )  # their late replies showed them alive: they are sampled and waited for again
+    assert 4 in res.train_metrics_clientapp

@@ -537,7 +537,10 @@ class ChaosStrategy(Strategy):
             if self._late[mid] in res.late or self._late[mid] in addressed:
                 del self._late[mid]  # answered late, or superseded by this exchange's message
         for node, reply in res.late.items():
-            self._absorb(node, reply, {}, log_, in_time=False)  # still a suspect
+            # it is alive: no longer a suspect (the next phase may wait for it, up to its
+            # deadline; otherwise a federation whose every node once missed a deadline, e.g.
+            # a first exchange while Ray starts, would never be waited for again)
+            self._absorb(node, reply, {}, log_)
         self._late.update(res.missing_ids)
         for node, reply in res.replies.items():
             self._absorb(node, reply, taken, log_)
@@ -887,6 +890,10 @@ class ChaosStrategy(Strategy):
                 n for n in (prev_holders | set(rlog.trained)) & nodes_now
                 if n not in self.suspects
             }  # fmt: skip
+            if not receivers:
+                # nobody holds the previous state (e.g. every node missed the last deadline):
+                # there is no party to pull from, so the state goes to every live node
+                receivers = {n for n in nodes_now if n not in self.suspects} or set(nodes_now)
             eval_need = _min_nodes(self.inner, "evaluate")
             eval_msgs: list[Message] = []
             if len(receivers) >= eval_need:
