@@ -280,7 +280,7 @@ def test_a_crashed_party_is_not_sampled_then_declared_failed_by_its_peers(tmp_pa
     assert later and all(victim.node_id not in r.eligible for r in later)
     failed_in = [r for r in strategy.rounds if crashed in r.failures]
     assert failed_in, "the peers' fail record never reached the server-side view"
-    assert strategy.rounds[-1].members["failed"] == [crashed]
+    assert crashed in strategy.rounds[-1].members["failed"]
     (event,) = [e for e in failed_in[0].events if e.kind == "fail" and e.subject == crashed]
     assert event.settle_s is not None
 
