@@ -54,6 +54,8 @@ def test_runner_refuses_a_folder_without_an_app(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_chaos_strategy_trains_on_the_simulation_engine_and_leaves_no_process() -> None:
+    # processes of earlier tests (e.g. multiprocessing's resource tracker) are not this run's
+    before = set(runner.descendants(os.getpid()))
     run = runner.run_simulation_app(
         EXAMPLE,
         run_config={"num-server-rounds": 3, "mode": "chaos", "chaos-unsigned": True},
@@ -72,5 +74,5 @@ def test_chaos_strategy_trains_on_the_simulation_engine_and_leaves_no_process() 
     assert all(r["unsigned_receipts"] == 5 for r in rounds)  # and the report says they are
     assert run.pids, "the runner saw no SuperLink process"
     assert not [p for p in run.pids if runner._alive(p)]
-    leftover = [p for p in runner.descendants(os.getpid()) if runner._alive(p)]
+    leftover = [p for p in runner.descendants(os.getpid()) if p not in before and runner._alive(p)]
     assert leftover == []
