@@ -10,8 +10,8 @@ Also on real processes, elsewhere:
 
 * kill -9 of a party in the middle of writing its replica:
   ``tests/test_store.py::test_sigkill_during_put_never_leaves_a_bad_replica``;
-* kill -9 of the ServerApp mid round under the Flower deployment engine: helper C's test in
-  ``tests/`` (see docs/threat-model.md).
+* kill -9 of the ServerApp mid round under the Flower deployment engine:
+  ``tests/test_flower_deploy.py`` (see docs/threat-model.md).
 """
 
 from __future__ import annotations

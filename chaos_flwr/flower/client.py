@@ -742,7 +742,6 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
 #: Parties of this process by (enable() call number, run id, node id). Module-level, not on the
 #: app: Flower's simulation engine cloudpickles the ClientApp into every worker call, so each
 #: message runs on a fresh copy of the app; the copies (and party_for) must share one party.
-#: (helper C, churn demo: a tiny additive change, see /work/notes/C-to-B.md)
 _PARTY_TABLES: dict[int, dict[tuple[int, int], Party]] = {}
 _ENABLE_CALLS: list[int] = [0]
 
