@@ -75,12 +75,16 @@ def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
         idx, starts, ends = request.get("index"), request.get("start"), request.get("end")
         if not (isinstance(idx, list) and isinstance(starts, list) and isinstance(ends, list)):
             raise DecodeError("pull request fields 'index'/'start'/'end' must be lists")
+        if not len(idx) == len(starts) == len(ends):
+            raise DecodeError("pull request lists 'index'/'start'/'end' must have one length")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
+            raise DecodeError("pull request field 'index' must hold ints")
         data: list[bytes] = []
         for s, e in zip(starts, ends, strict=True):
             if not isinstance(s, int) or not isinstance(e, int) or not 0 <= s <= e:
                 raise DecodeError("pull request ranges must be ints with 0 <= start <= end")
             data.append(state_bytes[s:e])
-        return ConfigRecord({"index": [i for i in idx if isinstance(i, int)], "data": data})
+        return ConfigRecord({"index": [int(i) for i in idx], "data": data})
     raise DecodeError(
         f"pull request field 'op' must be size, plan-manifest, manifest or shards, got {op!r}"
     )
