@@ -230,10 +230,10 @@ def build_report(
         if ev.kind == "crash":
             # from the server side: the first round from the crash on that did not sample it
             # (the crash round itself may still sample it: its train message then fails)
-            entry["excluded_in_round"] = _first_round_without(by_round, ev.party, ev.round, parts)
+            entry["excluded_in_round"] = _first_round_without(by_round, ev.party, ev.round)
             entry["settled"] = entry["excluded_in_round"] is not None
         elif ev.kind == "return":
-            entry["trains_again_in_round"] = _first_round_with(by_round, ev.party, ev.round, parts)
+            entry["trains_again_in_round"] = _first_round_with(by_round, ev.party, ev.round)
             entry["settled"] = entry["trains_again_in_round"] is not None
         elif ev.kind == "join":
             j = next((j for j in joins_out if j["partition"] == ev.party), None)
@@ -299,15 +299,8 @@ def build_report(
     }
 
 
-def _party_in_round(rlog: Mapping[str, Any], partition: int, parts: Mapping[str, int]) -> bool:
-    return partition in rlog.get("trained_partitions", [])
-
-
 def _first_round_without(
-    by_round: Mapping[int, tuple[int, Mapping[str, Any]]],
-    partition: int | None,
-    start: int,
-    parts: Mapping[str, int],
+    by_round: Mapping[int, tuple[int, Mapping[str, Any]]], partition: int | None, start: int
 ) -> int | None:
     """First round from ``start`` on that trained without sampling ``partition``."""
     for rnd in sorted(r for r in by_round if r >= start):
@@ -318,13 +311,11 @@ def _first_round_without(
 
 
 def _first_round_with(
-    by_round: Mapping[int, tuple[int, Mapping[str, Any]]],
-    partition: int | None,
-    start: int,
-    parts: Mapping[str, int],
+    by_round: Mapping[int, tuple[int, Mapping[str, Any]]], partition: int | None, start: int
 ) -> int | None:
+    """First round from ``start`` on in which ``partition`` trained."""
     for rnd in sorted(r for r in by_round if r >= start):
-        if _party_in_round(by_round[rnd][1], int(partition or 0), parts):
+        if int(partition or 0) in by_round[rnd][1].get("trained_partitions", []):
             return rnd
     return None
 
@@ -349,9 +340,7 @@ def _joins(
             pull_s = float(j.get("pull_s", 0.0) or 0.0)
             bound = float(j.get("lower_bound_s", 0.0) or 0.0)
             rnd = int(rlog.get("server_round", -1))
-            first_trained = (
-                _first_round_with(by_round, part, rnd, parts) if part is not None else None
-            )
+            first_trained = _first_round_with(by_round, part, rnd) if part is not None else None
             # from the start of the round of the scenario event that made it pull (its join, or
             # its return after a crash) to the end of the first round it trained in
             starts = [
