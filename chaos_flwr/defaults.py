@@ -117,6 +117,8 @@ EVENTS_BENCH_WORKERS: int = 2
 EVENTS_BENCH_VERIFY_SAMPLES: int = 2000
 #: Verified signatures a membership SignatureCache remembers before it starts afresh.
 MEMBERSHIP_SIGNATURE_CACHE_ENTRIES: int = 1 << 16
+#: Largest record *proof* (an ``own`` envelope standing in for its sender's record signature).
+MEMBERSHIP_PROOF_MAX_BYTES: int = 4096
 #: Most deliveries one ``MemoryNetwork.run`` makes before it calls it a message storm.
 MEMORY_CARRIER_MAX_DELIVERIES: int = 10_000_000
 
