@@ -38,6 +38,23 @@ Small clusters: a fail record always needs ``failure_quorum`` signatures. While 
 suspect stays ``active`` in the view (its suspicion is only local, see
 :class:`chaos_flwr.monitor.Monitor`). That is deliberate: two halves of a partition must not be
 able to expel each other.
+
+Proofs: one signature for the envelope and the record
+------------------------------------------------------
+A record signature is normally 64 bytes of Ed25519 over :func:`signing_bytes`. A party that
+broadcasts a record it signs itself (its leave, a link_down, the countersigned link_up or join,
+the fail record it assembled) may instead send an envelope of kind :data:`PROOF_KIND`
+(``"own"``) whose payload is ``{"record": {"body": B, "sigs": S}}`` (``S``: the *other* signers'
+plain signatures): the envelope's own signature is then its sender's signature of ``B``, and the
+receiver holds the record with the envelope's exact bytes in place of that signature (a
+*proof*). :func:`validate_record` checks a proof (any signature value that is not 64 bytes) by
+opening it as an envelope under the signer's key (signature over the exact bytes, strict
+decoding, at most ``MEMBERSHIP_PROOF_MAX_BYTES``), and requiring kind ``own``, the signer as
+sender and the canonical encoding of the carried body equal to the record's. So a receiver that
+opened the envelope verifies one signature instead of two, and anyone the record is forwarded to
+later still checks the sender's signature over bytes that name the body. Why this is sound, and
+what it does not change (replay protection, the exact-bytes rule), is argued in
+``docs/internals.md`` ("Record proofs").
 """
 
 from __future__ import annotations
@@ -50,12 +67,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec
-from .defaults import MEMBERSHIP_SIGNATURE_CACHE_ENTRIES
-from .errors import DecodeError, PolicyError, UnknownPartyError
-from .identity import verify_signature
+from .defaults import MEMBERSHIP_PROOF_MAX_BYTES, MEMBERSHIP_SIGNATURE_CACHE_ENTRIES
+from .errors import ChaosError, DecodeError, PolicyError, SignatureError, UnknownPartyError
+from .identity import SIGNATURE_BYTES, verify_signature
+from .wire import DOMAIN as _ENVELOPE_DOMAIN
+from .wire import Envelope, open_sealed
 
 __all__ = [
     "KINDS",
+    "PROOF_KIND",
     "LinkInfo",
     "MemberInfo",
     "Policy",
@@ -77,6 +97,8 @@ _RECORD_DOMAIN = b"chaos-flwr/record/v1\x00"
 _VIEW_DOMAIN = b"chaos-flwr/view/v1\x00"
 
 KINDS = ("join", "leave", "fail", "link_up", "link_down")
+#: Envelope kind whose signature is also its sender's signature of the record it carries.
+PROOF_KIND = "own"
 _MEMBER_KINDS = ("join", "leave", "fail")
 _LINK_KINDS = ("link_up", "link_down")
 
@@ -157,11 +179,17 @@ class SignatureCache:
     ----------
     max_entries : int
         Entries kept; the cache is cleared when it grows past this.
+
+    Attributes
+    ----------
+    checks : int
+        Signature verifications actually performed (cache misses), for measurements.
     """
 
     def __init__(self, max_entries: int = MEMBERSHIP_SIGNATURE_CACHE_ENTRIES) -> None:
         self._seen: set[tuple[bytes, bytes, bytes]] = set()
         self._max = max_entries
+        self.checks = 0
 
     def verify(self, public_key: bytes, signature: bytes, data: bytes) -> None:
         """Verify ``signature`` over ``data`` under ``public_key`` (once per cache).
@@ -175,6 +203,7 @@ class SignatureCache:
         entry = (public_key, signature, hashlib.sha256(data).digest())
         if entry in self._seen:
             return
+        self.checks += 1
         verify_signature(public_key, signature, data)
         self._remember(entry)
 
@@ -369,6 +398,39 @@ class Record:
         return cls(body=body, signatures=dict(sigs))
 
     @classmethod
+    def from_own(cls, env: Envelope) -> Record:
+        """The record an ``own`` envelope carries, with the envelope as its sender's proof.
+
+        ``env`` is a verified envelope (:func:`chaos_flwr.wire.open_sealed`) of kind
+        :data:`PROOF_KIND`. Shape only, as :meth:`from_wire`; check it with
+        :func:`validate_record` (``envelope=env`` spares decoding the proof again).
+
+        Raises
+        ------
+        DecodeError
+            If the envelope is not an ``own`` envelope of the shape
+            ``{"record": {"body", "sigs"}}``, or ``sigs`` names the sender or holds anything but
+            64-byte signatures (a proof never nests inside another).
+        """
+        value = env.payload.get("record")
+        if (
+            env.kind != PROOF_KIND
+            or env.payload.keys() != {"record"}
+            or not isinstance(value, dict)
+        ):
+            raise DecodeError("own envelope payload must be {'record': {'body', 'sigs'}}")
+        sigs = value.get("sigs")
+        if (
+            not isinstance(sigs, dict)
+            or env.sender in sigs
+            or not all(isinstance(v, bytes) and len(v) == SIGNATURE_BYTES for v in sigs.values())
+        ):
+            raise DecodeError(
+                "own envelope field 'sigs' must map the other signers to 64-byte signatures"
+            )
+        return cls.from_wire({"body": value.get("body"), "sigs": {**sigs, env.sender: env.raw}})
+
+    @classmethod
     def sign(cls, body: Mapping[str, Any], signers: Iterable[Any]) -> Record:
         """Make a record signed by each of ``signers`` (objects with ``party_id`` and ``sign``)."""
         body_d = _check_body(dict(body))
@@ -376,7 +438,13 @@ class Record:
         return cls(body=body_d, signatures={s.party_id: s.sign(data) for s in signers})
 
 
-def validate_record(record: Record, policy: Policy, cache: SignatureCache | None = None) -> None:
+def validate_record(
+    record: Record,
+    policy: Policy,
+    cache: SignatureCache | None = None,
+    *,
+    envelope: Envelope | None = None,
+) -> None:
     """Check that ``record`` carries what the charter demands; stateless.
 
     Parameters
@@ -387,6 +455,10 @@ def validate_record(record: Record, policy: Policy, cache: SignatureCache | None
         The federation's policy.
     cache
         Signature cache to use (a fresh one if ``None``).
+    envelope
+        The envelope (as returned by :func:`chaos_flwr.wire.open_sealed`) the record arrived
+        in, when it is the proof of its sender's signature: it is not decoded again (its
+        signature is still checked, through ``cache``).
 
     Raises
     ------
@@ -395,7 +467,8 @@ def validate_record(record: Record, policy: Policy, cache: SignatureCache | None
     UnknownPartyError
         If a signer (or the subject of a join) is not a charter party.
     SignatureError
-        If any signature does not verify.
+        If any signature does not verify, or a proof (a signature value that is not 64 bytes)
+        is not an ``own`` envelope of its signer carrying this record's body.
     PolicyError
         If the record is of another federation or lacks required signatures.
     """
@@ -414,7 +487,10 @@ def validate_record(record: Record, policy: Policy, cache: SignatureCache | None
                 f"record signer {signer!r} is not a party of the charter; add its key to the "
                 "charter allowlist or drop the signature"
             )
-        checker.verify(key, sig, data)
+        if len(sig) == SIGNATURE_BYTES:
+            checker.verify(key, sig, data)
+        else:
+            _check_proof(record, signer, key, sig, checker, envelope)
     signers = set(record.signatures)
     kind = body["kind"]
     if kind in _MEMBER_KINDS:
@@ -450,6 +526,49 @@ def validate_record(record: Record, policy: Policy, cache: SignatureCache | None
             raise PolicyError("link_up record needs the signatures of both ends 'a' and 'b'")
         if kind == "link_down" and not ends & signers:
             raise PolicyError("link_down record needs the signature of end 'a' or end 'b'")
+
+
+def _check_proof(
+    record: Record,
+    signer: str,
+    key: bytes,
+    proof: bytes,
+    checker: SignatureCache,
+    envelope: Envelope | None,
+) -> None:
+    """Check that ``proof`` is an ``own`` envelope of ``signer`` carrying ``record``'s body."""
+    if len(proof) > MEMBERSHIP_PROOF_MAX_BYTES:
+        raise SignatureError(
+            f"record signature of {signer} is {len(proof)} bytes: neither a {SIGNATURE_BYTES}-"
+            f"byte signature nor a proof envelope of at most {MEMBERSHIP_PROOF_MAX_BYTES} bytes"
+        )
+    if envelope is not None and envelope.raw == proof and envelope.sender == signer:
+        env = envelope
+        checker.verify(key, env.signature, _ENVELOPE_DOMAIN + proof[:-SIGNATURE_BYTES])
+    else:
+        try:
+            env = open_sealed(
+                proof, {signer: key}, max_bytes=MEMBERSHIP_PROOF_MAX_BYTES, verify=checker.verify
+            )
+        except ChaosError as exc:
+            raise SignatureError(
+                f"record signature of {signer} is neither a {SIGNATURE_BYTES}-byte signature "
+                f"nor a valid proof envelope of {signer}: {exc}"
+            ) from None
+    if env.kind != PROOF_KIND:
+        raise SignatureError(
+            f"record signature of {signer} is an envelope of kind {env.kind!r}; only an "
+            f"{PROOF_KIND!r} envelope proves a record"
+        )
+    inner = env.payload.get("record") if env.payload.keys() == {"record"} else None
+    body = inner.get("body") if isinstance(inner, dict) else None
+    if body is not record.body and (
+        not isinstance(body, dict) or signing_bytes(body) != record.signed
+    ):
+        raise SignatureError(
+            f"record signature of {signer} is an {PROOF_KIND!r} envelope that carries another "
+            f"record body than {record.kind} {record.record_id}"
+        )
 
 
 # --- the view ----------------------------------------------------------------------------------

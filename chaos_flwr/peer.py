@@ -19,6 +19,13 @@ takes one network hop to reach every member. Anti-entropy repairs whatever a los
 dropped: heartbeats carry the digest of the record-id set; a party whose digest differs is sent
 an inventory (``inv``), and the two sides exchange the records the other lacks.
 
+A record the broadcaster signs itself goes out as an ``own`` envelope (``{"record": {"body",
+"sigs"}}``, ``sigs`` holding the *other* signers' signatures): the envelope's signature is also
+the broadcaster's record signature, and receivers hold the record with the envelope's bytes as
+that signature's proof (see :mod:`chaos_flwr.membership`, "Proofs"). Each receiver then checks
+one signature fewer per event, and still checks every signature itself. ``own`` envelopes do
+not count as signs of life for the monitor (their bytes travel on inside records).
+
 Flows (envelope kinds in brackets)
 ----------------------------------
 - **Genesis** (:meth:`bootstrap`): a founder signs its own join and sends it to the other
@@ -86,8 +93,10 @@ from .errors import (
     PolicyError,
     StaleIncarnationError,
 )
+from .identity import SIGNATURE_BYTES
 from .membership import (
     ACTIVE,
+    PROOF_KIND,
     UP,
     Policy,
     Record,
@@ -103,6 +112,7 @@ from .membership import (
     validate_record,
 )
 from .monitor import Monitor, Resources
+from .wire import DOMAIN as _ENVELOPE_DOMAIN
 from .wire import Envelope, ReplayGuard, open_sealed, seal
 
 __all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
@@ -357,10 +367,10 @@ class Peer:
             )
         self._bump_incarnation()
         body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
-        record = self._sign_record(body)
-        self._apply([record], now)
         targets = set(self._founders) | set(self.records.active())
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
+        record, out = self._broadcast_own(targets, body, {}, now)
+        self._apply([record], now)
+        return out
 
     def request_join(self, now: float, sponsors: Sequence[str]) -> list[Outgoing]:
         """Ask ``sponsors`` (active members) to countersign this party's join.
@@ -404,9 +414,9 @@ class Peer:
             raise PolicyError(f"party {self.party_id} is not an active member; nothing to leave")
         targets = self.records.active()
         body = leave_body(self.policy.federation, self.party_id, self.incarnation)
-        record = self._sign_record(body)
+        record, out = self._broadcast_own(targets, body, {}, now)
         self._apply([record], now)
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
+        return out
 
     def connect(self, other: str, now: float) -> list[Outgoing]:
         """Ask ``other`` for a link (connect-link); it countersigns and broadcasts the record.
@@ -444,10 +454,10 @@ class Peer:
         end_self = (self.party_id, link.inc_a if link.a == self.party_id else link.inc_b)
         end_other = (other, link.inc_b if link.a == self.party_id else link.inc_a)
         body = link_body("link_down", self.policy.federation, end_self, end_other, link.epoch)
-        record = self._sign_record(body)
         targets = self.records.active()
+        record, out = self._broadcast_own(targets, body, {}, now, first=other)
         self._apply([record], now)
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=other)
+        return out
 
     # --- driving -----------------------------------------------------------------------------
 
@@ -471,7 +481,11 @@ class Peer:
         env: Envelope | None = None
         try:
             env = open_sealed(
-                data, self._keyring, federation=self.federation_tag, max_bytes=self._max_envelope
+                data,
+                self._keyring,
+                federation=self.federation_tag,
+                max_bytes=self._max_envelope,
+                verify=self.records.cache.verify,
             )
             if env.sender == self.party_id:
                 raise PolicyError("envelope claims to come from this party itself")
@@ -489,7 +503,8 @@ class Peer:
                 raise DecodeError(f"envelope field 'kind' {env.kind!r} is not a peer message")
             out = handler(self, env, now)
             self._guard.accept(env)
-            self.monitor.heard_from(env.sender, now)
+            if env.kind != PROOF_KIND:
+                self.monitor.heard_from(env.sender, now)
             return out
         except ChaosError as exc:
             self._reject(exc, now, env)
@@ -577,6 +592,46 @@ class Peer:
         data = self._seal(kind, payload, now, None)
         return [Outgoing(d, data) for d in dests]
 
+    def _broadcast_own(
+        self,
+        targets: Iterable[str],
+        body: Mapping[str, Any],
+        others: Mapping[str, bytes],
+        now: float,
+        *,
+        first: str | None = None,
+    ) -> tuple[Record, list[Outgoing]]:
+        """Sign ``body`` by broadcasting it in an ``own`` envelope (its signature is the proof).
+
+        ``others`` are the other signers' plain signatures. Returns the record as this party
+        holds it (the envelope's bytes as its own signature) and the envelopes to deliver.
+        """
+        dests = sorted(set(targets) - {self.party_id})
+        if first is not None and first in dests:
+            dests.remove(first)
+            dests.insert(0, first)
+        wire = {"body": dict(body), "sigs": dict(others)}
+        data = self._seal(PROOF_KIND, {"record": wire}, now, None)
+        # Self-made (never received): this party does not re-verify its own proof.
+        self.records.cache.trust(
+            self._keyring[self.party_id],
+            data[-SIGNATURE_BYTES:],
+            _ENVELOPE_DOMAIN + data[:-SIGNATURE_BYTES],
+        )
+        record = Record(body=wire["body"], signatures={**others, self.party_id: data})
+        return record, [Outgoing(d, data) for d in dests]
+
+    def _share(
+        self, targets: Iterable[str], record: Record, now: float, *, first: str | None = None
+    ) -> list[Outgoing]:
+        """Broadcast a record this party has signed (plainly): as ``own`` when it can."""
+        others = {k: v for k, v in record.signatures.items() if k != self.party_id}
+        if self.party_id in record.signatures and all(
+            len(v) == SIGNATURE_BYTES for v in others.values()
+        ):
+            return self._broadcast_own(targets, record.body, others, now, first=first)[1]
+        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=first)
+
     def _records_to(self, to: str, records: Sequence[Record], now: float) -> list[Outgoing]:
         out = []
         for i in range(0, len(records), PEER_MAX_RECORDS_PER_MESSAGE):
@@ -608,13 +663,6 @@ class Peer:
         sig: bytes = self.identity.sign(data)
         self.records.cache.trust(self._keyring[self.party_id], sig, data)
         return sig
-
-    def _sign_record(self, body: Mapping[str, Any]) -> Record:
-        """A record signed by this party alone (its own leave, link_down or genesis join)."""
-        record = Record.sign(body, [self.identity])
-        sig = record.signatures[self.party_id]
-        self.records.cache.trust(self._keyring[self.party_id], sig, record.signed)
-        return record
 
     def _active_other(self, other: str, action: str) -> Any:
         if other == self.party_id:
@@ -717,7 +765,14 @@ class Peer:
         targets = set(self.records.active()) - {vote.body["subject"]}
         if not self._apply([record], now) or min(voters) != self.party_id:
             return []
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now)
+        # The broadcast carries the quorum: this party's envelope and k - 1 other votes.
+        others = sorted(voters - {self.party_id})[: self.policy.failure_quorum - 1]
+        quorum = Record(
+            body=vote.body,
+            signatures={self.party_id: vote.sigs[self.party_id]}
+            | {v: vote.sigs[v] for v in others},
+        )
+        return self._share(targets, quorum, now)
 
     def _retries(self, now: float) -> list[Outgoing]:
         out: list[Outgoing] = []
@@ -780,6 +835,14 @@ class Peer:
             # A sponsor's sync after our join record exists: the join has landed.
             if env.sender in join.sponsors and rid in self.records:
                 join.synced = True
+        return []
+
+    def _on_own(self, env: Envelope, now: float) -> list[Outgoing]:
+        record = Record.from_own(env)
+        if record.record_id in self.records:
+            return []
+        validate_record(record, self.policy, self.records.cache, envelope=env)
+        self._apply([record], now, validated=True)
         return []
 
     def _on_hb(self, env: Envelope, now: float) -> list[Outgoing]:
@@ -859,7 +922,7 @@ class Peer:
         new = self._apply([record], now)
         out: list[Outgoing] = []
         if new:
-            out.extend(self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now))
+            out.extend(self._share(targets, record, now))
         out.extend(self._records_to(joiner, list(self.records), now))
         return out
 
@@ -913,13 +976,10 @@ class Peer:
         if self._accept_link is not None and not self._accept_link(env.sender):
             raise PolicyError(f"this party does not accept a link with {env.sender}")
         self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        mine = self._sign(signing_bytes(body))
-        record = Record(body=body, signatures={env.sender: sig, self.party_id: mine})
         targets = self.records.active()
+        record, out = self._broadcast_own(targets, body, {env.sender: sig}, now, first=env.sender)
         self._apply([record], now)
-        return self._broadcast(
-            targets, "rec", {"records": [record.to_wire()]}, now, first=env.sender
-        )
+        return out
 
     def _on_vote(self, env: Envelope, now: float) -> list[Outgoing]:
         body, sig = self._body_and_sig(env, "fail")
@@ -965,6 +1025,7 @@ class Peer:
 
     _handlers: ClassVar[dict[str, Callable[[Peer, Envelope, float], list[Outgoing]]]] = {
         "rec": _on_rec,
+        PROOF_KIND: _on_own,
         "hb": _on_hb,
         "inv": _on_inv,
         "fetch": _on_fetch,

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,6 +247,7 @@ def open_sealed(
     *,
     federation: bytes | None = None,
     max_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
+    verify: Callable[[bytes, bytes, bytes], None] | None = None,
 ) -> Envelope:
     """Verify and decode an envelope.
 
@@ -261,6 +262,13 @@ def open_sealed(
         refused. ``None`` accepts any (observers that only read signed records).
     max_bytes
         Refuse larger input before looking at it.
+    verify
+        ``verify(public_key, signature, signed_bytes)`` raising
+        :class:`~chaos_flwr.errors.SignatureError`; default
+        :func:`chaos_flwr.identity.verify_signature`. A peer passes its own
+        :meth:`chaos_flwr.membership.SignatureCache.verify`, so a signature it has verified
+        (here, or as the proof of a record, see :mod:`chaos_flwr.membership`) is not checked twice
+        by that peer; the signature is always checked before anything inside is used.
 
     Returns
     -------
@@ -305,7 +313,7 @@ def open_sealed(
         )
     head = raw[:end]
     try:
-        verify_signature(key, raw[end:], DOMAIN + head)
+        (verify or verify_signature)(key, raw[end:], DOMAIN + head)
     except SignatureError as exc:
         raise SignatureError(f"envelope from {sender} refused: {exc}") from None
     env = _body_of(raw, head[HEADER_BYTES:], sender)

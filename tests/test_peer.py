@@ -806,3 +806,149 @@ def test_memory_network_crash_partition_and_storm() -> None:
     assert net.dropped == 3  # to crashed b, across the cut, and a's echo to "nobody"
     with pytest.raises(ConfigError, match="drop"):
         MemoryNetwork(drop=1.0)
+
+
+# --- record proofs: one signature for an own envelope and its record ----------------------------
+
+
+def _own_leave() -> tuple[Net, Peer, bytes, Any]:
+    """A 5-party cluster where J[1] signs its leave; the own envelope is captured, undelivered."""
+    net, ch = cluster(joiners=2)
+    leaver = net.peers[J[1].party_id]
+    outs = leaver.leave(net.now)
+    assert len({o.data for o in outs}) == 1 and {o.to for o in outs} == set(net.peers) - {
+        leaver.party_id
+    }
+    return net, leaver, outs[0].data, ch
+
+
+def test_own_envelope_costs_one_check_and_its_proof_verifies_anywhere_later() -> None:
+    from chaos_flwr.membership import Policy, SignatureCache, validate_record
+    from chaos_flwr.wire import open_sealed
+
+    net, leaver, data, ch = _own_leave()
+    env = open_sealed(data, {leaver.party_id: leaver.identity.public_key})
+    assert env.kind == "own" and env.to is None
+    p = net.peers[F[0].party_id]
+    before = p.records.cache.checks
+    assert p.handle(data, net.now) == []
+    assert p.records.cache.checks - before == 1  # the envelope's signature, once
+    assert statuses(p)[leaver.party_id] == "left"
+    (record,) = [r for r in p.records if r.kind == "leave"]
+    assert record.signatures == {leaver.party_id: data}  # the proof is the exact envelope
+    # A third party that never saw the envelope checks the proof on its own: one verification.
+    cache = SignatureCache()
+    validate_record(record, Policy.from_charter(ch), cache)
+    assert cache.checks == 1
+    # Forwarded by anti-entropy, the record (proof included) converges everyone.
+    net.tick(HB, rounds=4)
+    assert len(net.digests()) == 1
+    assert all(statuses(q)[leaver.party_id] == "left" for q in net.live())
+
+
+def test_forged_proofs_are_refused_and_change_nothing() -> None:
+    from chaos_flwr.membership import (
+        Policy,
+        Record,
+        SignatureCache,
+        leave_body,
+        validate_record,
+    )
+
+    net, leaver, data, ch = _own_leave()
+    policy = Policy.from_charter(ch)
+    body = leave_body(FED, leaver.party_id, leaver.incarnation)
+
+    def refused(sig: bytes, signer: str = leaver.party_id) -> str:
+        with pytest.raises(SignatureError) as info:
+            validate_record(Record(body=body, signatures={signer: sig}), policy, SignatureCache())
+        # A peer handed the record in a rec envelope refuses it whole, holding nothing new.
+        p = net.peers[F[2].party_id]
+        rec = seal(
+            F[1],
+            incarnation=0,
+            seq=10**6 + len(p.rejections),
+            timestamp=net.now,
+            kind="rec",
+            payload={"records": [{"body": body, "sigs": {signer: sig}}]},
+            federation=p.federation_tag,
+        )
+        _assert_rejected(p, rec, SignatureError)
+        return str(info.value)
+
+    flipped = bytearray(data)
+    flipped[len(flipped) // 2] ^= 0x01
+    refused(bytes(flipped))
+    refused(data[:-1])  # truncated proof
+    refused(data + b"\x00")  # trailing byte
+    # An envelope of another kind, signed by the right party, proves nothing.
+    hb = seal(
+        leaver.identity,
+        incarnation=leaver.incarnation,
+        seq=10**6,
+        timestamp=net.now,
+        kind="hb",
+        payload={"record": {"body": body, "sigs": {}}},
+        federation=leaver.federation_tag,
+    )
+    assert "only an 'own' envelope" in refused(hb)
+    # An own envelope of the leaver carrying another body (an earlier incarnation's leave).
+    other = seal(
+        leaver.identity,
+        incarnation=leaver.incarnation,
+        seq=10**6 + 1,
+        timestamp=net.now,
+        kind="own",
+        payload={"record": {"body": leave_body(FED, leaver.party_id, 7), "sigs": {}}},
+        federation=leaver.federation_tag,
+    )
+    assert "another record body" in refused(other)
+    # The leaver's genuine proof put under another signer's name (J[0] did not leave).
+    body_j0 = leave_body(FED, J[0].party_id, 0)
+    with pytest.raises(SignatureError):
+        validate_record(Record(body=body_j0, signatures={J[0].party_id: data}), policy)
+    # Oversized proofs are refused unread.
+    assert "proof envelope of at most" in refused(data + bytes(5000))
+    assert all(statuses(q)[leaver.party_id] == "active" for q in net.live() if q is not leaver)
+
+
+def test_own_envelope_shapes_that_would_nest_proofs_are_refused() -> None:
+    from chaos_flwr.membership import leave_body
+
+    net, leaver, data, _ = _own_leave()
+    p = net.peers[F[0].party_id]
+    body = leave_body(FED, leaver.party_id, leaver.incarnation)
+    for seq, sigs in enumerate(
+        (
+            {leaver.party_id: bytes(64)},  # the sender's own signature does not ride inside
+            {F[1].party_id: data},  # no proof inside a proof
+            {F[1].party_id: b"short"},
+        )
+    ):
+        bad = seal(
+            leaver.identity,
+            incarnation=leaver.incarnation,
+            seq=10**6 + seq,
+            timestamp=net.now,
+            kind="own",
+            payload={"record": {"body": body, "sigs": sigs}},
+            federation=p.federation_tag,
+        )
+        _assert_rejected(p, bad, DecodeError)
+    assert statuses(p)[leaver.party_id] == "active"
+
+
+def test_replayed_own_envelopes_are_refused_and_never_count_as_signs_of_life() -> None:
+    net, leaver, data, _ = _own_leave()
+    p, q = net.peers[F[0].party_id], net.peers[F[1].party_id]
+    heard = p.monitor.last_heard(leaver.party_id)
+    net.now += 5.0
+    assert p.handle(data, net.now) == []
+    assert statuses(p)[leaver.party_id] == "left"
+    assert p.monitor.last_heard(leaver.party_id) == heard  # an own envelope is not a heartbeat
+    _assert_rejected(p, data, ReplayError)  # the same bytes again
+    # The proof travels on inside the record; extracted and replayed to a party that already
+    # took the envelope, it is a replay like any other.
+    assert q.handle(data, net.now) == []
+    (record,) = [r for r in p.records if r.kind == "leave"]
+    _assert_rejected(q, record.signatures[leaver.party_id], ReplayError)

@@ -19,7 +19,14 @@ from typing import Any
 from chaos_flwr import codec
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.strategy import MembershipEvent
-from chaos_flwr.membership import Policy, Record, RecordSet, SignatureCache, validate_record
+from chaos_flwr.membership import (
+    PROOF_KIND,
+    Policy,
+    Record,
+    RecordSet,
+    SignatureCache,
+    validate_record,
+)
 from chaos_flwr.wire import open_sealed
 
 __all__ = ["ServerView"]
@@ -70,7 +77,13 @@ class ServerView:
 
     # -- feeding ------------------------------------------------------------------------------
     def _records_in(self, data: bytes) -> tuple[str, list[Record]]:
-        env = open_sealed(data, self.keyring)
+        env = open_sealed(data, self.keyring, verify=self.cache.verify)
+        if env.kind == PROOF_KIND:  # one record, the envelope itself its sender's signature
+            try:
+                return env.sender, [Record.from_own(env)]
+            except ChaosError:
+                self.refused += 1
+                return env.sender, []
         if env.kind not in _RECORD_KINDS:
             return env.sender, []
         values = env.payload.get("records") if env.kind == "rec" else [env.payload.get("record")]
