@@ -43,3 +43,31 @@ def test_memory_hosts_and_bad_options() -> None:
         run_events(8, repeats=1, carrier="memory", workers=0)
     with pytest.raises(ConfigError, match="repeats"):
         run_events(8, repeats=0, carrier="memory")
+
+
+def test_a_worker_that_dies_fails_the_next_call_at_once() -> None:
+    import asyncio
+    import time
+
+    from chaos_flwr.bench.events import _ProcessHosts
+
+    async def scenario() -> tuple[str, float]:
+        hosts = _ProcessHosts(8, 1, lambda msg: None)
+        await hosts.start()
+        try:
+            proc = hosts._procs[0]
+            proc.kill()
+            proc.join(10)
+            await asyncio.sleep(0.3)
+            # The dead pipe was noticed once (one error queued), not read in a loop.
+            assert hosts._replies[0].qsize() == 1
+            t = time.perf_counter()
+            with pytest.raises(ConfigError) as info:
+                await hosts.call(0, "counts")
+            return str(info.value), time.perf_counter() - t
+        finally:
+            await hosts.close()
+
+    message, waited = asyncio.run(scenario())
+    assert "bench worker 0" in message and "exited" in message
+    assert waited < 5.0  # not the 10 s reply timeout: the dead pipe was noticed

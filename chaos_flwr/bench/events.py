@@ -119,6 +119,7 @@ class _Arm:
     ends: set[str]
     principals: frozenset[str]
     t_first: float | None = None
+    t_recv: float | None = None
     t_hop: float | None = None
     t_last: float | None = None
     t_ends: float | None = None
@@ -178,6 +179,8 @@ class _Host:
             self.send_item(self.owner[out.to], out.to.encode("ascii") + out.data)
 
     def on_items(self, items: Sequence[bytes]) -> None:
+        if self.arm is not None and self.arm.t_recv is None:
+            self.arm.t_recv = time.perf_counter()
         for item in items:
             self.delivered += 1
             dst = item[:_ID_BYTES].decode("ascii")
@@ -231,7 +234,18 @@ class _Host:
         # has its own cache, so a miss is a real Ed25519 verification).
         w.verifies = self._checks() - w.verifies
         self.notify(
-            ("done", self.index, w.t_first, w.t_hop, w.t_last, w.t_ends, w.verifies, w.busy, cpu)
+            (
+                "done",
+                self.index,
+                w.t_first,
+                w.t_hop,
+                w.t_last,
+                w.t_ends,
+                w.verifies,
+                w.busy,
+                cpu,
+                w.t_recv,
+            )
         )
 
     # --- commands (the coordinator's calls) --------------------------------------------------
@@ -457,8 +471,17 @@ class _ProcessHosts:
         conn = self._conns[i]
 
         def read() -> None:
-            while conn.poll():
-                msg = conn.recv()
+            while True:
+                try:
+                    if not conn.poll():
+                        return
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    # The worker is gone: stop watching its pipe (a closed pipe stays readable,
+                    # so the callback would spin) and let the waiting call fail with its name.
+                    asyncio.get_running_loop().remove_reader(conn.fileno())
+                    self._replies[i].put_nowait(("error", f"bench worker {i} exited"))
+                    return
                 if msg[0] == "done":
                     self._on_done(msg)
                 else:
@@ -476,7 +499,10 @@ class _ProcessHosts:
             ) from None
 
     async def call(self, host: int, name: str, *args: Any) -> Any:
-        self._conns[host].send((name, args))
+        try:
+            self._conns[host].send((name, args))
+        except OSError:
+            raise ConfigError(f"bench worker {host} failed: bench worker {host} exited") from None
         tag, result = await self._reply(host, name)
         if tag != "ok":
             raise ConfigError(f"bench worker {host} failed: {result}")
@@ -514,6 +540,7 @@ class _Timing:
     verifies: int
     busy: float
     cpu: float
+    recv: float | None = None
 
 
 class _Cluster:
@@ -610,6 +637,7 @@ class _Cluster:
         lasts = [m[4] for m in self._done if m[4] is not None]
         hops = [m[3] for m in self._done if m[3] is not None]
         end_times = [m[5] for m in self._done if m[5] is not None]
+        recvs = [m[9] for m in self._done if m[9] is not None]
         return _Timing(
             total=(max(lasts) - t0) * 1000.0,
             hop=(min(hops) - t0) * 1000.0 if hops else None,
@@ -617,6 +645,7 @@ class _Cluster:
             verifies=sum(int(m[6]) for m in self._done),
             busy=max(float(m[7]) for m in self._done) * 1000.0,
             cpu=max(float(m[8]) for m in self._done) * 1000.0,
+            recv=(min(recvs) - t0) * 1000.0 if recvs else None,
         )
 
 
@@ -779,6 +808,7 @@ def _row(
         "cpu_p99_ms": round(_percentile([t.cpu for t in timings], 99), 3),
         "floor_p50_ms": round(_percentile(floors, 50), 3),
         "floor_quiet_p50_ms": round(_percentile(quiet, 50), 3),
+        "recv_p50_ms": round(_percentile([t.recv for t in timings if t.recv is not None], 50), 3),
         "hop_p50_ms": round(_percentile(hops, 50), 3),
         "hop_p99_ms": round(_percentile(hops, 99), 3),
     }
@@ -857,6 +887,10 @@ async def _run(
             "window to its last apply (time.thread_time: excludes time other processes held "
             "the core, and grpc's own threads); on a machine nobody else loads, p50_ms would "
             "be about this plus hop_p50_ms"
+        ),
+        "recv": (
+            "recv_p50_ms: trigger until the first batch of the window reached any host (the "
+            "trigger's own steps, one seal, one loopback hop)"
         ),
         "hop": (
             "hop_p50_ms/hop_p99_ms (measured): trigger until the first peer outside the "
