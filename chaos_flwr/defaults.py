@@ -141,8 +141,10 @@ FLOWER_SUPERLINK_STARTUP_TIMEOUT_S: float = 30.0
 FLOWER_RUN_TIMEOUT_S: float = 300.0
 #: Grace between SIGTERM and SIGKILL when the runner stops the processes it started.
 FLOWER_STOP_GRACE_S: float = 5.0
-#: Verified receipts a state needs before a restarted ServerApp resumes from it.
-FLOWER_RESUME_MIN_RECEIPTS: int = 2
+#: Verified receipts a state needs before a restarted ServerApp resumes from it (1: the newest
+#: state any verified party holds, e.g. after a kill mid certify; a newer round with fewer
+#: receipts is skipped, never re-certified).
+FLOWER_RESUME_MIN_RECEIPTS: int = 1
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
