@@ -14,7 +14,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
 
 from chaos_flwr.errors import ProfileError
-from chaos_flwr.flower.client import Party, enable
+from chaos_flwr.flower.client import Party, certified_digest, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
 from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
@@ -321,9 +321,12 @@ def test_a_replica_that_does_not_match_the_receipts_is_refused() -> None:
         bad = {k: v + 1.0 for k, v in party.held_state.arrays.items()}
         party.held_state = TrainingState(arrays=bad, round=party.held_state.round)
     again = _fresh(verifier, clock)
-    res = again.start(grid, _initial(), num_rounds=1, timeout=60)
+    res = again.start(grid, _initial(), num_rounds=4, timeout=60)
     assert again.rounds[0].server_round == -1  # no resume
-    assert sorted(res.train_metrics_clientapp) == [1]  # started over from the initial state
+    # started over from the initial state, numbered above round 2 (which parties signed)
+    assert again.rounds[1].server_round == 3
+    assert again.rounds[1].digest == certified_digest(_initial(), 3)
+    assert sorted(res.train_metrics_clientapp) == [4]
 
 
 def test_without_a_verifier_unsigned_receipts_are_never_resumed_from() -> None:

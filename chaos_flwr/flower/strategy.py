@@ -322,10 +322,11 @@ class ChaosStrategy(Strategy):
     relay:
         The envelope router (a fresh one by default).
     resume, resume_min_receipts, resume_min_shard_bytes:
-        On start, rebuild the latest state that at least ``resume_min_receipts`` parties
-        certified (verified receipts only), pulled in shards from all its holders at once
-        (:mod:`chaos_flwr.flower.pull`), and go on at the next round (a restarted ServerApp
-        keeps no checkpoint).
+        On start, rebuild the newest state that at least ``resume_min_receipts`` parties
+        certified (verified receipts only; default 1, the newest state any verified party
+        holds), pulled in shards from all its holders at once (:mod:`chaos_flwr.flower.pull`),
+        and go on above the newest round any party signed (:attr:`round_floor`; a restarted
+        ServerApp keeps no checkpoint, and never certifies a round number twice).
     charter:
         The federation's verified charter. With it the ServerApp keeps a server-side view
         from the signed records it relays (:class:`~chaos_flwr.flower.serverview.ServerView`:
@@ -386,6 +387,7 @@ class ChaosStrategy(Strategy):
         self._forward_round = -1
         self._hello = RoundLog(-1)
         self._late: dict[str, int] = {}
+        self.round_floor = -1
         if charter is not None:
             from chaos_flwr.flower.serverview import ServerView
 
@@ -836,18 +838,24 @@ class ChaosStrategy(Strategy):
             hello.join_s = self._join_pulls(grid, certified_round, digest, hello, timeout)
             self._finish(hello)
         else:
-            # round 0: certify the initial state on every node that answers
-            log0 = RoundLog(0, digest=digest)
+            # round 0: certify the initial state on every node that answers (numbered above
+            # every round a party already signed, if a resume found receipts but no state)
+            round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
+            digest = certified_digest(arrays, round0)
+            log0 = RoundLog(round0, digest=digest)
             _, log0.certify_s = self._phase(
-                grid, [], known, phase="certify", server_round=0, digest=digest,
+                grid, [], known, phase="certify", server_round=round0, digest=digest,
                 arrays_for_others=arrays, timeout=timeout, log_=log0,
             )  # fmt: skip
-            log0.holders = sorted(p for p, r, d in self.holders.values() if r == 0 and d == digest)
+            log0.holders = sorted(
+                p for p, r, d in self.holders.values() if r == round0 and d == digest
+            )
             self._finish(log0)
-            certified_round = 0
-            self._forward_round = 0
+            certified_round = round0
+            self._forward_round = round0
 
-        for rnd in range(certified_round + 1, num_rounds + 1):
+        first_round = max(certified_round, self.round_floor) + 1
+        for rnd in range(first_round, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             rlog = RoundLog(rnd)
@@ -935,13 +943,22 @@ class ChaosStrategy(Strategy):
     ) -> tuple[int, ArrayRecord, bytes, bytes] | None:
         """Rebuild the latest certified state from the parties (a restarted ServerApp).
 
-        Asks every party for its receipt; the newest (round, digest) that at least
-        ``resume_min_receipts`` parties certified with *verified* signatures is pulled in
+        Asks every party for its receipt. Candidates are the ``(round, digest)`` pairs named by
+        *verified* receipts, newest first; a round whose verified receipts name two digests is
+        conflicted (equivocation evidence) and never resumed from. The newest candidate with at
+        least ``resume_min_receipts`` holders (default 1: the newest round *any* verified party
+        holds, e.g. one certified by only some parties before a kill) is pulled in
         planner-sized shares from all its holders at once; the manifest and the assembled state
         must match the certified digest (else the next older candidate is tried). The inner
         strategy's state (e.g. FedAdam's moments) is part of the certified state and comes
-        back with it. Without a receipt verifier nothing is resumed: unsigned claims are not
-        proof.
+        back with it.
+
+        Whatever is resumed from, :attr:`round_floor` becomes the newest round any verified
+        receipt names, and :meth:`start` numbers every new round above it: a round number some
+        party already certified is never certified again (an older state resumed from, or a
+        fresh start, goes on under new round numbers), so no honest party is ever shown two
+        digests of one round by this ServerApp. Without a receipt verifier nothing is resumed:
+        unsigned claims are not proof.
         """
         if self.receipt_verifier is None:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
@@ -952,13 +969,20 @@ class ChaosStrategy(Strategy):
             arrays_for_others=None, timeout=timeout, log_=hello,
         )  # fmt: skip
         tally: dict[tuple[int, bytes], list[int]] = {}
+        digests: dict[int, set[bytes]] = {}
         for node, (_, rnd, dig) in self.holders.items():
-            if rnd > 0 and node not in self.suspects:
+            # every verified receipt counts for the floor, a suspect's too (it was signed)
+            self.round_floor = max(self.round_floor, rnd)
+            digests.setdefault(rnd, set()).add(dig)
+            if node not in self.suspects:
                 tally.setdefault((rnd, dig), []).append(node)
+        conflicted = {rnd for rnd, digs in digests.items() if len(digs) > 1}
+        for rnd in sorted(conflicted):
+            log(WARNING, "Chaos: round %d has receipts for two digests; not resumed from", rnd)
         for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
-            if len(nodes) < self.resume_min_receipts:
+            if rnd in conflicted or len(nodes) < self.resume_min_receipts:
                 continue
-            holders = [(n, self.holders[n][0]) for n in nodes]
+            holders = [(n, self.holders[n][0]) for n in sorted(nodes)]
             try:
                 arrays, report = pull_state(
                     grid,
@@ -980,6 +1004,11 @@ class ChaosStrategy(Strategy):
             hello.holders = sorted(p for _, p in holders)
             self.last_pull = report
             log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
+            if self.round_floor > rnd:
+                log(
+                    INFO, "Chaos: rounds up to %d were signed by some party: going on at %d",
+                    self.round_floor, self.round_floor + 1,
+                )  # fmt: skip
             self._hello = hello  # filed by start() once its joiners have pulled
             return rnd, arrays, dig, report.strategy_state
         self._finish(hello)

@@ -1,0 +1,246 @@
+"""A ServerApp killed in the middle of a round's certify, then restarted (fake Grid, signed).
+
+The kill is emulated by a Grid that delivers the certify messages of one round to only ``k`` of
+the ``n`` parties and then raises out of ``ChaosStrategy.start`` (the ServerApp process is gone).
+The parties keep their state (their SuperNodes did not die); a new ChaosStrategy on the same
+Grid must go on without ever showing a party two digests of one round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from chaos_flwr.charter import load_charter
+from chaos_flwr.flower.client import certified_digest, default_party_factory, enable, party_for
+from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
+from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
+from chaos_flwr.flower.strategy import ChaosStrategy, RoundLog
+from chaos_flwr.receipts import Receipt
+from chaos_flwr.store import ReplicaStore
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
+
+
+N = 4
+KILL_ROUND = 3
+
+
+class _KilledError(Exception):
+    """The ServerApp process died (raised out of ``start``)."""
+
+
+class _KillMidCertify(FakeGrid):
+    """Delivers round ``server_round``'s certify push to the first ``k`` nodes only, then dies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server_round = -1
+        self.k = 0
+        self.delivered: list[int] = []
+
+    def push_messages(self, messages: Any) -> Any:
+        msgs = list(messages)
+        certify = [
+            m
+            for m in msgs
+            if m.has_content()
+            and isinstance(rec := m.content.get("chaos"), ConfigRecord)
+            and rec.get("phase") == "certify"
+            and rec.get("round") == self.server_round
+        ]
+        if not certify:
+            return super().push_messages(msgs)
+        self.server_round = -1  # one kill per test
+        ordered = sorted(certify, key=lambda m: m.metadata.dst_node_id)[: self.k]
+        self.delivered = [m.metadata.dst_node_id for m in ordered]
+        super().push_messages(ordered)
+        raise _KilledError
+
+
+def _initial() -> ArrayRecord:
+    rng = np.random.default_rng(5)
+    return ArrayRecord(
+        {
+            "w": Array(rng.normal(size=(3, 512)).astype(np.float32)),
+            "b": Array(np.zeros(3, np.float32)),
+        }
+    )
+
+
+class World:
+    """A signed federation of ``N`` founders on the killing Grid."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.keys = make_federation(tmp / "fed", N, founders=N, seed="resume")
+        self.fed = load_federation(self.keys)
+        self.charter = load_charter(charter_path(self.keys))
+        self.state_root = tmp / "state"
+        self.grid = _KillMidCertify()
+        self.trained: dict[int, list[int]] = {}  # round -> partitions that trained it
+        self.app = self._app()
+        self.nodes: dict[int, FakeNode] = {}
+        for p in range(N):
+            self.nodes[p] = self.grid.add_node(
+                self.app,
+                node_config={"partition-id": p},
+                run_config={
+                    "chaos-keys-dir": str(self.keys),
+                    "chaos-state-root": str(self.state_root),
+                },
+            )
+
+    def _app(self) -> ClientApp:
+        app = ClientApp()
+
+        @app.train()
+        def train(msg: Message, ctx: Context) -> Message:
+            rnd = int(msg.content["config"]["server-round"])
+            k = int(ctx.node_config["partition-id"]) + 1
+            self.trained.setdefault(rnd, []).append(k - 1)
+            out = {
+                n: Array((a.numpy() * (1 - 0.02 * k) + 0.01 * k * rnd).astype(np.float32))
+                for n, a in msg.content["arrays"].items()
+            }
+            metrics = MetricRecord({"num-examples": 5 * k})
+            return Message(
+                RecordDict({"arrays": ArrayRecord(out), "metrics": metrics}), reply_to=msg
+            )
+
+        @app.evaluate()
+        def evaluate(msg: Message, ctx: Context) -> Message:
+            s = float(msg.content["arrays"]["w"].numpy().sum())
+            return Message(
+                RecordDict({"metrics": MetricRecord({"s": s, "num-examples": 1})}), reply_to=msg
+            )
+
+        enable(app, party_factory=default_party_factory)
+        return app
+
+    def strategy(self, **kw: Any) -> ChaosStrategy:
+        return ChaosStrategy(
+            FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+            charter=self.charter,
+            phase_timeout_s=2.0,
+            **kw,
+        )
+
+    def party(self, p: int) -> Any:
+        return party_for(self.nodes[p].context, self.app)
+
+    def kill_mid_certify(self, k: int) -> bytes:
+        """Run until round KILL_ROUND's certify reached ``k`` parties; return that digest."""
+        self.grid.server_round, self.grid.k = KILL_ROUND, k
+        first = self.strategy()
+        with pytest.raises(_KilledError):
+            first.start(self.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+        assert [r.server_round for r in first.rounds if r.server_round >= 0] == [0, 1, 2]
+        signed = [p for p in range(N) if self.party(p).held_round == KILL_ROUND]
+        assert signed == list(range(k))  # k parties certified the killed round, the rest not
+        assert all(self.party(p).held_round == KILL_ROUND - 1 for p in range(k, N))
+        return bytes(self.party(0).held_digest)
+
+
+def _no_evidence(w: World, strategy: ChaosStrategy) -> None:
+    for p in range(N):
+        party = w.party(p)
+        assert party.evidence == [], f"party {p} reports equivocation"
+        assert not [e for e in party.errors if "Equivocation" in e], party.errors
+    assert all(r.equivocations == [] for r in strategy.rounds)
+
+
+def _rounds_signed(w: World) -> dict[int, set[bytes]]:
+    """Every (round -> digests) any party's replica store holds a signed receipt for."""
+    out: dict[int, set[bytes]] = {}
+    for p in range(N):
+        store = ReplicaStore(w.state_root / f"party-{p}" / "replicas")
+        for rnd in store.rounds():
+            state = store.get(rnd)
+            cert = store.certificate(rnd)
+            Receipt(w.fed.party_ids[p], rnd, state.digest(), cert).verify(w.charter.keyring())
+            out.setdefault(rnd, set()).add(state.digest())
+    return out
+
+
+def _check_goes_on(w: World, second: ChaosStrategy, hello: RoundLog, first_new: int) -> None:
+    rounds = [r.server_round for r in second.rounds[1:]]
+    assert rounds == list(range(first_new, KILL_ROUND + 4))
+    _no_evidence(w, second)
+    every = sorted(n.node_id for n in w.nodes.values())
+    for r in second.rounds[1:]:
+        assert sorted(r.trained) == every and r.errors == {}  # all parties train again
+        assert sorted(r.holders) == sorted(w.fed.party_ids[p] for p in range(N))
+    last = second.rounds[-1]
+    for p in range(N):
+        party = w.party(p)
+        assert party.held_round == last.server_round and party.held_digest == last.digest
+        assert certified_digest(party.held_arrays, party.held_round) == last.digest
+    # no round number was ever signed with two digests, by any party, before or after the kill
+    assert all(len(d) == 1 for d in _rounds_signed(w).values())
+
+
+@pytest.mark.parametrize("k", [1, N - 1], ids=["k=1", "k=n-1"])
+def test_a_server_killed_mid_certify_resumes_at_the_killed_round(tmp_path: Path, k: int) -> None:
+    w = World(tmp_path)
+    killed_digest = w.kill_mid_certify(k)
+    second = w.strategy()
+    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    hello = second.rounds[0]
+    # the newest round any verified party holds: the killed round, from its k holders
+    assert hello.server_round == KILL_ROUND and hello.digest == killed_digest
+    assert hello.holders == sorted(w.fed.party_ids[p] for p in range(k))
+    assert second.last_pull is not None
+    sharing = [h for h, b in second.last_pull.shares.items() if b > 0]
+    assert len(sharing) == 1 if k == 1 else len(sharing) >= 2  # all holders at once
+    # the parties that missed the killed round's certify pulled it from its holders
+    assert sorted(j.party for j in hello.joins) == sorted(w.fed.party_ids[p] for p in range(k, N))
+    assert all(j.ok and j.digest == killed_digest for j in hello.joins)
+    _check_goes_on(w, second, hello, KILL_ROUND + 1)
+
+
+def test_with_a_receipt_quorum_the_partial_round_number_is_skipped_not_reused(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.kill_mid_certify(1)  # one receipt for the killed round: below a quorum of 2
+    second = w.strategy(resume_min_receipts=2)
+    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    hello = second.rounds[0]
+    assert hello.server_round == KILL_ROUND - 1  # resumed from the quorum-certified state ...
+    assert second.round_floor == KILL_ROUND
+    # ... its one stale-ahead party pulled it back, and training goes on ABOVE the killed round
+    assert [j.party for j in hello.joins] == [w.fed.party_ids[0]] and hello.joins[0].ok
+    _check_goes_on(w, second, hello, KILL_ROUND + 1)
+    assert second.rounds[1].trained  # round KILL_ROUND + 1 trained from the older state
+
+
+def test_when_no_replica_can_be_pulled_a_fresh_start_is_numbered_above_every_signed_round(
+    tmp_path: Path,
+) -> None:
+    w = World(tmp_path)
+    w.kill_mid_certify(2)
+    for p in range(N):  # every replica is damaged in memory; the receipts still verify
+        party = w.party(p)
+        party.held_state = type(party.held_state)(
+            arrays={n: a + 1.0 for n, a in party.held_state.arrays.items()},
+            round=party.held_state.round,
+        )
+        party._bytes_round = -1
+    second = w.strategy()
+    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    hello, fresh = second.rounds[0], second.rounds[1]
+    assert hello.server_round == -1  # nothing verified could be pulled
+    assert fresh.server_round == KILL_ROUND + 1  # the initial state, under a new number
+    assert fresh.digest == certified_digest(_initial(), KILL_ROUND + 1)
+    assert [r.server_round for r in second.rounds[2:]] == [KILL_ROUND + 2, KILL_ROUND + 3]
+    _no_evidence(w, second)
+    assert all(len(d) == 1 for d in _rounds_signed(w).values())
