@@ -300,6 +300,10 @@ class ExchangeResult:
     late:
         Node -> a reply to a message of an *earlier* exchange (see ``late``) that came in
         during this one.
+    message_ids, by_message:
+        The pushed messages' ids (in the order given) and message id -> its reply with
+        content: with several messages to one node, ``replies`` keeps that node's first reply
+        and ``by_message`` has every one.
     """
 
     replies: dict[int, Message]
@@ -308,6 +312,8 @@ class ExchangeResult:
     elapsed_s: float
     missing_ids: dict[str, int] = field(default_factory=dict)
     late: dict[int, Message] = field(default_factory=dict)
+    message_ids: list[str] = field(default_factory=list)
+    by_message: dict[str, Message] = field(default_factory=dict)
 
 
 def exchange(
@@ -328,7 +334,8 @@ def exchange(
     grid:
         The Flower Grid.
     messages:
-        At most one message per destination node.
+        Usually one message per destination node; several to one node are allowed (their
+        replies are in ``by_message``; the node counts as answered once all of them are).
     timeout_s:
         Hard deadline of the exchange; nothing here waits longer.
     wait_for:
@@ -349,6 +356,7 @@ def exchange(
     outstanding = set(node_of_msg)
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
     replies: dict[int, Message] = {}
+    by_message: dict[str, Message] = {}
     errors: dict[int, int] = {}
     deadline = start + timeout_s
     late_out = dict(late or {})
@@ -369,8 +377,10 @@ def exchange(
             if reply.has_error():
                 errors[node] = int(reply.error.code)
             else:
-                replies[node] = reply
-        answered = set(replies) | set(errors)
+                replies.setdefault(node, reply)
+                by_message[mid] = reply
+        pending = {node_of_msg[m] for m in outstanding}
+        answered = (set(replies) | set(errors)) - pending
         if not outstanding or waiting <= answered or clock() >= deadline:
             break
         sleep(min(poll_interval_s, max(0.0, deadline - clock())))
@@ -382,6 +392,8 @@ def exchange(
         clock() - start,
         missing_ids={mid: node_of_msg[mid] for mid in outstanding},
         late=late_replies,
+        message_ids=ids,
+        by_message=by_message,
     )
 
 

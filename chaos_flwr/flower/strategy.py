@@ -544,8 +544,19 @@ class ChaosStrategy(Strategy):
             # a first exchange while Ray starts, would never be waited for again)
             self._absorb(node, reply, {}, log_)
         self._late.update(res.missing_ids)
-        for node, reply in res.replies.items():
-            self._absorb(node, reply, taken, log_)
+        node_of_msg = dict(
+            zip(res.message_ids, (m.metadata.dst_node_id for m in msgs), strict=True)
+        )
+        absorbed: set[int] = set()
+        for mid in res.message_ids:
+            answer = res.by_message.get(mid)
+            if answer is None:
+                continue
+            node = node_of_msg[mid]
+            # several messages to one node (joiners asking one donor): every reply's records
+            # count; the envelopes it was given are delivered once
+            self._absorb(node, answer, {} if node in absorbed else taken, log_)
+            absorbed.add(node)
         for node, code in res.errors.items():
             self.suspects.add(node)
             log_.errors[node] = code
@@ -687,7 +698,13 @@ class ChaosStrategy(Strategy):
     def _join_pulls(
         self, grid: Grid, rnd: int, digest: bytes, rlog: RoundLog, timeout: float
     ) -> float:
-        """Have every live party that lacks the certified state pull it from its holders."""
+        """Have every live party that lacks the certified state pull it from its holders.
+
+        The joiners pull concurrently: each relay step is one exchange with every joiner still
+        pulling, then one exchange carrying every joiner's shard requests to the donors (a
+        donor asked by several joiners gets one message per joiner in that same exchange), so
+        two joiners take as many exchanges as one.
+        """
         t0 = self.clock()
         nodes = [n for n in grid.get_node_ids() if n not in self.suspects]
         active = self.view_source() if self.view_source is not None else None
@@ -699,104 +716,133 @@ class ChaosStrategy(Strategy):
         if not donors:
             return 0.0
         holding = set(self._holding(nodes, rnd, digest))
+        joiners: list[tuple[int, str]] = []
         for node in nodes:
             party = self.relay.party_of.get(node)
             if party is None or node in holding:
                 continue
             if active is not None and party not in active:
                 continue
-            jl = self._pull_for(grid, node, party, donors, rnd, digest, timeout, rlog)
+            joiners.append((node, party))
+        if not joiners:
+            return 0.0
+        for jl in self._pull_for(grid, joiners, donors, rnd, digest, timeout, rlog):
             rlog.joins.append(jl)
             if jl.ok:
                 log(
                     INFO,
                     "Chaos: %s pulled round %d from %d donors in %.3fs (bound %.3fs): %s",
-                    party, rnd, len(jl.bytes_per_donor), jl.pull_s, jl.lower_bound_s,
+                    jl.party, rnd, len(jl.bytes_per_donor), jl.pull_s, jl.lower_bound_s,
                     jl.bytes_per_donor,
                 )  # fmt: skip
             else:
-                log(WARNING, "Chaos: %s could not pull round %d: %s", party, rnd, jl.error)
+                log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
         return self.clock() - t0
 
     def _pull_for(
         self,
         grid: Grid,
-        node: int,
-        party: str,
+        joiners: list[tuple[int, str]],
         donors: list[int],
         rnd: int,
         digest: bytes,
         timeout: float,
         rlog: RoundLog,
-    ) -> JoinLog:
-        """Relay one joiner's pull (:mod:`chaos_flwr.flower.joinpull`); it plans, we carry."""
-        jl = JoinLog(party=party, node=node, server_round=rnd, digest=digest)
+    ) -> list[JoinLog]:
+        """Relay the joiners' pulls (:mod:`chaos_flwr.flower.joinpull`); they plan, we carry.
+
+        Every joiner's relay steps share the same exchanges (see :meth:`_join_pulls`).
+        """
         node_of = {self.holders[d][0]: d for d in donors}
-        ctl = start_record(
+        start = start_record(
             [self.holders[d][0] for d in donors],
             [self.receipts.get(d, b"") for d in donors],
             self.join_min_shard_bytes,
         )
-        replies: dict[str, ConfigRecord] = {}
+        logs = {n: JoinLog(party=p, node=n, server_round=rnd, digest=digest) for n, p in joiners}
+        ctl: dict[int, ConfigRecord] = {n: start for n, _ in joiners}
+        replies: dict[int, dict[str, ConfigRecord]] = {n: {} for n, _ in joiners}
         step_times: list[float] = []
+        pulling = [n for n, _ in joiners]
         t0 = self.clock()
         for _ in range(self.join_max_steps):
+            if not pulling:
+                break
             t_step = self.clock()
-            content = RecordDict({FLOWER_PULL_DATA_KEY: ctl})
-            for dparty, rec in replies.items():
-                content[donor_key(dparty)] = rec
-            msg, envs = self._msg(node, "join", rnd, digest, content)
-            res = self._exchange(grid, [msg], {node: envs}, timeout=timeout, log_=rlog)
-            jl.steps += 1
-            reply = res.replies.get(node)
-            got = reply.content.get(FLOWER_PULL_DATA_KEY) if reply is not None else None
-            if not isinstance(got, ConfigRecord):
-                jl.error = "the joiner did not answer"
-                break
-            status = got.get("status")
-            if status != "want":
-                _read_join_stats(jl, got)
-                jl.ok = status == "done"
-                if not jl.ok and not jl.error:
-                    jl.error = str(got.get("error", "failed"))
-                break
-            requests = read_donor_records(reply.content) if reply is not None else {}
             msgs: list[Message] = []
             taken: dict[int, list[bytes]] = {}
-            asked: dict[int, str] = {}
-            lost: set[str] = set()
-            for dparty, req in requests.items():
-                dn = node_of.get(dparty)
-                if dn is None or dn in self.suspects:
-                    lost.add(dparty)
+            for node in pulling:
+                content = RecordDict({FLOWER_PULL_DATA_KEY: ctl[node]})
+                for dparty, rec in replies[node].items():
+                    content[donor_key(dparty)] = rec
+                msg, taken[node] = self._msg(node, "join", rnd, digest, content)
+                msgs.append(msg)
+            res = self._exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+            donor_msgs: list[Message] = []
+            asked: list[tuple[int, str]] = []  # (joiner, donor party) of each donor message
+            lost: dict[int, set[str]] = {}
+            still: list[int] = []
+            taken = {}
+            for node in pulling:
+                jl = logs[node]
+                jl.steps += 1
+                reply = res.replies.get(node)
+                got = reply.content.get(FLOWER_PULL_DATA_KEY) if reply is not None else None
+                if not isinstance(got, ConfigRecord):
+                    jl.error = "the joiner did not answer"
+                    jl.pull_s = self.clock() - t0
                     continue
-                m, taken[dn] = self._msg(
-                    dn, "pull", rnd, digest, RecordDict({FLOWER_PULL_DATA_KEY: req})
-                )
-                msgs.append(m)
-                asked[dn] = dparty
-            res2 = self._exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
-            replies = {}
-            for dn, dparty in asked.items():
-                r = res2.replies.get(dn)
+                status = got.get("status")
+                if status != "want":
+                    _read_join_stats(jl, got)
+                    jl.ok = status == "done"
+                    if not jl.ok and not jl.error:
+                        jl.error = str(got.get("error", "failed"))
+                    jl.pull_s = self.clock() - t0
+                    continue
+                still.append(node)
+                lost[node] = set()
+                requests = read_donor_records(reply.content) if reply is not None else {}
+                for dparty, req in requests.items():
+                    dn = node_of.get(dparty)
+                    if dn is None or dn in self.suspects:
+                        lost[node].add(dparty)
+                        continue
+                    m, envs = self._msg(
+                        dn, "pull", rnd, digest, RecordDict({FLOWER_PULL_DATA_KEY: req})
+                    )
+                    taken.setdefault(dn, []).extend(envs)
+                    donor_msgs.append(m)
+                    asked.append((node, dparty))
+            if not still:
+                pulling = []
+                break
+            res2 = self._exchange(grid, donor_msgs, taken, timeout=timeout, log_=rlog)
+            for node in still:
+                replies[node] = {}
+            for (node, dparty), mid in zip(asked, res2.message_ids, strict=True):
+                r = res2.by_message.get(mid)
                 data = r.content.get(FLOWER_PULL_DATA_KEY) if r is not None else None
                 if isinstance(data, ConfigRecord):
-                    replies[dparty] = data
+                    replies[node][dparty] = data
                 else:
-                    lost.add(dparty)
-            ctl = ConfigRecord({"op": "step", "lost": sorted(lost)})
+                    lost[node].add(dparty)
+            for node in still:
+                ctl[node] = ConfigRecord({"op": "step", "lost": sorted(lost[node])})
+            pulling = still
             step_times.append(self.clock() - t_step)
-        else:
-            jl.error = f"no verified state after {self.join_max_steps} relay steps"
-        jl.pull_s = self.clock() - t0
-        if jl.total_bytes and jl.planned_bytes:
-            latency = min(step_times) if step_times else 0.0
-            plan_donors = [
-                PlanDonor(id=d, bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS, latency=latency)
-                for d in jl.planned_bytes
-            ]
-            jl.lower_bound_s = lower_bound(jl.total_bytes, plan_donors)
-        return jl
+        for node in pulling:
+            logs[node].error = f"no verified state after {self.join_max_steps} relay steps"
+            logs[node].pull_s = self.clock() - t0
+        latency = min(step_times) if step_times else 0.0
+        for jl in logs.values():
+            if jl.total_bytes and jl.planned_bytes:
+                plan_donors = [
+                    PlanDonor(id=d, bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS, latency=latency)
+                    for d in jl.planned_bytes
+                ]
+                jl.lower_bound_s = lower_bound(jl.total_bytes, plan_donors)
+        return [logs[n] for n, _ in joiners]
 
     def start(
         self,
