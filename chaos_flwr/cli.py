@@ -541,11 +541,21 @@ def bench_flower_overhead(
     rounds: int = typer.Option(10, help="Federated rounds of each run."),
     timeout_s: float = typer.Option(300.0, help="Wall-time bound of each run."),
     poll_interval_s: float = typer.Option(0.02, help="ChaosStrategy's pull interval."),
+    signed: bool = typer.Option(False, help="Signed parties (keys + charter), as in real use."),
+    repeats: int = typer.Option(1, help="FedAvg/Chaos run pairs; the ratio is their median."),
 ) -> None:
     """Per-round wall time of ChaosStrategy over plain FedAvg in simulation (JSON)."""
     from chaos_flwr.flower.overhead import measure_overhead
 
-    _print_json(measure_overhead(rounds, timeout_s=timeout_s, poll_interval_s=poll_interval_s))
+    _print_json(
+        measure_overhead(
+            rounds,
+            timeout_s=timeout_s,
+            poll_interval_s=poll_interval_s,
+            signed=signed,
+            repeats=repeats,
+        )
+    )
 
 
 @bench_app.command("flower-churn")

@@ -48,43 +48,103 @@ def measure_overhead(
     num_supernodes: int = FLOWER_EXAMPLE_SUPERNODES,
     poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
     timeout_s: float = FLOWER_RUN_TIMEOUT_S,
+    signed: bool = False,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Run the example as plain FedAvg and as ChaosStrategy(FedAvg); return the figures.
 
-    Round 1 includes Ray's start-up, so the per-round figure is the median of rounds 2..N.
+    Parameters
+    ----------
+    rounds:
+        Federated rounds of each run.
+    poll_interval_s:
+        ChaosStrategy's pull interval (plain FedAvg uses Flower's own ``send_and_receive``,
+        which pulls every 0.1 s on the simulation engine).
+    signed:
+        Chaos parties with identities (keys and a charter from
+        :func:`chaos_flwr.flower.keys.make_federation`, every SuperNode a founder): receipts
+        signed and verified, the server keeps its view of the signed records. Otherwise the
+        parties run unsigned (the carrier's cost only).
+    repeats:
+        FedAvg/Chaos run pairs, interleaved (one of each, then the next pair).
+
+    Returns
+    -------
+    dict
+        Per mode the last run's figures plus ``median_round_s_runs`` (the median of rounds
+        2..N of every run; round 1 includes Ray's start-up); ``ratio_median_round`` is the
+        median over the pairs of Chaos over FedAvg, ``ratio_runs`` each pair's ratio. Chaos
+        runs add ``phase_s`` (median train / certify / join exchange times of rounds 2..N).
+        ``loadavg`` is the 1-minute load average before and after.
     """
+    import os
+    import tempfile
+
     app = app_dir or example_dir()
     out: dict[str, Any] = {
         "rounds": rounds,
         "supernodes": num_supernodes,
         "chaos_poll_interval_s": poll_interval_s,
+        "signed": signed,
+        "repeats": repeats,
+        "loadavg": {"before": os.getloadavg()[0]},
     }
-    for mode in ("fedavg", "chaos"):
-        run = run_simulation_app(
-            app,
-            run_config={
-                "mode": mode,
-                "num-server-rounds": rounds,
-                "chaos-unsigned": True,
-                "poll-interval-s": poll_interval_s,
-            },
-            num_supernodes=num_supernodes,
-            timeout_s=timeout_s,
-        )
-        if run.returncode != 0 or not run.results:
-            raise TransportError(
-                f"the {mode} run failed (exit {run.returncode}):\n{run.log[-2000:]}"
+    ratios: list[float] = []
+    runs: dict[str, list[float]] = {"fedavg": [], "chaos": []}
+    with tempfile.TemporaryDirectory(prefix="chaos-overhead-") as tmp:
+        extra: dict[str, object] = {"chaos-unsigned": True}
+        if signed:
+            from chaos_flwr.flower.keys import make_federation
+
+            keys = make_federation(
+                Path(tmp) / "keys", num_supernodes, founders=num_supernodes, seed="overhead"
             )
-        walls = list(run.results["round_wall_s"])
-        out[mode] = {
-            "final_accuracy": run.results["final_accuracy"],
-            "accuracy": run.results["accuracy"],
-            "round_wall_s": walls,
-            "median_round_s": statistics.median(walls[1:]) if len(walls) > 1 else walls[0],
-            "total_wall_s": run.results["total_wall_s"],
-        }
-    out["ratio_median_round"] = out["chaos"]["median_round_s"] / out["fedavg"]["median_round_s"]
+            extra = {"chaos-unsigned": False, "chaos-keys-dir": str(keys)}
+        for rep in range(repeats):
+            for mode in ("fedavg", "chaos"):
+                cfg: dict[str, object] = {
+                    "mode": mode,
+                    "num-server-rounds": rounds,
+                    "poll-interval-s": poll_interval_s,
+                    **extra,
+                }
+                if signed:  # fresh replicas per run: every run starts at round 0
+                    cfg["chaos-state-root"] = str(Path(tmp) / f"state-{rep}-{mode}")
+                run = run_simulation_app(
+                    app, run_config=cfg, num_supernodes=num_supernodes, timeout_s=timeout_s
+                )
+                if run.returncode != 0 or not run.results:
+                    raise TransportError(
+                        f"the {mode} run failed (exit {run.returncode}):\n{run.log[-2000:]}"
+                    )
+                walls = list(run.results["round_wall_s"])
+                med = statistics.median(walls[1:]) if len(walls) > 1 else walls[0]
+                runs[mode].append(med)
+                fig: dict[str, Any] = {
+                    "final_accuracy": run.results["final_accuracy"],
+                    "accuracy": run.results["accuracy"],
+                    "round_wall_s": walls,
+                    "median_round_s": med,
+                    "total_wall_s": run.results["total_wall_s"],
+                }
+                chaos_rounds = [
+                    r for r in run.results.get("chaos_rounds") or [] if r.get("round", 0) >= 2
+                ]
+                if chaos_rounds:
+                    fig["phase_s"] = {
+                        k: statistics.median(float(r.get(k, 0.0)) for r in chaos_rounds)
+                        for k in ("train_s", "certify_s", "join_s")
+                    }
+                    fig["unsigned_receipts"] = max(r["unsigned_receipts"] for r in chaos_rounds)
+                    fig["holders"] = min(r["holders"] for r in chaos_rounds)
+                out[mode] = fig
+            ratios.append(runs["chaos"][-1] / runs["fedavg"][-1])
+    for mode in ("fedavg", "chaos"):
+        out[mode]["median_round_s_runs"] = runs[mode]
+    out["ratio_runs"] = ratios
+    out["ratio_median_round"] = statistics.median(ratios)
     out["accuracy_gap"] = out["chaos"]["final_accuracy"] - out["fedavg"]["final_accuracy"]
+    out["loadavg"]["after"] = os.getloadavg()[0]
     return out
 
 
