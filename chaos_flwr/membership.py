@@ -735,6 +735,8 @@ class RecordSet:
         self._links_of: dict[str, set[tuple[str, str]]] = {}
         self._members: dict[str, MemberInfo] = {}
         self._links: dict[tuple[str, str], LinkInfo] = {}
+        # link -> (highest version held, whether a link_down of that version is held)
+        self._link_ver: dict[tuple[str, str], tuple[tuple[int, int, int], bool]] = {}
         self._xor = 0
         self._view: View | None = None
         self._active: list[str] | None = None
@@ -802,32 +804,52 @@ class RecordSet:
             self._by_link.setdefault(key, []).append(record)
             self._links_of.setdefault(key[0], set()).add(key)
             self._links_of.setdefault(key[1], set()).add(key)
+            self._refold_version(key)
             self._refold_link(key)
         return True
 
     def _refold_member(self, subject: str) -> None:
-        records = self._by_subject[subject]
-        joins = [r.body for r in records if r.kind == "join"]
+        bodies = [r.body for r in self._by_subject[subject]]
+        joins = [b for b in bodies if b["kind"] == "join"]
+        old = self._members.get(subject)
         if not joins:
             self._members.pop(subject, None)
+            new = None
         else:
             inc = max(b["incarnation"] for b in joins)
             joined_at = min(b["at"] for b in joins if b["incarnation"] == inc)
-            ended = {r.kind for r in records if r.kind != "join" and r.body["incarnation"] == inc}
+            ended = {b["kind"] for b in bodies if b["kind"] != "join" and b["incarnation"] == inc}
             status = LEFT if "leave" in ended else FAILED if "fail" in ended else ACTIVE
-            self._members[subject] = MemberInfo(subject, status, inc, joined_at)
-        # Liveness of the subject's links depends on its status.
-        for key in sorted(self._links_of.get(subject, ())):
-            self._refold_link(key)
+            new = MemberInfo(subject, status, inc, joined_at)
+            self._members[subject] = new
+        # Liveness of the subject's links depends on its status and incarnation (only).
+        if (
+            old is None
+            or new is None
+            or (old.status, old.incarnation)
+            != (
+                new.status,
+                new.incarnation,
+            )
+        ):
+            for key in self._links_of.get(subject, ()):
+                self._refold_link(key)
+
+    def _refold_version(self, key: tuple[str, str]) -> None:
+        best: tuple[int, int, int] | None = None
+        down = False
+        for r in self._by_link[key]:
+            b = r.body
+            version = (b["epoch"], b["inc_a"], b["inc_b"])
+            if best is None or version > best:
+                best, down = version, b["kind"] == "link_down"
+            elif version == best and b["kind"] == "link_down":
+                down = True
+        assert best is not None  # a link key exists only with a record
+        self._link_ver[key] = (best, down)
 
     def _refold_link(self, key: tuple[str, str]) -> None:
-        records = self._by_link[key]
-        best = max((r.body["epoch"], r.body["inc_a"], r.body["inc_b"]) for r in records)
-        down = any(
-            r.kind == "link_down" and (r.body["epoch"], r.body["inc_a"], r.body["inc_b"]) == best
-            for r in records
-        )
-        epoch, inc_a, inc_b = best
+        (epoch, inc_a, inc_b), down = self._link_ver[key]
         a, b = key
         ma, mb = self._members.get(a), self._members.get(b)
         live = (

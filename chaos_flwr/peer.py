@@ -76,7 +76,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from .defaults import (
     PEER_ANTI_ENTROPY_INTERVAL_S,
@@ -127,9 +127,8 @@ def _federation_tag(charter: Any) -> bytes:
     return hashlib.sha256(_FEDERATION_NAME_DOMAIN + str(charter.federation).encode()).digest()
 
 
-@dataclass(frozen=True)
-class Outgoing:
-    """One envelope to deliver.
+class Outgoing(NamedTuple):
+    """One envelope to deliver (immutable; a named tuple: cheap to make once per destination).
 
     Attributes
     ----------
@@ -369,7 +368,7 @@ class Peer:
         body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
         targets = set(self._founders) | set(self.records.active())
         record, out = self._broadcast_own(targets, body, {}, now)
-        self._apply([record], now)
+        self._apply([record], now, validated=True)
         return out
 
     def request_join(self, now: float, sponsors: Sequence[str]) -> list[Outgoing]:
@@ -415,7 +414,7 @@ class Peer:
         targets = self.records.active()
         body = leave_body(self.policy.federation, self.party_id, self.incarnation)
         record, out = self._broadcast_own(targets, body, {}, now)
-        self._apply([record], now)
+        self._apply([record], now, validated=True)
         return out
 
     def connect(self, other: str, now: float) -> list[Outgoing]:
@@ -456,7 +455,7 @@ class Peer:
         body = link_body("link_down", self.policy.federation, end_self, end_other, link.epoch)
         targets = self.records.active()
         record, out = self._broadcast_own(targets, body, {}, now, first=other)
-        self._apply([record], now)
+        self._apply([record], now, validated=True)
         return out
 
     # --- driving -----------------------------------------------------------------------------
@@ -611,7 +610,8 @@ class Peer:
             dests.remove(first)
             dests.insert(0, first)
         wire = {"body": dict(body), "sigs": dict(others)}
-        data = self._seal(PROOF_KIND, {"record": wire}, now, None)
+        payload = {"record": wire}
+        data = self._seal(PROOF_KIND, payload, now, None)
         # Self-made (never received): this party does not re-verify its own proof.
         self.records.cache.trust(
             self._keyring[self.party_id],
@@ -619,6 +619,19 @@ class Peer:
             _ENVELOPE_DOMAIN + data[:-SIGNATURE_BYTES],
         )
         record = Record(body=wire["body"], signatures={**others, self.party_id: data})
+        # Checked like any record (the charter's rules), without decoding our own envelope.
+        mine = Envelope(
+            self.party_id,
+            self.incarnation,
+            self._seq,
+            float(now),
+            PROOF_KIND,
+            None,
+            payload,
+            data,
+            self.federation_tag,
+        )
+        validate_record(record, self.policy, self.records.cache, envelope=mine)
         return record, [Outgoing(d, data) for d in dests]
 
     def _share(
@@ -978,7 +991,7 @@ class Peer:
         self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
         targets = self.records.active()
         record, out = self._broadcast_own(targets, body, {env.sender: sig}, now, first=env.sender)
-        self._apply([record], now)
+        self._apply([record], now, validated=True)
         return out
 
     def _on_vote(self, env: Envelope, now: float) -> list[Outgoing]:
