@@ -37,16 +37,19 @@ only ever a signature that *this* peer verified before, or made itself).
 Floor and deployment figure
 ---------------------------
 ``verify_us`` is the measured cost of one Ed25519 verification on this machine. For each event
-the hosts count the signatures the affected peers had to verify (one envelope plus every record
-signature, per peer); ``floor_p50_ms`` is that count times ``verify_us`` divided by the cores in
-use: no implementation that keeps per-peer verification can settle the event faster on this
-machine (``floor_quiet_p50_ms`` uses ``verify_min_us``, the fastest timing round: the floor
-on cores nobody else is using). ``hop_p50_ms``/``hop_p99_ms`` are measured, not modelled: from
-the trigger until the *first* peer outside the event's own parties (the leaver, the link's
-ends, the suspect's watchers) applied the record: the event's protocol steps, then one seal, one
-loopback hop, one verify-and-apply. In a deployment every peer has its own cores and verifies
-in parallel, so each peer's delay is about that (plus the sender's per-destination sends, not
-measured here).
+the hosts count the signature checks their peers actually made in the window (``verifies_p50``:
+misses of each peer's own signature cache, from arming until the host's last affected peer
+applied the record). A record its broadcaster signs travels in an ``own`` envelope whose
+signature is also that record signature (see :mod:`chaos_flwr.membership`, "Proofs"), so a leave
+or link_down costs each receiver one check, a link_up or fail two. ``floor_p50_ms`` is that
+count times ``verify_us`` divided by the cores in use: this protocol, with per-peer
+verification, cannot settle the event faster on this machine (``floor_quiet_p50_ms`` uses
+``verify_min_us``, the fastest timing round: the floor on cores nobody else is using).
+``hop_p50_ms``/``hop_p99_ms`` are measured, not modelled: from the trigger until the *first*
+peer outside the event's own parties (the leaver, the link's ends, the suspect's watchers)
+applied the record: the event's protocol steps, then one seal, one loopback hop, one
+verify-and-apply. In a deployment every peer has its own cores and verifies in parallel, so each
+peer's delay is about that (plus the sender's per-destination sends, not measured here).
 """
 
 from __future__ import annotations
@@ -873,9 +876,9 @@ async def _run(
         "loadavg_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
         "nice": os.nice(0),
         "floor": (
-            "floor_p50_ms = signatures the affected peers verified (envelope + record "
-            "signatures, counted per event) x verify_us / cores_used: the least any "
-            "implementation with per-peer verification needs on this machine as loaded now; "
+            "floor_p50_ms = signature checks the peers made in the window (each peer's own "
+            "cache misses, counted per event: verifies_p50) x verify_us / cores_used: the least "
+            "this protocol with per-peer verification needs on this machine as loaded now; "
             "floor_quiet_p50_ms the same with verify_min_us (the least round: a quiet core)"
         ),
         "busy": (
