@@ -350,3 +350,7 @@ FLOWER_DEPLOY_JOIN_ROUNDS: int = 1
 #: Phase deadline of the resumed run of the deployment figure, in phase deadlines (its hello
 #: waits while SuperNodes work through the killed run's queued messages).
 FLOWER_DEPLOY_RESUME_PHASES: float = 3.0
+#: Rounds of a party's receipt ledger kept in its saved state (chaos_flwr.flower.durable).
+FLOWER_DURABLE_LEDGER_ROUNDS: int = 4
+#: Largest saved party state (records, pending envelopes, a join pull's partial shards), bytes.
+FLOWER_DURABLE_MAX_BYTES: int = 1 << 30
