@@ -241,6 +241,10 @@ class Peer:
         A :meth:`replay_state` saved by an earlier run of this party: the replay guard starts
         from it instead of empty (the guard is in memory only; see
         :class:`chaos_flwr.wire.ReplayGuard`). ``DecodeError`` if malformed.
+    seq : int, optional
+        The last sequence number sealed at ``incarnation`` (:attr:`seq`) by an earlier process
+        of this same party life: sealing continues above it, so receivers' replay guards accept
+        it. Leave 0 with a fresh incarnation.
 
     Attributes
     ----------
@@ -269,7 +273,10 @@ class Peer:
         on_apply: Callable[[AppliedChange], None] | None = None,
         max_envelope_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
         replay_state: Mapping[str, Any] | None = None,
+        seq: int = 0,
     ) -> None:
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise PolicyError(f"'seq' must be an integer >= 0, got {seq!r}")
         if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
             raise PolicyError(f"'incarnation' must be an integer >= 0, got {incarnation!r}")
         verified = getattr(charter, "is_verified", True)
@@ -309,7 +316,7 @@ class Peer:
             ReplayGuard() if replay_state is None else ReplayGuard.from_snapshot(replay_state)
         )
         self._max_envelope = max_envelope_bytes
-        self._seq = 0
+        self._seq = seq
         self._joins: dict[str, _PendingJoin] = {}
         self._links: dict[str, _PendingLink] = {}
         self._votes: dict[str, _Vote] = {}
@@ -338,6 +345,25 @@ class Peer:
         before the restart are still refused as replays (the core itself does no I/O).
         """
         return {sender: list(entry) for sender, entry in self._guard.snapshot().items()}
+
+    @property
+    def seq(self) -> int:
+        """The last sequence number sealed at the current incarnation (persist it with
+        :attr:`incarnation` to continue this life in another process: ``Peer(seq=...)``)."""
+        return self._seq
+
+    def load_records(self, values: Sequence[Any], now: float) -> int:
+        """Take up records saved by an earlier process of this party (their wire form).
+
+        Each record is validated (signatures included) exactly as one received; a bad one
+        raises before anything is applied. Returns how many were new.
+
+        Raises
+        ------
+        DecodeError, SignatureError, PolicyError
+            A record is malformed or does not verify under the charter.
+        """
+        return len(self._apply(self._check_records(list(values)), now))
 
     def declare_resources(self, resources: Resources) -> None:
         """Set what this party declares in its heartbeats (compute speed, free memory)."""
