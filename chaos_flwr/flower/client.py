@@ -34,6 +34,7 @@ call :meth:`Party.leave`, :meth:`Party.connect` or :meth:`Party.disconnect`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ from chaos_flwr.state import TrainingState, from_array_record, to_array_record
 from chaos_flwr.store import ReplicaStore
 
 if TYPE_CHECKING:
+    from chaos_flwr.flower.durable import SavedParty
     from chaos_flwr.receipts import Equivocation, ReceiptLedger
 
 __all__ = [
@@ -271,6 +273,81 @@ class Party:
     _evidence_sent: int = field(default=0, repr=False)
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
+    lifetime: str = ""
+
+    # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
+    def saved(self) -> SavedParty:
+        """What this party must keep until its next message (see :mod:`.durable`)."""
+        from chaos_flwr.flower.durable import SavedParty, ledger_receipts, pickle_pull
+
+        peer = self.peer
+        replay_of = getattr(peer, "replay_state", None)
+        replay = replay_of() if replay_of is not None else {}
+        records = getattr(peer, "records", None)
+        return SavedParty(
+            party_id=self.party_id,
+            lifetime=self.lifetime,
+            incarnation=int(getattr(peer, "incarnation", 0)),
+            seq=int(getattr(peer, "seq", 0)),
+            replay=replay,
+            records=[r.to_wire() for r in records or ()],
+            pending=[(o.to, bytes(o.data)) for o in self.pending],
+            join_asked=self._join_asked,
+            links_asked=sorted(self._links_asked),
+            joining=pickle_pull(self.joining),
+            joins_done=[dict(c.items()) for c in self.joins_done],
+            receipts=ledger_receipts(self._ledger),
+            evidence=[ev.encode() for ev in self.evidence],
+            evidence_sent=self._evidence_sent,
+        )
+
+    def take_up(self, saved: SavedParty, *, same_life: bool) -> None:
+        """Take up a saved state: the ledger and evidence always; when ``same_life`` also the
+        pending envelopes and the join progress (a real restart starts those afresh).
+
+        Raises
+        ------
+        chaos_flwr.errors.StoreError
+            The join pull or a receipt in the saved state is unreadable.
+        """
+        from chaos_flwr.receipts import Equivocation, Receipt, ReceiptLedger
+
+        if self.keyring is not None and saved.receipts:
+            self._ledger = ReceiptLedger(dict(self.keyring))
+            try:
+                self._ledger.add_all([Receipt.decode(b) for b in saved.receipts])
+                self.evidence = [Equivocation.decode(b) for b in saved.evidence]
+            except ChaosError as exc:
+                raise StoreError(f"saved party state: bad receipt or evidence ({exc})") from exc
+            self._evidence_sent = min(saved.evidence_sent, len(self.evidence))
+        if not same_life:
+            return
+        from chaos_flwr.peer import Outgoing
+
+        self.joining = saved.joiner_pull()
+        self.pending = [Outgoing(to, data) for to, data in saved.pending]
+        self._join_asked = saved.join_asked
+        self._links_asked = set(saved.links_asked)
+        self.joins_done = [ConfigRecord(d) for d in saved.joins_done]
+
+    def persist(self) -> None:
+        """Save the party's state to its state directory (before a reply leaves the process).
+
+        A failed save is noted in :attr:`errors` and the old file is removed, so the next
+        process starts as a real restart (fresh incarnation) instead of reusing sequence
+        numbers this one already sent.
+        """
+        if self.state_dir is None or self.peer is None:
+            return
+        from chaos_flwr.flower import durable
+
+        try:
+            durable.save(self.state_dir, self.saved())
+        except StoreError as exc:
+            self.errors.append(f"StoreError: {exc}")
+            durable.LOG.warning("chaos-flwr: %s", exc)
+            with contextlib.suppress(OSError):
+                (self.state_dir / durable.STATE_FILE).unlink()
 
     # -- membership actions (churn scenarios, operators) ----------------------------------------
     def _need_peer(self, action: str) -> PeerProtocol:
@@ -668,7 +745,15 @@ def default_party_factory(context: Context) -> Party:
     from chaos_flwr.identity import Identity
 
     ident = Identity.load(settings.key_path)
-    peer, out = _build_peer(ident, settings)
+    saved, same_life = _saved_state(context, settings, str(ident.party_id))
+    try:
+        peer, out = _build_peer(ident, settings, saved, same_life=same_life)
+    except ChaosError as exc:  # a saved record that does not verify: start from the relay
+        from chaos_flwr.flower.durable import LOG
+
+        LOG.warning("chaos-flwr: saved party state refused (%s); a fresh incarnation", exc)
+        saved, same_life = None, False
+        peer, out = _build_peer(ident, settings)
     keyring = dict(peer.policy.keyring) if hasattr(peer, "policy") else None
     party = Party(
         party_id=str(ident.party_id),
@@ -677,7 +762,16 @@ def default_party_factory(context: Context) -> Party:
         store=store,
         keyring=keyring,
         state_dir=settings.state_dir,
+        lifetime=_lifetime(),
     )
+    if saved is not None:
+        try:
+            party.take_up(saved, same_life=same_life)
+        except StoreError as exc:
+            from chaos_flwr.flower.durable import LOG
+
+            LOG.warning("chaos-flwr: saved party state partly unreadable (%s)", exc)
+            party.errors.append(f"StoreError: {exc}")
     if settings.state_dir is not None and (settings.state_dir / LEFT_MARKER).is_file():
         # it left the federation before this restart: it stays out (delete the marker, or use
         # a fresh state directory, to come back as a joiner)
@@ -712,11 +806,44 @@ def _incarnation(settings: PartySettings) -> int:
     return inc
 
 
-def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list[OutgoingLike]]:
+#: (run id, node id) of parties whose next build is a real restart (:func:`forget_party`).
+_RESTARTED: set[tuple[int, int]] = set()
+
+
+def _lifetime() -> str:
+    from chaos_flwr.flower.durable import lifetime_token
+
+    return lifetime_token()
+
+
+def _saved_state(
+    context: Context, settings: PartySettings, party_id: str
+) -> tuple[SavedParty | None, bool]:
+    """The party's saved state (a bad file is discarded with a warning) and whether this
+    process continues the life it was saved in (same SuperNode process, no forget_party)."""
+    key = (context.run_id, context.node_id)
+    restarted = key in _RESTARTED
+    _RESTARTED.discard(key)
+    if settings.state_dir is None:
+        return None, False
+    from chaos_flwr.flower.durable import load_or_discard
+
+    saved = load_or_discard(settings.state_dir, party_id)
+    same = saved is not None and not restarted and saved.lifetime == _lifetime()
+    return saved, same
+
+
+def _build_peer(
+    ident: Any, settings: PartySettings, saved: SavedParty | None = None, *, same_life: bool = False
+) -> tuple[PeerProtocol, list[OutgoingLike]]:
     """Build the protocol peer from the identity and the verified charter.
 
-    A founder bootstraps the federation's records. A non-founder asks for a sponsored join
-    when it first hears from the relay (:meth:`Party.process`).
+    The ``saved`` records and replay state are taken up (records re-verified; a bad one
+    raises). When ``same_life`` (the life it was saved in, continued in a new process) the
+    peer also keeps the saved incarnation and sequence number and nothing is bootstrapped.
+    Otherwise (a start or a real restart) it gets a fresh incarnation; a founder bootstraps
+    the federation's records and a non-founder asks for a sponsored join when it first hears
+    from the relay (:meth:`Party.process`).
     """
     try:
         from chaos_flwr.charter import load_charter
@@ -732,7 +859,16 @@ def _build_peer(ident: Any, settings: PartySettings) -> tuple[PeerProtocol, list
         charter = load_charter(settings.charter_path)
     except ChaosError as exc:
         raise ConfigError(f"node_config '{NODE_CHARTER}': {exc}") from exc
-    peer = Peer(ident, charter, incarnation=_incarnation(settings))
+    if saved is not None and same_life:
+        peer = Peer(
+            ident, charter, incarnation=saved.incarnation, seq=saved.seq, replay_state=saved.replay
+        )
+        peer.load_records(saved.records, time.time())
+        return peer, []
+    replay = saved.replay if saved is not None else None
+    peer = Peer(ident, charter, incarnation=_incarnation(settings), replay_state=replay)
+    if saved is not None:
+        peer.load_records(saved.records, time.time())
     out: list[OutgoingLike] = []
     if charter.is_founder(ident.party_id):
         out.extend(peer.bootstrap(time.time()))
@@ -814,6 +950,7 @@ def forget_party(context: Context) -> None:
     key = (context.run_id, context.node_id)
     for parties in _ENABLED:
         parties.by_node.pop(key, None)
+    _RESTARTED.add(key)
 
 
 def _wrap(
@@ -842,7 +979,9 @@ def _wrap(
             return reply
         arrays = message.content.array_records
         first = next(iter(arrays.values()), None)
-        out = parties(context).process(record, first)
+        party = parties(context)
+        out = party.process(record, first)
+        party.persist()
         if reply.has_content():
             content = RecordDict(dict(reply.content.items()))
             content[FLOWER_CHAOS_RECORD_KEY] = out
@@ -911,6 +1050,7 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
                 content[FLOWER_PULL_DATA_KEY] = served
         for key, rec in extra.items():
             content[key] = rec
+        party.persist()  # before any envelope of this reply leaves the process
         return Message(content, reply_to=message)
 
     return app

@@ -1,0 +1,355 @@
+"""A party's protocol state on disk, so that it outlives one ClientApp process.
+
+Flower's deployment engine starts a new ClientApp process for every message. Everything a
+:class:`~chaos_flwr.flower.client.Party` must remember between two messages is saved in its
+state directory (``<state-dir>/party.state``) before the handler returns (so before any
+envelope of that message leaves the process) and loaded when the party is built.
+
+What is saved
+-------------
+- the signed membership records the peer holds (re-verified on load: they are
+  self-verifying, a tampered one is refused);
+- the peer's incarnation, last sequence number and replay-guard state;
+- the outgoing envelopes not yet handed to the relay (``Party.pending``);
+- the join progress: when a sponsored join was asked, the links asked, and the joiner's
+  pull in progress (:class:`~chaos_flwr.flower.joinpull.JoinerPull`, pickled: it holds the
+  transfer session's partial shards);
+- the receipt ledger (recent rounds) and the equivocation evidence;
+- the **lifetime** token: which SuperNode process this party life belongs to.
+
+Same life or a real restart?
+----------------------------
+A ClientApp process started by the same SuperNode process (same parent pid and parent start
+time) continues the saved life: same incarnation, sequence numbers go on above the saved one,
+so receivers' replay guards accept them. A new SuperNode process (a crash and restart, a new
+simulation worker, :func:`~chaos_flwr.flower.client.forget_party`) is a *real restart*: the
+records and replay state are taken up, but the party starts a fresh incarnation (sequence
+numbers start again, which only a higher incarnation allows).
+
+Format and failure
+------------------
+One codec document: ``MAGIC || sha256(body) || body``, written to a temporary file, fsynced,
+renamed over the old one and the directory fsynced. A SIGKILL mid-write leaves the previous
+file. A file that is unreadable, truncated or fails its hash (or names another party) raises
+:class:`~chaos_flwr.errors.StoreError` from :func:`load`; the party factory then discards it
+with a logged warning and starts as a real restart (fresh incarnation, records from the
+relay), never continuing a life it cannot prove it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import pickle
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chaos_flwr import codec
+from chaos_flwr.defaults import FLOWER_DURABLE_LEDGER_ROUNDS, FLOWER_DURABLE_MAX_BYTES
+from chaos_flwr.errors import ChaosError, StoreError
+
+__all__ = [
+    "STATE_FILE",
+    "STATE_MAGIC",
+    "SavedParty",
+    "lifetime_token",
+    "load",
+    "save",
+]
+
+LOG = logging.getLogger(__name__)
+
+#: File name of the saved party state in its state directory.
+STATE_FILE = "party.state"
+#: The first bytes of a saved party state (format version 1).
+STATE_MAGIC = b"CHAOSPS\x01"
+_TMP_PREFIX = ".tmp-party-"
+
+
+def lifetime_token() -> str:
+    """Identify the SuperNode process this ClientApp process runs under.
+
+    The parent's pid and its start time (``/proc/<ppid>/stat``, field 22), so a recycled pid
+    is not mistaken for the same process. Where ``/proc`` is missing, the pid alone.
+    """
+    ppid = os.getppid()
+    start = ""
+    with contextlib.suppress(OSError, IndexError):
+        raw = Path(f"/proc/{ppid}/stat").read_text()
+        start = raw.rsplit(")", 1)[1].split()[19]
+    return f"{ppid}:{start}"
+
+
+@dataclass
+class SavedParty:
+    """What a party keeps between two messages (see the module docstring).
+
+    Attributes
+    ----------
+    party_id, lifetime:
+        Whose state this is, and the SuperNode process life it was saved in.
+    incarnation, seq, replay:
+        The peer's incarnation, last sealed sequence number and replay-guard snapshot.
+    records:
+        The wire form of every record the peer holds.
+    pending:
+        Outgoing envelopes not handed to the relay yet, as ``(to, data)``.
+    join_asked, links_asked:
+        When (and of whom) a sponsored join was asked; the links asked.
+    joining:
+        The pickled :class:`~chaos_flwr.flower.joinpull.JoinerPull` in progress, or ``b""``.
+    joins_done:
+        The figures of finished pulls (plain dicts).
+    receipts, evidence, evidence_sent:
+        Encoded receipts of the ledger's recent rounds, encoded equivocation evidence, and
+        how much evidence was already reported.
+    """
+
+    party_id: str
+    lifetime: str
+    incarnation: int
+    seq: int
+    replay: dict[str, list[int]] = field(default_factory=dict)
+    records: list[Any] = field(default_factory=list)
+    pending: list[tuple[str, bytes]] = field(default_factory=list)
+    join_asked: tuple[float | None, tuple[str, ...]] = (None, ())
+    links_asked: list[tuple[str, int, int]] = field(default_factory=list)
+    joining: bytes = b""
+    joins_done: list[dict[str, Any]] = field(default_factory=list)
+    receipts: list[bytes] = field(default_factory=list)
+    evidence: list[bytes] = field(default_factory=list)
+    evidence_sent: int = 0
+
+    def to_value(self) -> dict[str, Any]:
+        """The codec tree of this state."""
+        at, who = self.join_asked
+        return {
+            "party": self.party_id,
+            "lifetime": self.lifetime,
+            "incarnation": self.incarnation,
+            "seq": self.seq,
+            # decimal strings: a replay bitmap may use all 64 bits (the codec's ints are signed)
+            "replay": {k: [str(x) for x in v] for k, v in self.replay.items()},
+            "records": list(self.records),
+            "pending": [[to, data] for to, data in self.pending],
+            "join_asked": [-1.0 if at is None else float(at), list(who)],
+            "links_asked": [list(x) for x in self.links_asked],
+            "joining": self.joining,
+            "joins_done": list(self.joins_done),
+            "receipts": list(self.receipts),
+            "evidence": list(self.evidence),
+            "evidence_sent": self.evidence_sent,
+        }
+
+    @classmethod
+    def from_value(cls, value: Any) -> SavedParty:
+        """Rebuild from :meth:`to_value` output (``StoreError`` if a field is malformed)."""
+        try:
+            at, who = value["join_asked"]
+            state = cls(
+                party_id=_typed(value["party"], str),
+                lifetime=_typed(value["lifetime"], str),
+                incarnation=_typed(value["incarnation"], int),
+                seq=_typed(value["seq"], int),
+                replay={str(k): [int(x) for x in v] for k, v in value["replay"].items()},
+                records=list(value["records"]),
+                pending=[(_typed(t, str), _typed(d, bytes)) for t, d in value["pending"]],
+                join_asked=(None if float(at) < 0 else float(at), tuple(str(x) for x in who)),
+                links_asked=[(str(a), int(b), int(c)) for a, b, c in value["links_asked"]],
+                joining=_typed(value["joining"], bytes),
+                joins_done=[dict(x) for x in value["joins_done"]],
+                receipts=[_typed(x, bytes) for x in value["receipts"]],
+                evidence=[_typed(x, bytes) for x in value["evidence"]],
+                evidence_sent=_typed(value["evidence_sent"], int),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"saved party state: malformed field ({exc!r})") from exc
+        return state
+
+    def joiner_pull(self) -> Any:
+        """The unpickled join pull in progress, or ``None`` (``StoreError`` if unreadable)."""
+        if not self.joining:
+            return None
+        from chaos_flwr.flower.joinpull import JoinerPull
+
+        try:
+            pull = pickle.loads(self.joining)  # the party's own disk, trusted like its key
+        except Exception as exc:  # any unpickling failure is a bad file
+            raise StoreError(f"saved party state: join pull unreadable ({exc!r})") from exc
+        if not isinstance(pull, JoinerPull):
+            raise StoreError("saved party state: 'joining' is not a JoinerPull")
+        return pull
+
+
+def _typed(value: Any, kind: type) -> Any:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _writable_view(data: bytes) -> memoryview:
+    """A writable byte view holding ``data`` (how a pickled memoryview comes back)."""
+    return memoryview(bytearray(data))
+
+
+def _session(state: dict[str, Any]) -> Any:
+    """Rebuild a pickled :class:`~chaos_flwr.transfer.PullSession`: its running state hash
+    (which cannot be pickled) is recomputed over the verified prefix of its buffer."""
+    from chaos_flwr.transfer import PullSession
+
+    session = PullSession.__new__(PullSession)
+    session.__dict__.update(state)
+    session._prefix_hash = hashlib.sha256()
+    session._prefix = 0
+    session._advance_prefix()
+    return session
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a join pull: memoryviews (the shard buffer) as their bytes, a pull session
+    without its running hash (:func:`_session` recomputes it)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        from chaos_flwr.transfer import PullSession
+
+        if isinstance(obj, memoryview):
+            return _writable_view, (obj.tobytes(),)
+        if type(obj) is PullSession:
+            state = {k: v for k, v in vars(obj).items() if k != "_prefix_hash"}
+            return _session, (state,)
+        return NotImplemented
+
+
+def pickle_pull(pull: Any) -> bytes:
+    """Pickle a join pull in progress for :attr:`SavedParty.joining` (``b""`` for none)."""
+    if pull is None:
+        return b""
+    out = io.BytesIO()
+    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(pull)
+    return out.getvalue()
+
+
+def ledger_receipts(ledger: Any) -> list[bytes]:
+    """Encoded receipts of the newest ``FLOWER_DURABLE_LEDGER_ROUNDS`` rounds of a ledger."""
+    if ledger is None:
+        return []
+    rounds = sorted(getattr(ledger, "_rounds", {}))[-FLOWER_DURABLE_LEDGER_ROUNDS:]
+    return [r.encode() for rnd in rounds for r in ledger.receipts(rnd)]
+
+
+def save(state_dir: Path, state: SavedParty) -> Path:
+    """Write ``state`` atomically to ``<state_dir>/party.state``.
+
+    Temporary file, fsync, rename over the old file, fsync of the directory: a crash at any
+    point leaves either the old or the new state, whole.
+
+    Raises
+    ------
+    StoreError
+        The directory or file cannot be written.
+    """
+    body = codec.encode(state.to_value())
+    if len(body) > FLOWER_DURABLE_MAX_BYTES:
+        raise StoreError(f"saved party state is {len(body)} bytes, over FLOWER_DURABLE_MAX_BYTES")
+    data = STATE_MAGIC + hashlib.sha256(body).digest() + body
+    final = state_dir / STATE_FILE
+    tmp = state_dir / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+        dfd = os.open(state_dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise StoreError(f"{final}: cannot save the party state ({exc})") from exc
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return final
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a module-level hook so tests can kill a write half-way)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def load(state_dir: Path, party_id: str) -> SavedParty | None:
+    """Read the saved state of ``party_id`` from ``state_dir``; ``None`` when there is none.
+
+    Leftover temporary files of a killed writer are removed.
+
+    Raises
+    ------
+    StoreError
+        The file is unreadable, truncated, fails its hash, is malformed, or belongs to
+        another party.
+    """
+    with contextlib.suppress(OSError):
+        for stale in state_dir.glob(f"{_TMP_PREFIX}*"):
+            pid = stale.name[len(_TMP_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                stale.unlink()
+    path = state_dir / STATE_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoreError(f"{path}: unreadable ({exc})") from exc
+    head = len(STATE_MAGIC) + 32
+    if len(raw) < head or not raw.startswith(STATE_MAGIC):
+        raise StoreError(f"{path}: not a saved party state (bad magic or truncated)")
+    body = raw[head:]
+    if hashlib.sha256(body).digest() != raw[len(STATE_MAGIC) : head]:
+        raise StoreError(f"{path}: hash mismatch (corrupt saved party state)")
+    try:
+        value = codec.decode(body, max_bytes=FLOWER_DURABLE_MAX_BYTES)
+    except ChaosError as exc:
+        raise StoreError(f"{path}: cannot decode ({exc})") from exc
+    if not isinstance(value, dict):
+        raise StoreError(f"{path}: not a saved party state")
+    state = SavedParty.from_value(value)
+    if state.party_id != party_id:
+        raise StoreError(f"{path}: saved for party {state.party_id}, not {party_id}")
+    return state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def load_or_discard(state_dir: Path, party_id: str) -> SavedParty | None:
+    """:func:`load`, but a bad file is logged (warning), renamed ``party.state.bad`` and
+    treated as absent: the party then starts as a real restart."""
+    try:
+        return load(state_dir, party_id)
+    except StoreError as exc:
+        LOG.warning("chaos-flwr: discarding the saved party state: %s", exc)
+        with contextlib.suppress(OSError):
+            os.replace(state_dir / STATE_FILE, state_dir / f"{STATE_FILE}.bad")
+        return None

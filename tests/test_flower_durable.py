@@ -1,0 +1,260 @@
+"""A party's protocol state outlives one ClientApp process (chaos_flwr.flower.durable).
+
+Flower's deployment engine runs every message in a new ClientApp process. These tests emulate
+that on a fake Grid: after every message the node's cached Party is dropped, so the next
+message builds a new Party from the same state directory (same SuperNode process, so the
+same party life).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from chaos_flwr.charter import load_charter
+from chaos_flwr.errors import StoreError
+from chaos_flwr.flower import durable
+from chaos_flwr.flower.client import Party, enable, forget_party, party_for
+from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
+from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
+from chaos_flwr.flower.strategy import ChaosStrategy
+from chaos_flwr.store import ReplicaStore
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(flower_env: Path) -> None:
+    """Flower offline with a private FLWR_HOME (tests/conftest.py)."""
+
+
+def _initial() -> ArrayRecord:
+    rng = np.random.default_rng(3)
+    return ArrayRecord(
+        {
+            "w": Array(rng.normal(size=(3, 4096)).astype(np.float32)),
+            "b": Array(np.zeros(3, np.float32)),
+        }
+    )
+
+
+class PerMessage:
+    """A federation on a fake Grid whose every message runs on a freshly built Party."""
+
+    def __init__(self, tmp: Path, n: int, *, founders: int = 3, per_message: bool = True) -> None:
+        self.keys = make_federation(tmp / "fed", n, founders=founders, seed="durable")
+        self.fed = load_federation(self.keys)
+        self.charter = load_charter(charter_path(self.keys))
+        self.state_root = tmp / "state"
+        self.grid = FakeGrid()
+        self.nodes: dict[int, FakeNode] = {}
+        self.hooks: dict[int, Any] = {}
+        self.per_message = per_message
+        self.builds = 0
+        self.incarnations: dict[int, list[int]] = {}
+        self.app = ClientApp()
+
+        @self.app.train()
+        def train(msg: Message, ctx: Context) -> Message:
+            rnd = int(msg.content["config"]["server-round"])
+            hook = self.hooks.pop(rnd, None)
+            if hook is not None:
+                hook()
+            k = int(ctx.node_config["partition-id"]) + 1
+            out = {
+                name: Array((a.numpy() * (1 - 0.01 * k) + 0.01 * k * rnd).astype(np.float32))
+                for name, a in msg.content["arrays"].items()
+            }
+            content = RecordDict(
+                {"arrays": ArrayRecord(out), "metrics": MetricRecord({"num-examples": 10 * k})}
+            )
+            return Message(content, reply_to=msg)
+
+        @self.app.evaluate()
+        def evaluate(msg: Message, ctx: Context) -> Message:
+            metrics = MetricRecord({"s": float(msg.content["arrays"]["w"].numpy().sum())})
+            metrics["num-examples"] = 1
+            return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+        enable(self.app)
+
+    def _handler(self, partition: int) -> Any:
+        def handle(msg: Message, ctx: Context) -> Message:
+            table = self.app._chaos_parties.by_node  # type: ignore[attr-defined]
+            key = (ctx.run_id, ctx.node_id)
+            if key not in table:
+                self.builds += 1
+            reply = self.app(msg, ctx)
+            party = table.get(key)
+            if party is not None and party.peer is not None:
+                self.incarnations.setdefault(partition, []).append(party.peer.incarnation)
+            if self.per_message:
+                table.pop(key, None)  # the process ends: nothing stays in memory
+            return reply
+
+        return handle
+
+    def add(self, partition: int) -> FakeNode:
+        node = self.grid.add_node(
+            self._handler(partition),
+            node_config={"partition-id": partition},
+            run_config={"chaos-keys-dir": str(self.keys), "chaos-state-root": str(self.state_root)},
+        )
+        self.nodes[partition] = node
+        return node
+
+    def party(self, partition: int) -> Party:
+        return party_for(self.nodes[partition].context, self.app)
+
+    def pid(self, partition: int) -> str:
+        return self.fed.party_ids[partition]
+
+    def strategy(self) -> ChaosStrategy:
+        return ChaosStrategy(
+            FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+            charter=self.charter,
+            phase_timeout_s=2.0,
+        )
+
+
+def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(tmp_path: Path) -> None:
+    w = PerMessage(tmp_path, 4)
+    for p in range(3):
+        w.add(p)
+    joiner: dict[str, FakeNode] = {}
+    w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    jp = w.pid(3)
+    founders = sorted(w.pid(p) for p in range(3))
+
+    joins = [(r, j) for r in strategy.rounds for j in r.joins if j.party == jp]
+    assert joins, "the joiner never pulled"
+    rlog, join = joins[-1]
+    assert join.ok and join.error == "", join.error
+    assert len(join.bytes_per_donor) >= 2 and set(join.donors) <= set(founders)
+    assert sum(join.bytes_per_donor.values()) == join.total_bytes
+    assert join.steps >= 3  # the pull spanned several messages, so several "processes"
+    pulled = ReplicaStore(w.state_root / "party-3" / "replicas").get(join.server_round)
+    assert pulled.digest() == join.digest == rlog.digest
+    n = joiner["n"].node_id
+    after = [r for r in strategy.rounds if r.server_round > rlog.server_round]
+    assert after and all(n in r.trained for r in after)
+    assert strategy.rounds[-1].members == {"active": sorted([*founders, jp])}
+    assert w.builds > 20  # the parties really were rebuilt, message after message
+
+
+def test_founders_keep_their_incarnation_and_do_not_re_bootstrap(tmp_path: Path) -> None:
+    w = PerMessage(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    for p in range(3):
+        incs = w.incarnations[p]
+        assert len(incs) > 5 and len(set(incs)) == 1, incs  # one life, one incarnation
+    party = w.party(0)
+    records = list(party.peer.records)  # type: ignore[union-attr]
+    joins = [r for r in records if r.kind == "join" and r.subject == w.pid(0)]
+    assert len(joins) == 1  # bootstrapped once, not once per message
+    assert [r.server_round for r in strategy.rounds if r.trained] == [1, 2, 3]
+    assert len(strategy.rounds[-1].trained) == 3
+
+
+def test_a_real_restart_takes_a_higher_incarnation_and_keeps_the_records(tmp_path: Path) -> None:
+    w = PerMessage(tmp_path, 3, per_message=False)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=2, timeout=10)
+    before = w.party(1)
+    inc, held = before.peer.incarnation, {r.record_id for r in before.peer.records}  # type: ignore[union-attr]
+    forget_party(w.nodes[1].context)  # the SuperNode process died: a real restart
+    after = w.party(1)
+    assert after is not before
+    assert after.peer.incarnation > inc  # type: ignore[union-attr]
+    assert held <= {r.record_id for r in after.peer.records}  # type: ignore[union-attr]
+    assert after.held_round == before.held_round  # and its replica, from the store
+
+
+def test_a_corrupt_state_file_is_discarded_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = PerMessage(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+    state_dir = w.state_root / "party-2"
+    path = state_dir / durable.STATE_FILE
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match="hash mismatch"):
+        durable.load(state_dir, w.pid(2))
+    inc = w.incarnations[2][-1]
+    with caplog.at_level("WARNING", logger="chaos_flwr.flower.durable"):
+        party = w.party(2)
+    assert "discarding the saved party state" in caplog.text
+    assert (state_dir / f"{durable.STATE_FILE}.bad").is_file()
+    assert party.peer.incarnation > inc  # type: ignore[union-attr]  # a fresh life, not a fork
+    with pytest.raises(StoreError, match="saved for party"):
+        durable.save(state_dir, durable.SavedParty("someone-else", "x", 1, 1))
+        durable.load(state_dir, w.pid(2))
+
+
+_KILLER = """
+import os, sys, signal
+from pathlib import Path
+from chaos_flwr.flower import durable
+def slow(fd, data):
+    os.write(fd, data[: len(data) // 2])
+    os.kill(os.getpid(), signal.SIGKILL)
+durable._write_all = slow
+state = durable.SavedParty("p", "life", 7, 99, records=[{"x": b"y" * 4096}])
+durable.save(Path(sys.argv[1]), state)
+"""
+
+
+def test_a_sigkill_mid_save_leaves_the_previous_state_loadable(tmp_path: Path) -> None:
+    old = durable.SavedParty("p", "life", 7, 42, pending=[("q", b"env")])
+    durable.save(tmp_path, old)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLER, str(tmp_path)],
+        env={**os.environ},
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert list(tmp_path.glob(".tmp-party-*"))  # the half-written file is there
+    loaded = durable.load(tmp_path, "p")
+    assert loaded is not None and loaded.seq == 42 and loaded.pending == [("q", b"env")]
+    assert not list(tmp_path.glob(".tmp-party-*"))  # the dead writer's leftover is removed
+
+
+def test_saved_state_round_trips_exactly(tmp_path: Path) -> None:
+    state = durable.SavedParty(
+        "p",
+        "1:2",
+        5,
+        17,
+        replay={"a": [5, 17, 3]},
+        records=[{"body": {"k": 1}}],
+        pending=[("a", b"\x00\x01")],
+        join_asked=(12.5, ("a", "b")),
+        links_asked=[("b", 1, 5)],
+        joins_done=[{"status": "done", "bytes": 9}],
+        receipts=[b"r"],
+        evidence=[b"e"],
+        evidence_sent=1,
+    )
+    durable.save(tmp_path, state)
+    assert durable.load(tmp_path, "p") == state
+    assert durable.load(tmp_path / "none", "p") is None
+    assert durable.lifetime_token() == f"{os.getppid()}:{durable.lifetime_token().split(':')[1]}"
