@@ -346,7 +346,7 @@ FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 40.0
 #: Wall-time bound of the whole deployment-engine churn figure, in seconds.
 FLOWER_DEPLOY_TIMEOUT_S: float = 660.0
 #: Rounds after its start the deployment figure waits for the joiner to train before the crash.
-FLOWER_DEPLOY_JOIN_ROUNDS: int = 1
+FLOWER_DEPLOY_JOIN_ROUNDS: int = 3
 #: Phase deadline of the resumed run of the deployment figure, in phase deadlines (its hello
 #: waits while SuperNodes work through the killed run's queued messages).
 FLOWER_DEPLOY_RESUME_PHASES: float = 3.0
@@ -354,3 +354,5 @@ FLOWER_DEPLOY_RESUME_PHASES: float = 3.0
 FLOWER_DURABLE_LEDGER_ROUNDS: int = 4
 #: Largest saved party state (records, pending envelopes, a join pull's partial shards), bytes.
 FLOWER_DURABLE_MAX_BYTES: int = 1 << 30
+#: Whether a party's saved state is fsynced (only power loss needs it; see flower/durable.py).
+FLOWER_DURABLE_FSYNC: bool = False
