@@ -254,7 +254,9 @@ def test_saved_state_round_trips_exactly(tmp_path: Path) -> None:
         evidence=[b"e"],
         evidence_sent=1,
     )
-    durable.save(tmp_path, state)
+    durable.save(tmp_path, state, fsync=True)
+    assert durable.load(tmp_path, "p") == state
+    durable.save(tmp_path, state, fsync=False)
     assert durable.load(tmp_path, "p") == state
     assert durable.load(tmp_path / "none", "p") is None
     assert durable.lifetime_token() == f"{os.getppid()}:{durable.lifetime_token().split(':')[1]}"

@@ -285,6 +285,8 @@ def measure_deploy_churn(
         out["join_pulls"] = [
             {k: j.get(k) for k in ("server_round", "ok", "error", "donors", "bytes_per_donor")}
             | {"pull_s": j.get("pull_s"), "lower_bound_s": j.get("lower_bound_s")}
+            # what the joiner verified and stored is the state the round certified
+            | {"digest_ok": bool(j.get("digest")) and j.get("digest") == r.get("digest")}
             for r in (lines[-1].get("chaos_rounds") or [])
             for j in r.get("joins", [])
             if j.get("party") == ids[joiner]
@@ -296,8 +298,14 @@ def measure_deploy_churn(
         # the crash round itself may still sample the victim (its message then goes unanswered)
         _wait_for(lambda: any(x["round"] >= crash_round for x in read_progress(progress1)),
                   deadline, "the crash round", run1)  # fmt: skip
-        crash_line = next(x for x in read_progress(progress1) if x["round"] >= crash_round)
+        crash_lines = read_progress(progress1)
+        crash_line = next(x for x in crash_lines if x["round"] >= crash_round)
         out["trained_in_crash_round"] = sorted(_trained_parties(crash_line))
+        before_crash = [x for x in crash_lines if x["round"] < crash_line["round"]]
+        # wall time of the round the party crashed in (its phase deadline runs out on it)
+        out["crash_round_s"] = (
+            float(crash_line["time"]) - float(before_crash[-1]["time"]) if before_crash else None
+        )
         certified = max(x["round"] for x in read_progress(progress1))
         say(f"round {certified} done: killing the ServerApp")
         out["server_killed_pids"] = len(cluster.kill_serverapps())
