@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 from chaos_flwr.charter import load_charter
 from chaos_flwr.errors import StoreError
 from chaos_flwr.flower import durable
-from chaos_flwr.flower.client import Party, enable, forget_party, party_for
+from chaos_flwr.flower.client import Party, default_party_factory, enable, forget_party, party_for
 from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
 from chaos_flwr.flower.strategy import ChaosStrategy
@@ -260,3 +261,21 @@ def test_saved_state_round_trips_exactly(tmp_path: Path) -> None:
     assert durable.load(tmp_path, "p") == state
     assert durable.load(tmp_path / "none", "p") is None
     assert durable.lifetime_token() == f"{os.getppid()}:{durable.lifetime_token().split(':')[1]}"
+
+
+def test_a_cached_party_gives_way_when_another_process_saved_after_it(tmp_path: Path) -> None:
+    w = PerMessage(tmp_path, 3, per_message=False)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+    ctx = w.nodes[0].context
+    cached = w.party(0)
+    assert w.party(0) is cached and cached.is_current()
+    other = default_party_factory(ctx)  # a second worker of the same SuperNode
+    assert other.peer.incarnation == cached.peer.incarnation  # type: ignore[union-attr]
+    other.pending.extend(other.peer.tick(time.time() + 3600))  # type: ignore[union-attr]
+    other.persist()
+    assert not cached.is_current()
+    now = w.party(0)
+    assert now is not cached
+    assert now.peer.seq == other.peer.seq > cached.peer.seq  # type: ignore[union-attr]

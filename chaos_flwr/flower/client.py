@@ -274,6 +274,7 @@ class Party:
     _bytes: bytes = field(default=b"", repr=False)
     _bytes_round: int = field(default=-1, repr=False)
     lifetime: str = ""
+    _saved_as: tuple[int, int] | None = field(default=None, repr=False)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
@@ -330,6 +331,19 @@ class Party:
         self._links_asked = set(saved.links_asked)
         self.joins_done = [ConfigRecord(d) for d in saved.joins_done]
 
+    def is_current(self) -> bool:
+        """Whether the state file is still the one this party object last saved (another
+        process of the same party, e.g. a second simulation worker, has not saved since)."""
+        if self._saved_as is None or self.state_dir is None:
+            return True
+        from chaos_flwr.flower.durable import STATE_FILE
+
+        try:
+            st = (self.state_dir / STATE_FILE).stat()
+        except OSError:
+            return False
+        return (st.st_ino, st.st_mtime_ns) == self._saved_as
+
     def persist(self) -> None:
         """Save the party's state to its state directory (before a reply leaves the process).
 
@@ -342,8 +356,11 @@ class Party:
         from chaos_flwr.flower import durable
 
         try:
-            durable.save(self.state_dir, self.saved())
-        except StoreError as exc:
+            path = durable.save(self.state_dir, self.saved())
+            st = path.stat()
+            self._saved_as = (st.st_ino, st.st_mtime_ns)
+        except (StoreError, OSError) as exc:
+            self._saved_as = None
             self.errors.append(f"StoreError: {exc}")
             durable.LOG.warning("chaos-flwr: %s", exc)
             with contextlib.suppress(OSError):
@@ -900,6 +917,8 @@ class _Parties:
     def __call__(self, context: Context) -> Party:
         key = (context.run_id, context.node_id)
         party = self.by_node.get(key)
+        if party is not None and not party.is_current():
+            party = None  # another process continued this party's life: take up its state
         if party is None:
             party = self.factory(context)
             self.by_node[key] = party
