@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from .defaults import (
+    MEMBERSHIP_PROOF_MAX_BYTES,
     PEER_ANTI_ENTROPY_INTERVAL_S,
     PEER_MAX_RECORDS_PER_MESSAGE,
     PEER_MAX_REJECTIONS_LOGGED,
@@ -118,6 +119,10 @@ from .wire import Envelope, ReplayGuard, open_sealed, seal
 __all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
 
 _FEDERATION_NAME_DOMAIN = b"chaos-flwr/federation-name/v1\x00"
+# Upper bounds of an own envelope's size: frame, fixed fields and a record body (a federation
+# name up to 256 bytes), plus one entry per other signature (key, party id, 64-byte value).
+_OWN_BASE_BYTES = 1024
+_OWN_PER_SIG_BYTES = 96
 
 
 def _federation_tag(charter: Any) -> bytes:
@@ -663,10 +668,18 @@ class Peer:
     def _share(
         self, targets: Iterable[str], record: Record, now: float, *, first: str | None = None
     ) -> list[Outgoing]:
-        """Broadcast a record this party has signed (plainly): as ``own`` when it can."""
+        """Broadcast a record this party has signed (plainly): as ``own`` when it can.
+
+        It cannot when another signature is itself a proof, or when the other signatures would
+        make the envelope larger than a proof may be (a large failure quorum or sponsor count):
+        the record then goes out as ``rec`` with every signature plain.
+        """
         others = {k: v for k, v in record.signatures.items() if k != self.party_id}
-        if self.party_id in record.signatures and all(
-            len(v) == SIGNATURE_BYTES for v in others.values()
+        fits = _OWN_BASE_BYTES + _OWN_PER_SIG_BYTES * len(others) <= MEMBERSHIP_PROOF_MAX_BYTES
+        if (
+            fits
+            and self.party_id in record.signatures
+            and all(len(v) == SIGNATURE_BYTES for v in others.values())
         ):
             return self._broadcast_own(targets, record.body, others, now, first=first)[1]
         return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=first)

@@ -952,3 +952,33 @@ def test_replayed_own_envelopes_are_refused_and_never_count_as_signs_of_life() -
     assert q.handle(data, net.now) == []
     (record,) = [r for r in p.records if r.kind == "leave"]
     _assert_rejected(q, record.signatures[leaver.party_id], ReplayError)
+
+
+@pytest.mark.parametrize("limit", [None, 1100])
+def test_a_fail_record_too_large_for_a_proof_goes_out_with_plain_signatures(
+    monkeypatch: pytest.MonkeyPatch, limit: int | None
+) -> None:
+    """The fail broadcast is an own envelope unless its other votes would not fit a proof."""
+    import chaos_flwr.peer as peer_mod
+
+    if limit is not None:  # as if the quorum were large: one other vote no longer fits
+        monkeypatch.setattr(peer_mod, "MEMBERSHIP_PROOF_MAX_BYTES", limit)
+    net, _ = cluster(joiners=2)
+    _ring_links(net)
+    victim = J[0].party_id
+    net.tick(rounds=2)
+    net.crashed.add(victim)
+    net.tick(dt=0.5, rounds=int(SUSPECT / 0.5) + 4)
+    assert len(net.digests()) == 1
+    assert all(statuses(p)[victim] == "failed" for p in net.live())
+    sig_sizes = {
+        len(sig)
+        for p in net.live()
+        for r in p.records
+        if r.kind == "fail"
+        for sig in r.signatures.values()
+    }
+    if limit is None:
+        assert max(sig_sizes) > 64  # somebody holds the broadcaster's proof
+    else:
+        assert sig_sizes == {64}  # everyone holds plain votes only
