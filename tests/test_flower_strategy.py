@@ -446,3 +446,27 @@ def test_nodes_that_all_missed_a_deadline_are_waited_for_again_once_they_answer(
         grid.get_node_ids()
     )  # their late replies showed them alive: they are sampled and waited for again
     assert 4 in res.train_metrics_clientapp
+
+
+def test_when_every_node_is_a_suspect_the_next_exchange_still_waits_for_them() -> None:
+    clock = VClock()
+    grid = _grid(True, n=3, clock=clock)
+    for node in grid.get_node_ids():  # round 0's certify misses its deadline everywhere
+        grid.node(node).delay_s = 5.0
+    strategy = ChaosStrategy(
+        FedAvg(min_available_nodes=3), phase_timeout_s=1.0, clock=clock, sleep=clock.sleep
+    )
+    original = strategy._exchange
+
+    def slow_but_in_time(*args, **kwargs):  # type: ignore[no-untyped-def]
+        res = original(*args, **kwargs)
+        for node in grid.get_node_ids():
+            grid.node(node).delay_s = 0.5  # from then on every reply is in time, not at once
+        return res
+
+    strategy._exchange = slow_but_in_time  # type: ignore[method-assign]
+    res = strategy.start(grid, _initial(), num_rounds=4, timeout=60)
+    assert sorted(strategy.rounds[0].missing) == sorted(grid.get_node_ids())
+    # all suspects: the next exchanges waited (bounded) for their replies, so training resumed
+    assert sorted(strategy.rounds[-1].trained) == sorted(grid.get_node_ids())
+    assert strategy.rounds[-1].missing == [] and 4 in res.train_metrics_clientapp

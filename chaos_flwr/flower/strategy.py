@@ -523,11 +523,15 @@ class ChaosStrategy(Strategy):
     ) -> ExchangeResult:
         """Run one deadline-bounded exchange; absorb the parties' Chaos records."""
         addressed = {m.metadata.dst_node_id for m in msgs}
+        # suspects are not waited for, unless every addressed node is one: then nothing would
+        # ever be waited for again (each exchange would end at its first pull, before any reply
+        # could come, and no late reply could clear a suspicion), so wait for them, bounded
+        wait_for = {n for n in addressed if n not in self.suspects} or set(addressed)
         res = exchange(
             grid,
             msgs,
             timeout_s=min(timeout, self.phase_timeout_s),
-            wait_for={n for n in addressed if n not in self.suspects},
+            wait_for=wait_for,
             poll_interval_s=self.poll_interval_s,
             clock=self.clock,
             sleep=self.sleep,
