@@ -153,8 +153,14 @@ FLOWER_CHAOS_TTL_PHASES: float = 2.0
 FLOWER_PULL_DATA_KEY: str = "chaos-pull"
 #: Link rate assumed for every holder when a restarted ServerApp plans a pull (no estimates yet).
 FLOWER_PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
-#: Smallest shard of a restarted ServerApp's pull, in bytes.
-FLOWER_PULL_MIN_SHARD_BYTES: int = 64 * 1024
+#: Direct joiner pulls (chaos_flwr.flower.direct): hosts a joiner dials (the address comes
+#: through the untrusted relay, so loopback only), bound of one direct fetch, bytes per grpc
+#: request, largest request/reply, and the rate probe's size (one range, timed, per donor).
+FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
+FLOWER_DIRECT_TIMEOUT_S: float = 30.0
+FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
+FLOWER_DIRECT_MAX_BYTES: int = 64 * 1024 * 1024
+FLOWER_DIRECT_PROBE_BYTES: int = 64 * 1024
 #: Folder layout of :func:`chaos_flwr.flower.keys.make_federation`: key file prefix
 #: (``party-<partition-id>.key``) and charter file name.
 FLOWER_FEDERATION_KEY_PREFIX: str = "party-"
