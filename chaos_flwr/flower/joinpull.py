@@ -12,9 +12,18 @@ manifest and every shard, and assembles the state. One relay **step** is two exc
    replica (:func:`chaos_flwr.flower.pull.serve_request`); a donor that errs, misses the
    deadline or sends nothing is reported *lost* to the joiner, which re-plans its shards.
 
-Steps: size and manifest (one donor, which plans the shard shape as the joiner will), then the
-shards from all donors at once (and a re-plan step per lost donor or odd manifest). Records,
-per RecordDict of a message:
+Steps: size and manifest (one donor, which plans the shard shape as the joiner will; every
+other donor is asked its size in the same step, which is where it names its direct address),
+then the shards from all donors at once (and a re-plan step per lost donor or odd manifest).
+
+Direct links (:mod:`chaos_flwr.flower.direct`): a donor whose reply names a loopback address is
+probed once (a timed range fetch, folded into a :class:`chaos_flwr.monitor.Monitor` link
+estimate); the shards are then planned with those per-donor rates (relay donors keep the
+assumed rate) and the direct donors' shards are fetched over grpc during the joiner's own step,
+all direct donors at once. A donor whose link fails (unreachable, dropped mid-transfer) falls
+back to the relay for the shards it still owes; if it is gone there too it is lost and its
+shards are re-planned. A bad shard, direct or relayed, drops the donor. Records, per RecordDict
+of a message:
 
 - ``chaos-pull`` (:data:`~chaos_flwr.defaults.FLOWER_PULL_DATA_KEY`): the control record;
 - ``chaos-pull.<party id>``: the request to / reply from that donor.
@@ -32,12 +41,17 @@ from dataclasses import dataclass, field
 from flwr.app import ConfigRecord, RecordDict
 
 from chaos_flwr.defaults import (
+    FLOWER_DIRECT_BATCH_BYTES,
+    FLOWER_DIRECT_PROBE_BYTES,
+    FLOWER_DIRECT_TIMEOUT_S,
+    FLOWER_JOIN_MAX_STEPS,
     FLOWER_JOIN_MIN_SHARD_BYTES,
     FLOWER_JOIN_REQUEST_TIMEOUT_S,
     FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
     FLOWER_PULL_DATA_KEY,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.monitor import Monitor
 from chaos_flwr.planner import Donor as PlanDonor
 from chaos_flwr.planner import TransferPlan, plan_transfer
 from chaos_flwr.state import Manifest, TrainingState
@@ -96,7 +110,11 @@ class JoinerPull:
     min_shard_bytes:
         Smallest shard of the plan.
     bandwidth:
-        Donor id -> bytes/s estimate (default: the assumed rate for all).
+        Donor id -> bytes/s prior (default: the assumed rate); a measured estimate wins.
+    direct:
+        Use donors' advertised direct addresses (:mod:`chaos_flwr.flower.direct`).
+    direct_batch_bytes:
+        Bytes asked per grpc request on a direct link.
     """
 
     server_round: int
@@ -116,15 +134,44 @@ class JoinerPull:
     _asked: str = ""
     _sent: dict[str, set[int]] = field(default_factory=dict)
     _got: set[int] = field(default_factory=set)
+    direct: bool = True
+    direct_batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES
+    addresses: dict[str, str] = field(default_factory=dict)
+    direct_bytes: dict[str, int] = field(default_factory=dict)
+    direct_failed: dict[str, str] = field(default_factory=dict)
+    plan_rates: dict[str, float] = field(default_factory=dict)
+    monitor: Monitor = field(
+        default_factory=lambda: Monitor(
+            "joiner",
+            suspicion_timeout_s=FLOWER_JOIN_REQUEST_TIMEOUT_S,
+            heartbeat_interval_s=FLOWER_JOIN_REQUEST_TIMEOUT_S,
+        )
+    )
 
     def __post_init__(self) -> None:
         self._live = list(self.donors)
 
+    def _rate(self, donor: str) -> float:
+        measured = self.monitor.link(donor).bandwidth_bps
+        if measured is not None:
+            return measured
+        return self.bandwidth.get(donor, FLOWER_PULL_ASSUMED_BANDWIDTH_BPS)
+
     def _plan_donors(self) -> list[PlanDonor]:
-        return [
-            PlanDonor(id=d, bandwidth=self.bandwidth.get(d, FLOWER_PULL_ASSUMED_BANDWIDTH_BPS))
-            for d in self._live
-        ]
+        return [PlanDonor(id=d, bandwidth=self._rate(d)) for d in self._live]
+
+    def _note_address(self, donor: str, rec: ConfigRecord) -> None:
+        if not self.direct:
+            return
+        value = rec.get("direct")
+        if value is None:
+            return
+        from chaos_flwr.flower.direct import check_address
+
+        try:
+            self.addresses[donor] = check_address(value)
+        except ChaosError as exc:
+            self.direct_failed[donor] = f"{type(exc).__name__}: {exc}"
 
     def _lose(self, donor: str) -> None:
         if donor in self._live:
@@ -163,6 +210,12 @@ class JoinerPull:
         if self.stage in (DONE, FAILED):
             return self.stage, {}
         if self.stage == "size":
+            for donor, rec in replies.items():
+                self._note_address(donor, rec)
+                if donor != self._asked and not isinstance(rec.get("total"), int):
+                    self._lose(donor)
+            for donor in sorted(lost - {self._asked}):
+                self._lose(donor)
             if self._asked:
                 rec = replies.get(self._asked, ConfigRecord())
                 value = rec.get("total")
@@ -201,7 +254,9 @@ class JoinerPull:
                         "min-shard": self.min_shard_bytes,
                     }
                 )
-                return WANT, {self._asked: req}
+                # every other donor names its size (and direct address) in the same step
+                asks = {d: ConfigRecord({"op": "size"}) for d in self._live if d != self._asked}
+                return WANT, {self._asked: req, **asks}
         if self.stage == "manifest":
             assert self.total is not None
             if self._asked:
@@ -261,6 +316,14 @@ class JoinerPull:
         for donor in sorted(lost):
             self._lose(donor)
             actions.extend(session.on_donor_lost(donor, now))
+        return self._advance(actions, now)
+
+    def _advance(self, actions: list[object], now: float) -> tuple[str, dict[str, ConfigRecord]]:
+        """Fetch what direct donors owe, then finish or return the relay requests."""
+        session = self.session
+        assert session is not None
+        if self.addresses and not session.done:
+            actions = self._fetch_direct(actions, now)
         if session.done:
             state = TrainingState.from_bytes(session.assemble())
             if state.digest() != self.digest or state.round != self.server_round:
@@ -270,8 +333,112 @@ class JoinerPull:
             return DONE, {}
         return self._requests(actions, now)
 
+    def _usable(self) -> dict[str, str]:
+        live = set(self._live)
+        return {
+            d: a for d, a in self.addresses.items() if d in live and d not in self.direct_failed
+        }
+
+    def _probe(self, total: int) -> None:
+        """Time one range from each direct donor; fold it into the monitor's link estimate."""
+        from chaos_flwr.flower.direct import fetch_ranges
+
+        usable = self._usable()
+        if not usable or total <= 0:
+            return
+        size = min(FLOWER_DIRECT_PROBE_BYTES, total)
+        got = fetch_ranges(
+            usable,
+            {d: [(-1, 0, size)] for d in usable},
+            server_round=self.server_round,
+            digest=self.digest,
+            timeout_s=FLOWER_DIRECT_TIMEOUT_S,
+        )
+        for donor, res in got.items():
+            if res.error:
+                self.direct_failed[donor] = res.error  # the relay carries its shards
+            else:
+                self.monitor.observe_transfer(donor, res.nbytes, res.seconds)
+
+    def _fetch_direct(self, actions: list[object], now: float) -> list[object]:
+        """Serve the direct donors' requests over grpc (all at once) until none is left;
+        return the actions for relay donors (and for direct donors whose link failed)."""
+        from chaos_flwr.flower.direct import fetch_ranges
+
+        session = self.session
+        assert session is not None
+        for _ in range(FLOWER_JOIN_MAX_STEPS * max(1, len(self.donors))):
+            usable = self._usable()
+            direct: dict[str, list[ShardRequest]] = {}
+            rest: list[object] = []
+            for action in actions:
+                if isinstance(action, ShardRequest) and action.donor in usable:
+                    direct.setdefault(action.donor, []).append(action)
+                else:
+                    rest.append(action)
+            missing = set(session.missing())
+            # shards a relay donor is asked for stay with it (no direct steal of them: the
+            # relay request leaves only when this step returns, so a steal would always win
+            # and leave the relay donor's planned share unused)
+            relayed = {
+                i
+                for d in self._live
+                if d not in usable and session.status(d) == DonorStatus.LIVE
+                for i in session.inflight(d)
+            }
+            direct = {
+                d: [r for r in rs if r.index in missing and r.index not in relayed]
+                for d, rs in direct.items()
+            }
+            direct = {d: rs for d, rs in direct.items() if rs}
+            if not direct or session.done:
+                return rest
+            got = fetch_ranges(
+                usable,
+                {d: [(r.index, r.start, r.end) for r in rs] for d, rs in direct.items()},
+                server_round=self.server_round,
+                digest=self.digest,
+                timeout_s=FLOWER_DIRECT_TIMEOUT_S,
+                batch_bytes=self.direct_batch_bytes,
+            )
+            actions = rest
+            elapsed = 0.0
+            for donor, res in got.items():
+                elapsed = max(elapsed, res.seconds)
+                answered: set[int] = set()
+                for i, chunk, at in res.shards:
+                    actions.extend(session.on_shard(donor, i, chunk, now + at))
+                    if session.status(donor) == DonorStatus.BAD:
+                        break  # a bad shard: the donor is dropped, its shards re-planned
+                    answered.add(i)
+                    if i not in self._got:
+                        self._got.add(i)
+                        self.received[donor] = self.received.get(donor, 0) + len(chunk)
+                        self.direct_bytes[donor] = self.direct_bytes.get(donor, 0) + len(chunk)
+                self.monitor.observe_transfer(donor, res.nbytes, res.seconds)
+                if session.status(donor) != DonorStatus.LIVE:
+                    self._lose(donor)
+                elif res.error:
+                    # the link failed: what it still owes goes through the relay
+                    self.direct_failed[donor] = res.error
+                    actions.extend(r for r in direct[donor] if r.index not in answered)
+            now += elapsed
+        return actions
+
     def _start_shards(self, manifest: Manifest, now: float) -> tuple[str, dict[str, ConfigRecord]]:
-        assert self.plan is not None
+        assert self.plan is not None and self.total is not None
+        if self.addresses:
+            self._probe(self.total)
+            # re-plan with the measured rates over the manifest's shard shape
+            rated = plan_transfer(
+                self.total,
+                self._plan_donors(),
+                min_shard_bytes=self.min_shard_bytes,
+                chain=[manifest.num_shards] if manifest.num_shards else None,
+            )
+            if (rated.shard_bytes, rated.num_shards) == (manifest.shard_bytes, manifest.num_shards):
+                self.plan = rated
+        self.plan_rates = {d: self._rate(d) for d in self._live}
         live = set(self._live)
         self.session = PullSession(
             manifest,
@@ -286,7 +453,7 @@ class JoinerPull:
         )
         self.stage = "shards"
         self._asked = ""
-        return self._requests(self.session.poll(now), now)
+        return self._advance(list(self.session.poll(now)), now)
 
     def _requests(
         self, actions: Sequence[object], now: float
@@ -320,7 +487,14 @@ class JoinerPull:
         }
 
     def stats(self) -> ConfigRecord:
-        """The figures the joiner reports with ``done`` (plan and bytes per donor)."""
+        """The figures the joiner reports with ``done``.
+
+        Plan (``plan-*``: shards and bytes per donor as planned), bytes received per donor
+        (``recv-*``; ``direct-bytes`` is the part of each that came over a direct link), donors
+        lost, donors with a direct address and those whose link failed, and the per-donor rate
+        estimates (bytes/s) the plan used (``rate-*``: measured for direct donors, the assumed
+        rate for relay-only ones).
+        """
         plan = self.plan
         donors = sorted(plan.assignment) if plan is not None else []
         return ConfigRecord(
@@ -335,5 +509,10 @@ class JoinerPull:
                 "recv-bytes": [self.received[d] for d in sorted(self.received)],
                 "lost": list(self.lost),
                 "error": self.error,
+                "direct-donors": sorted(self.addresses),
+                "direct-bytes": [self.direct_bytes.get(d, 0) for d in sorted(self.received)],
+                "direct-failed": sorted(self.direct_failed),
+                "rate-donors": sorted(self.plan_rates),
+                "rate-bps": [float(self.plan_rates[d]) for d in sorted(self.plan_rates)],
             }
         )

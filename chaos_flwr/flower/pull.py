@@ -48,11 +48,22 @@ class PullReport:
     strategy_state: bytes = b""
 
 
-def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
-    """A holder's answer to a pull request (size, manifest or shards) over its replica bytes."""
+def serve_request(
+    state_bytes: bytes, request: ConfigRecord, *, direct_addr: str = ""
+) -> ConfigRecord:
+    """A holder's answer to a pull request (size, manifest or shards) over its replica bytes.
+
+    Parameters
+    ----------
+    direct_addr:
+        The holder's direct replica server (``host:port``, see :mod:`chaos_flwr.flower.direct`);
+        when set, the size and size+manifest replies name it under ``direct`` so a joiner can
+        fetch its shards without the relay.
+    """
     op = request.get("op")
+    extra: dict[str, str] = {"direct": direct_addr} if direct_addr else {}
     if op == "size":
-        return ConfigRecord({"total": len(state_bytes)})
+        return ConfigRecord({"total": len(state_bytes), **extra})
     if op == "plan-manifest":  # size + manifest in one reply, shaped as the joiner plans
         n, min_shard = request.get("donors"), request.get("min-shard")
         if not isinstance(n, int) or not isinstance(min_shard, int) or n < 1 or min_shard < 1:
@@ -63,7 +74,7 @@ def serve_request(state_bytes: bytes, request: ConfigRecord) -> ConfigRecord:
         ]
         plan = plan_transfer(len(state_bytes), donors, min_shard_bytes=min_shard)
         manifest = Manifest.build(state_bytes, plan.shard_bytes, num_shards=plan.num_shards)
-        return ConfigRecord({"total": len(state_bytes), "manifest": manifest.to_bytes()})
+        return ConfigRecord({"total": len(state_bytes), "manifest": manifest.to_bytes(), **extra})
     if op == "manifest":
         shard_bytes, num_shards = request.get("shard-bytes"), request.get("num-shards")
         if not isinstance(shard_bytes, int) or not isinstance(num_shards, int):

@@ -1,0 +1,248 @@
+"""Direct grpc links for joiner pulls (chaos_flwr.flower.direct) and per-donor rate estimates.
+
+Real grpc servers on 127.0.0.1, stopped at the end of each test; the relay is a small loop
+that answers the joiner's relay requests with ``serve_request`` over each donor's bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from chaos_flwr.errors import ConfigError, StoreError
+from chaos_flwr.flower.direct import (
+    BytesSource,
+    DirectServer,
+    check_address,
+    fetch_ranges,
+)
+from chaos_flwr.flower.joinpull import JoinerPull
+from chaos_flwr.flower.pull import serve_request
+from chaos_flwr.state import TrainingState
+from chaos_flwr.store import ReplicaStore
+from chaos_flwr.transport.shaping import Shaper, parse_profile
+
+ROUND = 4
+
+
+def _state() -> TrainingState:
+    rng = np.random.default_rng(7)
+    return TrainingState({"w": rng.standard_normal(40_000).astype(np.float32)}, ROUND)
+
+
+STATE = _state()
+DATA = STATE.to_bytes()
+DIGEST = STATE.digest()
+
+
+class Relay:
+    """The relay path: each named donor answers from its bytes; ``dead`` ones are lost."""
+
+    def __init__(self, addrs: Mapping[str, str], dead: set[str] | None = None) -> None:
+        self.addrs = dict(addrs)
+        self.dead = dead if dead is not None else set()
+        self.shard_bytes: dict[str, int] = {}
+        self.steps = 0
+
+    def run(self, pull: JoinerPull) -> str:
+        status, reqs = pull.start(0.0)
+        while status == "want":
+            self.steps += 1
+            assert self.steps < 20
+            replies: dict[str, ConfigRecord] = {}
+            lost: set[str] = set()
+            for donor, req in reqs.items():
+                if donor in self.dead:
+                    lost.add(donor)
+                    continue
+                rep = serve_request(DATA, req, direct_addr=self.addrs.get(donor, ""))
+                if req.get("op") == "shards":
+                    got = rep.get("data")
+                    assert isinstance(got, list)
+                    self.shard_bytes[donor] = self.shard_bytes.get(donor, 0) + sum(
+                        len(x) for x in got if isinstance(x, bytes)
+                    )
+                replies[donor] = rep
+            status, reqs = pull.step(replies, lost, float(self.steps))
+        return status
+
+
+@pytest.fixture
+def servers() -> Iterator[list[DirectServer]]:
+    started: list[DirectServer] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def _serve(
+    servers: list[DirectServer], data: bytes = DATA, shaper: Shaper | None = None
+) -> DirectServer:
+    server = DirectServer(BytesSource(ROUND, DIGEST, data), shaper=shaper)
+    server.start()
+    servers.append(server)
+    return server
+
+
+def _check(pull: JoinerPull, status: str) -> None:
+    assert status == "done", pull.error
+    assert pull.state is not None
+    assert pull.state.digest() == DIGEST
+    assert pull.state.same_as(STATE)
+
+
+def test_two_direct_donors_and_one_relay_donor_pull_the_certified_state(
+    servers: list[DirectServer],
+) -> None:
+    a, b = _serve(servers), _serve(servers)
+    assert a.address and b.address
+    relay = Relay({"a": a.address, "b": b.address})
+    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"])
+    _check(pull, relay.run(pull))
+    stats = pull.stats()
+    assert stats["direct-donors"] == ["a", "b"]
+    assert pull.direct_bytes["a"] > 0 and pull.direct_bytes["b"] > 0
+    # every direct byte the joiner counted left a direct server (plus the probes)
+    assert a.bytes_served >= pull.direct_bytes["a"]
+    assert b.bytes_served >= pull.direct_bytes["b"]
+    assert "a" not in relay.shard_bytes and "b" not in relay.shard_bytes
+    planned = dict(zip(stats["plan-donors"], stats["plan-bytes"], strict=True))  # type: ignore[arg-type]
+    assert planned["c"] > 0
+    assert pull.received["c"] == relay.shard_bytes["c"] == planned["c"]
+    assert "c" not in pull.direct_bytes
+    assert sum(pull.received.values()) == len(DATA)
+    rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
+    assert set(rates) == {"a", "b", "c"} and all(r > 0 for r in rates.values())
+
+
+def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(
+    servers: list[DirectServer],
+) -> None:
+    a, b = _serve(servers), _serve(servers)
+    assert a.address and b.address
+    relay = Relay({"a": a.address, "b": b.address})
+    reads = 0
+
+    class Dying(BytesSource):
+        def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
+            nonlocal reads
+            reads += 1
+            if reads > 3:  # the probe and two shard ranges, then the donor is gone
+                relay.dead.add("a")  # gone from the relay too
+                threading.Thread(target=a.stop).start()
+                raise StoreError("donor crashed")
+            return super().read(server_round, digest, start, end)
+
+    a.source = Dying(ROUND, DIGEST, DATA)
+    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"], direct_batch_bytes=1)
+    _check(pull, relay.run(pull))
+    assert pull.direct_bytes["a"] > 0  # it sent some shards before it died
+    assert "a" in pull.direct_failed and "a" in pull.lost
+    assert pull.direct_bytes["b"] > 0
+    assert sum(pull.received.values()) == len(DATA)
+
+
+def test_a_donor_advertising_a_bad_address_falls_back_to_the_relay(
+    servers: list[DirectServer],
+) -> None:
+    a = _serve(servers)
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    assert a.address
+    relay = Relay({"a": a.address, "b": closed, "c": "10.1.2.3:9000"})
+    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"])
+    _check(pull, relay.run(pull))
+    assert sorted(pull.direct_failed) == ["b", "c"]  # c is never dialled: not loopback
+    assert "not loopback" in pull.direct_failed["c"]
+    assert pull.lost == []
+    assert relay.shard_bytes["b"] == pull.received["b"] > 0
+    assert pull.direct_bytes["a"] == pull.received["a"] > 0
+
+
+def test_a_donor_sending_a_bad_shard_directly_is_dropped(servers: list[DirectServer]) -> None:
+    bad = (np.frombuffer(DATA, dtype=np.uint8) ^ 0xFF).tobytes()  # every shard it sends is bad
+    a, b = _serve(servers, bad), _serve(servers)
+    assert a.address and b.address
+    relay = Relay({"a": a.address, "b": b.address})
+    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"], direct_batch_bytes=1)
+    _check(pull, relay.run(pull))
+    planned = dict(zip(pull.stats()["plan-donors"], pull.stats()["plan-bytes"], strict=True))  # type: ignore[arg-type]
+    assert planned["a"] > 0
+    assert "a" in pull.lost and "a" not in pull.received
+    assert "a" not in relay.shard_bytes  # dropped, not sent to the relay path
+    assert sum(pull.received.values()) == len(DATA)
+
+
+def test_rate_estimates_shift_shares_toward_the_faster_donor(servers: list[DirectServer]) -> None:
+    profile = parse_profile({"parties": {"replica": {"up_mb_s": 2.0}}})
+    slow = _serve(servers, shaper=Shaper(profile, "replica", burst=4096))
+    fast = _serve(servers)
+    assert slow.address and fast.address
+    relay = Relay({"slow": slow.address, "fast": fast.address})
+    pull = JoinerPull(ROUND, DIGEST, ["slow", "fast"])
+    _check(pull, relay.run(pull))
+    stats = pull.stats()
+    rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
+    assert rates["slow"] < 2.5e6 < rates["fast"]
+    planned = dict(zip(stats["plan-donors"], stats["plan-bytes"], strict=True))  # type: ignore[arg-type]
+    assert planned.get("slow", 0) < planned["fast"]
+    assert pull.received.get("slow", 0) < pull.received["fast"]
+    # without estimates the two would get equal shares
+    equal = JoinerPull(ROUND, DIGEST, ["slow", "fast"], direct=False)
+    assert Relay({}).run(equal) == "done"
+    eq = dict(zip(equal.stats()["plan-donors"], equal.stats()["plan-bytes"], strict=True))  # type: ignore[arg-type]
+    assert abs(eq["slow"] - eq["fast"]) <= len(DATA) // 4
+
+
+def test_serve_request_names_the_direct_address_and_addresses_are_checked() -> None:
+    rec = serve_request(DATA, ConfigRecord({"op": "size"}), direct_addr="127.0.0.1:9")
+    assert rec["direct"] == "127.0.0.1:9" and rec["total"] == len(DATA)
+    assert "direct" not in serve_request(DATA, ConfigRecord({"op": "size"}))
+    assert check_address("localhost:80") == "localhost:80"
+    for bad in ("10.0.0.1:80", "127.0.0.1:0", "127.0.0.1", 5, "127.0.0.1:x"):
+        with pytest.raises(ConfigError):
+            check_address(bad)
+
+
+def test_serve_replica_daemon_serves_the_store_and_stops_on_sigterm(tmp_path: Path) -> None:
+    ReplicaStore(tmp_path / "replicas").put(STATE, certificate=b"cert")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos_flwr.cli", "serve-replica", "--state-dir", str(tmp_path),
+         "--listen", addr],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"serving {addr}"
+        got = fetch_ranges(
+            {"d": addr}, {"d": [(0, 0, 100), (1, 100, len(DATA))]},
+            server_round=ROUND, digest=DIGEST, timeout_s=10.0,
+        )  # fmt: skip
+        assert got["d"].error == ""
+        assert b"".join(c for _, c, _ in got["d"].shards) == DATA
+        wrong = fetch_ranges(
+            {"d": addr}, {"d": [(0, 0, 10)]}, server_round=ROUND, digest=b"x" * 32, timeout_s=10.0
+        )
+        assert wrong["d"].error and not wrong["d"].shards
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+        assert proc.returncode == 0
+        assert f"1 requests, {len(DATA)} bytes served" in out  # the wrong digest was refused
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
