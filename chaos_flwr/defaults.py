@@ -161,6 +161,8 @@ FLOWER_DIRECT_TIMEOUT_S: float = 30.0
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
 FLOWER_DIRECT_MAX_BYTES: int = 64 * 1024 * 1024
 FLOWER_DIRECT_PROBE_BYTES: int = 64 * 1024
+#: node_config key of a party's direct replica server address (optional, ``127.0.0.1:PORT``).
+FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
 #: Folder layout of :func:`chaos_flwr.flower.keys.make_federation`: key file prefix
 #: (``party-<partition-id>.key``) and charter file name.
 FLOWER_FEDERATION_KEY_PREFIX: str = "party-"

@@ -246,3 +246,22 @@ def test_serve_replica_daemon_serves_the_store_and_stops_on_sigterm(tmp_path: Pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_party_settings_read_the_direct_address_and_name_a_bad_one(tmp_path: Path) -> None:
+    from flwr.app import Context, RecordDict
+
+    from chaos_flwr.flower.client import party_settings
+
+    def ctx(node: dict[str, object]) -> Context:
+        return Context(
+            run_id=1, node_id=1, node_config=node,  # type: ignore[arg-type]
+            state=RecordDict(), run_config={"chaos-unsigned": True},
+        )  # fmt: skip
+
+    state = str(tmp_path / "st")
+    got = party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "127.0.0.1:9301"}))
+    assert got.direct_addr == "127.0.0.1:9301"
+    assert party_settings(ctx({"chaos-state-dir": state})).direct_addr == ""
+    with pytest.raises(ConfigError, match="node_config 'chaos-direct-addr'"):
+        party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "192.168.1.5:80"}))

@@ -129,12 +129,16 @@ class PartySettings:
         Directory for the party's replica and records (created if missing).
     unsigned:
         True when the run asked for identity-less parties (:data:`RUN_UNSIGNED`).
+    direct_addr:
+        The party's direct replica server (``node_config`` ``chaos-direct-addr``, a loopback
+        ``host:port``; see :mod:`chaos_flwr.flower.direct`), or ``""`` for relay only.
     """
 
     key_path: Path | None
     charter_path: Path | None
     state_dir: Path | None
     unsigned: bool
+    direct_addr: str = ""
 
 
 def _path_setting(context: Context, key: str) -> Path | None:
@@ -183,9 +187,15 @@ def party_settings(context: Context) -> PartySettings:
         A setting is missing (and the run is not unsigned), or a path does not exist / is not
         what it should be. The message names the ``node_config`` or ``run_config`` key.
     """
-    from chaos_flwr.defaults import FLOWER_FEDERATION_KEY_PREFIX
+    from chaos_flwr.defaults import FLOWER_DIRECT_NODE_KEY, FLOWER_FEDERATION_KEY_PREFIX
+    from chaos_flwr.flower.direct import check_address
     from chaos_flwr.flower.keys import charter_path, key_path
 
+    direct = context.node_config.get(FLOWER_DIRECT_NODE_KEY)
+    try:
+        direct_addr = "" if direct is None else check_address(direct)
+    except ConfigError as exc:
+        raise ConfigError(f"node_config '{FLOWER_DIRECT_NODE_KEY}': {exc}") from None
     unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
     key = _path_setting(context, NODE_KEY)
     charter = _path_setting(context, NODE_CHARTER)
@@ -209,7 +219,7 @@ def party_settings(context: Context) -> PartySettings:
         state = state_root / f"{FLOWER_FEDERATION_KEY_PREFIX}{pid}"
         src[NODE_STATE_DIR] = f"run_config '{RUN_STATE_ROOT}'"
     if unsigned and key is None and charter is None:
-        return PartySettings(None, None, state, True)
+        return PartySettings(None, None, state, True, direct_addr)
     for name, path in ((NODE_KEY, key), (NODE_CHARTER, charter), (NODE_STATE_DIR, state)):
         if path is None:
             raise ConfigError(
@@ -225,7 +235,7 @@ def party_settings(context: Context) -> PartySettings:
         raise ConfigError(f"{src[NODE_CHARTER]}: no charter file at {charter}")
     if state.exists() and not state.is_dir():
         raise ConfigError(f"{src[NODE_STATE_DIR]}: {state} exists and is not a directory")
-    return PartySettings(key, charter, state, unsigned)
+    return PartySettings(key, charter, state, unsigned, direct_addr)
 
 
 @dataclass
