@@ -154,10 +154,11 @@ FLOWER_PULL_DATA_KEY: str = "chaos-pull"
 #: Link rate assumed for every holder when a restarted ServerApp plans a pull (no estimates yet).
 FLOWER_PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
 #: Direct joiner pulls (chaos_flwr.flower.direct): hosts a joiner dials (the address comes
-#: through the untrusted relay, so loopback only), bound of one direct fetch, bytes per grpc
+#: through the untrusted relay, so loopback only), bound of the probe and of all direct fetches
+#: of one joiner step (below FLOWER_PHASE_TIMEOUT_S, so the step's reply is in time), bytes per grpc
 #: request, largest request/reply, and the rate probe's size (one range, timed, per donor).
 FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
-FLOWER_DIRECT_TIMEOUT_S: float = 30.0
+FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
 FLOWER_DIRECT_MAX_BYTES: int = 64 * 1024 * 1024
 FLOWER_DIRECT_PROBE_BYTES: int = 64 * 1024

@@ -35,6 +35,7 @@ certified: receipts are verified by the joiner and the bytes against their diges
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -367,6 +368,9 @@ class JoinerPull:
 
         session = self.session
         assert session is not None
+        # one budget for all direct fetches of this step (the relay's phase deadline waits on
+        # the step's reply): a link still busy when it is spent falls back to the relay
+        until = time.monotonic() + FLOWER_DIRECT_TIMEOUT_S
         for _ in range(FLOWER_JOIN_MAX_STEPS * max(1, len(self.donors))):
             usable = self._usable()
             direct: dict[str, list[ShardRequest]] = {}
@@ -398,7 +402,7 @@ class JoinerPull:
                 {d: [(r.index, r.start, r.end) for r in rs] for d, rs in direct.items()},
                 server_round=self.server_round,
                 digest=self.digest,
-                timeout_s=FLOWER_DIRECT_TIMEOUT_S,
+                timeout_s=max(until - time.monotonic(), 0.001),
                 batch_bytes=self.direct_batch_bytes,
             )
             actions = rest
