@@ -265,3 +265,30 @@ def test_party_settings_read_the_direct_address_and_name_a_bad_one(tmp_path: Pat
     assert party_settings(ctx({"chaos-state-dir": state})).direct_addr == ""
     with pytest.raises(ConfigError, match="node_config 'chaos-direct-addr'"):
         party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "192.168.1.5:80"}))
+
+
+def test_the_in_process_server_serves_the_party_store_once_per_address(tmp_path: Path) -> None:
+    from chaos_flwr.flower.direct import ensure_server, stop_servers
+
+    store = ReplicaStore(tmp_path / "replicas")
+    store.put(STATE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    try:
+        server = ensure_server(tmp_path, addr)
+        assert ensure_server(tmp_path, addr) is server and server.address == addr
+        got = fetch_ranges(
+            {"d": addr}, {"d": [(0, 5, 50)]}, server_round=ROUND, digest=DIGEST, timeout_s=10.0
+        )
+        assert got["d"].shards == [(0, DATA[5:50], got["d"].shards[0][2])]
+        other = fetch_ranges(  # a round the store does not hold
+            {"d": addr}, {"d": [(0, 0, 8)]}, server_round=ROUND + 1, digest=DIGEST, timeout_s=10.0
+        )
+        assert "not stored" in other["d"].error
+    finally:
+        stop_servers()
+    after = fetch_ranges(
+        {"d": addr}, {"d": [(0, 0, 8)]}, server_round=ROUND, digest=DIGEST, timeout_s=2.0
+    )
+    assert after["d"].error and not after["d"].shards

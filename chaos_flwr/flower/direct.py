@@ -56,6 +56,7 @@ __all__ = [
     "check_address",
     "ensure_server",
     "fetch_ranges",
+    "stop_servers",
 ]
 
 _FROM = "joiner"
@@ -266,6 +267,17 @@ def ensure_server(state_dir: str | Path, listen: str) -> DirectServer:
             server.start()
             _SERVERS[listen] = server
         return server
+
+
+def stop_servers() -> None:
+    """Stop every server :func:`ensure_server` started in this process."""
+    with _SERVERS_LOCK:
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for server in servers:
+        server.stop()
+        if isinstance(server.source, StoreSource):
+            server.source.close()
 
 
 @dataclass
