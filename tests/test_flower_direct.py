@@ -137,7 +137,7 @@ def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(
         def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
             nonlocal reads
             reads += 1
-            if reads > 3:  # the probe and two shard ranges, then the donor is gone
+            if reads > 2:  # the probe and one shard range, then the donor is gone
                 relay.dead.add("a")  # gone from the relay too
                 threading.Thread(target=a.stop).start()
                 raise StoreError("donor crashed")
@@ -185,7 +185,7 @@ def test_a_donor_sending_a_bad_shard_directly_is_dropped(servers: list[DirectSer
 
 
 def test_rate_estimates_shift_shares_toward_the_faster_donor(servers: list[DirectServer]) -> None:
-    profile = parse_profile({"parties": {"replica": {"up_mb_s": 2.0}}})
+    profile = parse_profile({"parties": {"replica": {"up_mb_s": 0.5}}})
     slow = _serve(servers, shaper=Shaper(profile, "replica", burst=4096))
     fast = _serve(servers)
     assert slow.address and fast.address
@@ -194,7 +194,8 @@ def test_rate_estimates_shift_shares_toward_the_faster_donor(servers: list[Direc
     _check(pull, relay.run(pull))
     stats = pull.stats()
     rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
-    assert rates["slow"] < 2.5e6 < rates["fast"]
+    assert rates["slow"] < 0.6e6  # the probe passed the 0.5 MB/s bucket
+    assert rates["slow"] < rates["fast"]
     planned = dict(zip(stats["plan-donors"], stats["plan-bytes"], strict=True))  # type: ignore[arg-type]
     assert planned.get("slow", 0) < planned["fast"]
     assert pull.received.get("slow", 0) < pull.received["fast"]
