@@ -367,6 +367,11 @@ class ReceiptLedger:
             If the receipt does not verify under the charter's keys; it is logged in
             :attr:`rejections` and nothing else changes.
         """
+        known = self._rounds.get(receipt.round, {}).get(receipt.digest, {}).get(receipt.party)
+        if known == receipt:
+            # the very receipt already held (its bytes were verified when it was added): the
+            # relay forwards each round's receipts with several messages
+            return None
         self._verify(receipt)
         by_digest = self._rounds.setdefault(receipt.round, {})
         held = by_digest.get(receipt.digest, {})

@@ -519,3 +519,32 @@ def test_party_settings_fall_back_to_the_run_config_and_name_what_is_wrong(
     party = default_party_factory(_ctx({"partition-id": 0}, run))
     assert party.party_id == load_federation(keys).party_ids[0]
     assert party.peer is not None and party.peer.is_member  # type: ignore[attr-defined]
+
+
+def test_a_party_never_signs_a_second_state_for_a_round_it_certified(tmp_path: Path) -> None:
+    # a malicious relay sends a party another state for a round it already signed: the party
+    # keeps (and keeps signing) the state it holds, and logs the attempt
+    w = World(tmp_path, 3, founders=3)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=2, timeout=10)
+    party = w.party(0)
+    assert party.held_round == 2 and party.store is not None
+    held, stored = party.held_digest, party.store.get(2).digest()
+    assert stored == held
+    other = ArrayRecord(
+        {"w": Array(np.ones(SHAPE, np.float32)), "b": Array(np.ones(3, np.float32))}
+    )
+    out = party.process(ConfigRecord({"phase": "certify", "round": 2}), other)
+    assert party.held_digest == held and party.store.get(2).digest() == held
+    assert out["receipt-round"] == 2 and out["receipt-digest"] == held
+    assert any(e.startswith("EquivocationError: round 2") for e in party.errors)
+    # an older round it signed is not re-signed another way either
+    assert 1 in party.store.rounds()
+    out = party.process(ConfigRecord({"phase": "certify", "round": 1}), other)
+    assert party.held_round == 2 and party.held_digest == held
+    assert sum(e.startswith("EquivocationError: round 1") for e in party.errors) == 1
+    # the same state again is no conflict
+    errors = len(party.errors)
+    party.process(ConfigRecord({"phase": "certify", "round": 2}), party.held_arrays)
+    assert party.held_digest == held and len(party.errors) == errors

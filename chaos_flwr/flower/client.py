@@ -449,6 +449,18 @@ class Party:
             except StoreError as exc:  # the replica stays in memory only; say so
                 self.errors.append(f"StoreError: {exc}")
 
+    def _signed_digest(self, rnd: int) -> bytes | None:
+        """The digest this party already holds (and signed) for round ``rnd``, if any."""
+        if rnd == self.held_round and self.held_digest:
+            return self.held_digest
+        if self.store is not None and rnd in self.store.rounds():
+            try:
+                with self.store.open(rnd, verify=False) as replica:
+                    return replica.state_digest
+            except StoreError:
+                return None
+        return None
+
     def _own_receipt_ok(self, state: TrainingState, certificate: bytes) -> bool:
         """Whether ``certificate`` is this party's signed receipt for ``state``."""
         if self.keyring is None:  # no keyring to check with: the store's digest check is all
@@ -725,7 +737,18 @@ class Party:
                 and isinstance(sstate, bytes)
                 and not self.left
             ):
-                self._hold(from_array_record(arrays, round=rnd, strategy_state=sstate), arrays)
+                state = from_array_record(arrays, round=rnd, strategy_state=sstate)
+                signed = self._signed_digest(rnd)
+                if signed is not None and signed != state.digest():
+                    # it signed another state for this round: it never signs a second one
+                    # (the relay showed the round two ways; the held state stays)
+                    self.errors.append(
+                        f"EquivocationError: round {rnd} offered with digest "
+                        f"{state.digest().hex()[:16]} after this party signed "
+                        f"{signed.hex()[:16]}; refused"
+                    )
+                else:
+                    self._hold(state, arrays)
         receipt = self._receipt()
         out = party_record(
             self.party_id,
