@@ -544,6 +544,11 @@ def test_a_party_never_signs_a_second_state_for_a_round_it_certified(tmp_path: P
     out = party.process(ConfigRecord({"phase": "certify", "round": 1}), other)
     assert party.held_round == 2 and party.held_digest == held
     assert sum(e.startswith("EquivocationError: round 1") for e in party.errors) == 1
+    # nor is any round below the one it holds taken up again, even one it no longer stores
+    party.store.path_of(1).unlink()
+    party.process(ConfigRecord({"phase": "certify", "round": 1}), other)
+    assert party.held_round == 2 and party.held_digest == held
+    assert any(e.startswith("PolicyError: certify of round 1") for e in party.errors)
     # the same state again is no conflict
     errors = len(party.errors)
     party.process(ConfigRecord({"phase": "certify", "round": 2}), party.held_arrays)

@@ -738,7 +738,9 @@ class Party:
                 and not self.left
             ):
                 state = from_array_record(arrays, round=rnd, strategy_state=sstate)
-                signed = self._signed_digest(rnd)
+                # a signing party never signs two states of one round, nor goes back a round
+                # (an unsigned party's "receipts" prove nothing, so it takes what it is sent)
+                signed = self._signed_digest(rnd) if self.signer is not None else None
                 if signed is not None and signed != state.digest():
                     # it signed another state for this round: it never signs a second one
                     # (the relay showed the round two ways; the held state stays)
@@ -746,6 +748,13 @@ class Party:
                         f"EquivocationError: round {rnd} offered with digest "
                         f"{state.digest().hex()[:16]} after this party signed "
                         f"{signed.hex()[:16]}; refused"
+                    )
+                elif self.signer is not None and rnd < self.held_round:
+                    # rounds only move forward: an older round (its replica possibly pruned,
+                    # so not checkable above) is never taken up again
+                    self.errors.append(
+                        f"PolicyError: certify of round {rnd} below the held round "
+                        f"{self.held_round}; refused"
                     )
                 else:
                     self._hold(state, arrays)
