@@ -107,10 +107,10 @@ class World:
         enable(app, party_factory=factory)
         return app
 
-    def add(self, partition: int) -> FakeNode:
+    def add(self, partition: int, **node_config: Any) -> FakeNode:
         node = self.grid.add_node(
             self.app,
-            node_config={"partition-id": partition},
+            node_config={"partition-id": partition, **node_config},
             run_config={"chaos-keys-dir": str(self.keys), "chaos-state-root": str(self.state_root)},
         )
         self.nodes[partition] = node
@@ -553,3 +553,45 @@ def test_a_party_never_signs_a_second_state_for_a_round_it_certified(tmp_path: P
     errors = len(party.errors)
     party.process(ConfigRecord({"phase": "certify", "round": 2}), party.held_arrays)
     assert party.held_digest == held and len(party.errors) == errors
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
+    tmp_path: Path,
+) -> None:
+    # two founders serve their replicas on loopback (chaos-direct-addr); the third is relay-only
+    from chaos_flwr.flower.direct import stop_servers
+
+    w = World(tmp_path, 4)
+    try:
+        for p in range(3):
+            extra = {"chaos-direct-addr": f"127.0.0.1:{_free_port()}"} if p < 2 else {}
+            w.add(p, **extra)
+        joiner: dict[str, FakeNode] = {}
+        w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
+        strategy = w.strategy()
+        strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    finally:
+        stop_servers()
+    jp = w.pid(3)
+    ((rlog, join),) = _joins(strategy, jp)
+    assert join.ok and join.digest == rlog.digest
+    direct = {w.pid(0), w.pid(1)}
+    # the direct donors' bytes came over their links, measured rates planned with; the relay-only
+    # donor's share came through the relay
+    assert set(join.direct_bytes) == direct and join.direct_failed == []
+    assert all(join.direct_bytes[d] == join.bytes_per_donor[d] > 0 for d in direct)
+    assert w.pid(2) not in join.direct_bytes and join.bytes_per_donor.get(w.pid(2), 0) > 0
+    assert set(join.rate_bps) == set(join.donors) and all(r > 0 for r in join.rate_bps.values())
+    assert sum(join.bytes_per_donor.values()) == join.total_bytes
+    pulled = ReplicaStore(w.state_root / "party-3" / "replicas").get(join.server_round)
+    assert pulled.digest() == join.digest
+    n = joiner["n"].node_id
+    assert all(n in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)

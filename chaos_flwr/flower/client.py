@@ -51,7 +51,7 @@ from chaos_flwr.defaults import (
     FLOWER_JOIN_RETRY_S,
     FLOWER_PULL_DATA_KEY,
 )
-from chaos_flwr.errors import ChaosError, ConfigError, StoreError
+from chaos_flwr.errors import ChaosError, ConfigError, StoreError, TransportError
 from chaos_flwr.flower.joinpull import JoinerPull, donor_key, read_donor_records
 from chaos_flwr.flower.relay import OutgoingLike, PeerProtocol, party_record, split_chaos
 from chaos_flwr.state import TrainingState, from_array_record, to_array_record
@@ -278,6 +278,7 @@ class Party:
     evidence: list[Equivocation] = field(default_factory=list)
     auto_link: bool = True
     state_dir: Path | None = None
+    direct_addr: str = ""
     _links_asked: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _ledger: ReceiptLedger | None = field(default=None, repr=False)
     _evidence_sent: int = field(default=0, repr=False)
@@ -522,7 +523,7 @@ class Party:
         from chaos_flwr.flower.pull import serve_request
 
         try:
-            return serve_request(self._bytes, request)
+            return serve_request(self._bytes, request, direct_addr=self.direct_addr)
         except ChaosError as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
             return None
@@ -822,6 +823,7 @@ def default_party_factory(context: Context) -> Party:
         keyring=keyring,
         state_dir=settings.state_dir,
         lifetime=_lifetime(),
+        direct_addr=_direct_server(settings),
     )
     if saved is not None:
         try:
@@ -839,6 +841,24 @@ def default_party_factory(context: Context) -> Party:
     party.restore()
     party.pending.extend(out)
     return party
+
+
+def _direct_server(settings: PartySettings) -> str:
+    """The direct address this party advertises to joiners (``""``: relay only).
+
+    If nothing listens on ``chaos-direct-addr`` yet, this process serves the party's replica
+    store there (the simulation engine's workers outlive one message). If the address is taken,
+    a ``chaos-flwr serve-replica`` daemon is assumed to serve it (the deployment engine starts a
+    process per message); should that be wrong, joiners fall back to the relay, and every byte is
+    checked against the certified digest either way.
+    """
+    if not settings.direct_addr or settings.state_dir is None:
+        return ""
+    from chaos_flwr.flower.direct import ensure_server
+
+    with contextlib.suppress(TransportError):  # taken: the daemon's (see above)
+        ensure_server(settings.state_dir, settings.direct_addr)
+    return settings.direct_addr
 
 
 def _incarnation(settings: PartySettings) -> int:

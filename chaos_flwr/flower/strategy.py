@@ -140,6 +140,14 @@ class JoinLog:
         Relay steps used (one joiner exchange + one donor exchange each).
     ok, error:
         Whether the joiner holds the verified state, else why not.
+    direct_bytes:
+        Of :attr:`bytes_per_donor`, the bytes that came over a direct grpc link (donors that
+        advertised a ``chaos-direct-addr``); the rest came through the relay.
+    direct_failed:
+        Donors whose direct link failed (their remaining shards went through the relay).
+    rate_bps:
+        The per-donor rate estimates (bytes/s) the joiner planned with: measured on direct
+        links, the assumed rate for relay-only donors.
     """
 
     party: str
@@ -159,6 +167,9 @@ class JoinLog:
     steps: int = 0
     ok: bool = False
     error: str = ""
+    direct_bytes: dict[str, int] = field(default_factory=dict)
+    direct_failed: list[str] = field(default_factory=list)
+    rate_bps: dict[str, float] = field(default_factory=dict)
 
     @property
     def delay_ratio(self) -> float:
@@ -1096,6 +1107,16 @@ def _read_join_stats(jl: JoinLog, rec: ConfigRecord) -> None:
     jl.bytes_per_donor = dict(zip(strs("recv-donors"), ints("recv-bytes"), strict=False))
     jl.donors = sorted(set(jl.planned_bytes) | set(jl.bytes_per_donor))
     jl.lost = strs("lost")
+    direct = dict(zip(strs("recv-donors"), ints("direct-bytes"), strict=False))
+    jl.direct_bytes = {d: b for d, b in direct.items() if b > 0}
+    jl.direct_failed = strs("direct-failed")
+    rates = rec.get("rate-bps", [])
+    if isinstance(rates, list):
+        jl.rate_bps = {
+            d: float(r)
+            for d, r in zip(strs("rate-donors"), rates, strict=False)
+            if isinstance(r, (int, float)) and not isinstance(r, bool)
+        }
     err = rec.get("error", "")
     jl.error = err if isinstance(err, str) else ""
 
