@@ -279,3 +279,32 @@ def test_a_cached_party_gives_way_when_another_process_saved_after_it(tmp_path: 
     now = w.party(0)
     assert now is not cached
     assert now.peer.seq == other.peer.seq > cached.peer.seq  # type: ignore[union-attr]
+
+
+def test_a_state_file_not_sealed_by_the_partys_key_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the file holds a pickled pull: only the holder of the party's key may write one it takes up
+    w = PerMessage(tmp_path, 3, per_message=False)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+    mine, other = w.party(2), w.party(1)
+    assert mine.signer is not None and other.signer is not None
+    state_dir = w.state_root / "party-2"
+    path = state_dir / durable.STATE_FILE
+    assert path.read_bytes().startswith(durable.SEALED_MAGIC)
+    saved = durable.load(state_dir, w.pid(2), seal=mine.signer)
+    assert saved is not None and saved.party_id == w.pid(2)
+    for forged_seal in (None, other.signer):  # written without a key, or with another's
+        durable.save(state_dir, saved, seal=forged_seal)
+        assert durable.load(state_dir, w.pid(2)) == saved  # well-formed, hash intact
+        with pytest.raises(StoreError, match="not sealed by this party's key"):
+            durable.load(state_dir, w.pid(2), seal=mine.signer)
+    inc = mine.peer.incarnation  # type: ignore[union-attr]
+    forget_party(w.nodes[2].context)
+    with caplog.at_level("WARNING", logger="chaos_flwr.flower.durable"):
+        rebuilt = w.party(2)
+    assert "not sealed by this party's key" in caplog.text
+    assert (state_dir / f"{durable.STATE_FILE}.bad").is_file()
+    assert rebuilt.peer.incarnation > inc  # type: ignore[union-attr]  # a fresh life

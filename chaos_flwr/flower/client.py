@@ -367,7 +367,7 @@ class Party:
         from chaos_flwr.flower import durable
 
         try:
-            path = durable.save(self.state_dir, self.saved())
+            path = durable.save(self.state_dir, self.saved(), seal=self.signer)
             st = path.stat()
             self._saved_as = (st.st_ino, st.st_mtime_ns)
         except (StoreError, OSError) as exc:
@@ -805,7 +805,7 @@ def default_party_factory(context: Context) -> Party:
     from chaos_flwr.identity import Identity
 
     ident = Identity.load(settings.key_path)
-    saved, same_life = _saved_state(context, settings, str(ident.party_id))
+    saved, same_life = _saved_state(context, settings, str(ident.party_id), ident.sign)
     try:
         peer, out = _build_peer(ident, settings, saved, same_life=same_life)
     except ChaosError as exc:  # a saved record that does not verify: start from the relay
@@ -896,10 +896,14 @@ def _lifetime() -> str:
 
 
 def _saved_state(
-    context: Context, settings: PartySettings, party_id: str
+    context: Context,
+    settings: PartySettings,
+    party_id: str,
+    seal: Callable[[bytes], bytes] | None = None,
 ) -> tuple[SavedParty | None, bool]:
-    """The party's saved state (a bad file is discarded with a warning) and whether this
-    process continues the life it was saved in (same SuperNode process, no forget_party)."""
+    """The party's saved state (a bad or foreign-sealed file is discarded with a warning) and
+    whether this process continues the life it was saved in (same SuperNode process, no
+    forget_party)."""
     key = (context.run_id, context.node_id)
     restarted = key in _RESTARTED
     _RESTARTED.discard(key)
@@ -907,7 +911,7 @@ def _saved_state(
         return None, False
     from chaos_flwr.flower.durable import load_or_discard
 
-    saved = load_or_discard(settings.state_dir, party_id)
+    saved = load_or_discard(settings.state_dir, party_id, seal=seal)
     same = saved is not None and not restarted and saved.lifetime == _lifetime()
     return saved, same
 

@@ -28,9 +28,12 @@ numbers start again, which only a higher incarnation allows).
 
 Format and failure
 ------------------
-One codec document: ``MAGIC || sha256(body) || body``, written to a temporary file and
-renamed over the old one. A SIGKILL mid-write leaves the previous file (the page cache
-outlives a killed process). The file is not fsynced by default
+One codec document: ``MAGIC || sha256(body) || seal || body``, written to a temporary file
+and renamed over the old one. The seal is the party's own Ed25519 signature of the hash
+(deterministic, so the party recomputes it on load without a public key): a file the party's
+key did not seal is refused like a corrupt one, so whoever can write the state directory but
+lacks the key cannot plant a pickled pull. A SIGKILL mid-write leaves the previous file (the
+page cache outlives a killed process). The file is not fsynced by default
 (:data:`~chaos_flwr.defaults.FLOWER_DURABLE_FSYNC`): only a power loss or kernel crash could
 lose or tear it, and that also ends the SuperNode process, so the next start is a real restart
 in any case (fresh incarnation); what a stale or torn file can then give is records (which
@@ -49,11 +52,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import logging
 import os
 import pickle
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +86,10 @@ LOG = logging.getLogger(__name__)
 STATE_FILE = "party.state"
 #: The first bytes of a saved party state (format version 1).
 STATE_MAGIC = b"CHAOSPS\x01"
+#: Magic of a *sealed* file: the hash is followed by the party's 64-byte seal of it.
+SEALED_MAGIC = b"CHAOSPS\x02"
+#: Domain of a seal: ``seal(SEAL_DOMAIN || sha256(body))``.
+SEAL_DOMAIN = b"chaos-flwr/party.state/v1\x00"
 _TMP_PREFIX = ".tmp-party-"
 
 
@@ -255,12 +264,21 @@ def ledger_receipts(ledger: Any) -> list[bytes]:
     return [r.encode() for rnd in rounds for r in ledger.receipts(rnd)]
 
 
-def save(state_dir: Path, state: SavedParty, *, fsync: bool = FLOWER_DURABLE_FSYNC) -> Path:
+def save(
+    state_dir: Path,
+    state: SavedParty,
+    *,
+    fsync: bool = FLOWER_DURABLE_FSYNC,
+    seal: Callable[[bytes], bytes] | None = None,
+) -> Path:
     """Write ``state`` atomically to ``<state_dir>/party.state``.
 
     Temporary file, rename over the old file: a process killed at any point leaves either
     the old or the new state, whole. With ``fsync`` the file and the directory are also
     fsynced (survives a power loss; not needed for safety, see the module docstring).
+    With ``seal`` (the party's ``Identity.sign``: Ed25519 signatures are deterministic) the
+    file carries ``seal(SEAL_DOMAIN || sha256(body))``, which :func:`load` recomputes: only the
+    holder of the party's key can write a file its party takes up (it holds a pickled pull).
 
     Raises
     ------
@@ -270,7 +288,11 @@ def save(state_dir: Path, state: SavedParty, *, fsync: bool = FLOWER_DURABLE_FSY
     body = codec.encode(state.to_value())
     if len(body) > FLOWER_DURABLE_MAX_BYTES:
         raise StoreError(f"saved party state is {len(body)} bytes, over FLOWER_DURABLE_MAX_BYTES")
-    data = STATE_MAGIC + hashlib.sha256(body).digest() + body
+    digest = hashlib.sha256(body).digest()
+    if seal is None:
+        data = STATE_MAGIC + digest + body
+    else:
+        data = SEALED_MAGIC + digest + seal(SEAL_DOMAIN + digest) + body
     final = state_dir / STATE_FILE
     tmp = state_dir / f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     try:
@@ -308,16 +330,19 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
-def load(state_dir: Path, party_id: str) -> SavedParty | None:
+def load(
+    state_dir: Path, party_id: str, *, seal: Callable[[bytes], bytes] | None = None
+) -> SavedParty | None:
     """Read the saved state of ``party_id`` from ``state_dir``; ``None`` when there is none.
 
-    Leftover temporary files of a killed writer are removed.
+    Leftover temporary files of a killed writer are removed. With ``seal`` (see :func:`save`)
+    the file must be sealed by it: an unsealed file, or one sealed by another key, is refused.
 
     Raises
     ------
     StoreError
-        The file is unreadable, truncated, fails its hash, is malformed, or belongs to
-        another party.
+        The file is unreadable, truncated, fails its hash or its seal, is malformed, or
+        belongs to another party.
     """
     with contextlib.suppress(OSError):
         for stale in state_dir.glob(f"{_TMP_PREFIX}*"):
@@ -331,12 +356,18 @@ def load(state_dir: Path, party_id: str) -> SavedParty | None:
         return None
     except OSError as exc:
         raise StoreError(f"{path}: unreadable ({exc})") from exc
-    head = len(STATE_MAGIC) + 32
-    if len(raw) < head or not raw.startswith(STATE_MAGIC):
+    sealed = raw.startswith(SEALED_MAGIC)
+    head = len(STATE_MAGIC) + 32 + (64 if sealed else 0)
+    if len(raw) < head or not (sealed or raw.startswith(STATE_MAGIC)):
         raise StoreError(f"{path}: not a saved party state (bad magic or truncated)")
+    digest = raw[len(STATE_MAGIC) : len(STATE_MAGIC) + 32]
     body = raw[head:]
-    if hashlib.sha256(body).digest() != raw[len(STATE_MAGIC) : head]:
+    if hashlib.sha256(body).digest() != digest:
         raise StoreError(f"{path}: hash mismatch (corrupt saved party state)")
+    if seal is not None:
+        tag = raw[len(STATE_MAGIC) + 32 : head] if sealed else b""
+        if not hmac.compare_digest(tag, seal(SEAL_DOMAIN + digest)):
+            raise StoreError(f"{path}: not sealed by this party's key (refused)")
     try:
         value = codec.decode(body, max_bytes=FLOWER_DURABLE_MAX_BYTES)
     except ChaosError as exc:
@@ -359,11 +390,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load_or_discard(state_dir: Path, party_id: str) -> SavedParty | None:
+def load_or_discard(
+    state_dir: Path, party_id: str, *, seal: Callable[[bytes], bytes] | None = None
+) -> SavedParty | None:
     """:func:`load`, but a bad file is logged (warning), renamed ``party.state.bad`` and
     treated as absent: the party then starts as a real restart."""
     try:
-        return load(state_dir, party_id)
+        return load(state_dir, party_id, seal=seal)
     except StoreError as exc:
         LOG.warning("chaos-flwr: discarding the saved party state: %s", exc)
         with contextlib.suppress(OSError):
