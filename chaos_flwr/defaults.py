@@ -61,8 +61,6 @@ IDENTITY_KEY_SUFFIX: str = ".key"
 IDENTITY_PUB_SUFFIX: str = ".pub"
 #: Largest key file the loader reads, in bytes (a PEM Ed25519 key is about 120 bytes).
 IDENTITY_MAX_KEY_FILE_BYTES: int = 64 * 1024
-#: Parsed public keys kept for signature verification (one per known party is plenty).
-IDENTITY_VERIFY_CACHE_SIZE: int = 4096
 #: Largest charter file ``load_charter`` reads, in bytes.
 CHARTER_MAX_FILE_BYTES: int = 4 * 1024 * 1024
 #: Default member signatures a join needs besides the joiner's (``admission.sponsors_required``).

@@ -222,6 +222,11 @@ def test_membership_policy_reads_the_charter() -> None:
         (lambda d: d.update(suspicion_timeout_s=0.5), ("suspicion_timeout_s", "larger than")),
         (lambda d: d.update(founders=[]), ("founders",)),
         (lambda d: d["founders"][1].update(public_key="AAAA"), ("founders.1.public_key",)),
+        (
+            # the identity point: a small-order key whose "signatures" anyone could forge
+            lambda d: d["allowlist"][0].update(public_key="AQ" + "A" * 41 + "="),
+            ("allowlist.0.public_key", "not a valid Ed25519 key"),
+        ),
         (lambda d: d["founders"][0].update(name="a b"), ("founders.0.name",)),
         (lambda d: d["allowlist"][0].update(name="alice"), ("allowlist.0.name", "unique")),
         (

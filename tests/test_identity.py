@@ -130,6 +130,40 @@ def test_verify_refuses_malformed_lengths() -> None:
         verify_signature(ident.public_key[:31], sig, b"m")
 
 
+_L = 2**252 + 27742317777372353535851937790883648493  # the order of the Ed25519 base point
+
+
+def test_verify_is_strict_a_non_canonical_s_is_refused() -> None:
+    # S + L satisfies the verification equation too (malleability); strict verifiers refuse it.
+    ident = Identity.from_seed(b"s")
+    sig = ident.sign(b"m")
+    s = int.from_bytes(sig[32:], "little")
+    malleated = sig[:32] + (s + _L).to_bytes(32, "little")
+    assert malleated != sig
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_signature(ident.public_key, malleated, b"m")
+
+
+@pytest.mark.parametrize("message", [b"", b"any message at all", bytes(range(256))])
+def test_verify_refuses_the_small_order_key_forgery(message: bytes) -> None:
+    # With the identity point as public key and as R, and S = 0, the (cofactorless) equation
+    # holds for every message: a lax verifier would accept this "signature" of anything.
+    identity_point = (1).to_bytes(32, "little")
+    forged = identity_point + bytes(32)
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify_signature(identity_point, forged, message)
+
+
+def test_a_small_order_public_key_is_refused_where_keys_enter() -> None:
+    import base64
+
+    identity_point = base64.b64encode((1).to_bytes(32, "little")).decode("ascii")
+    with pytest.raises(SignatureError, match="not a valid Ed25519 key"):
+        public_key_from_b64(identity_point)
+    good = Identity.from_seed(b"k")
+    assert public_key_from_b64(public_key_to_b64(good.public_key)) == good.public_key
+
+
 def test_b64_helpers_are_canonical() -> None:
     ident = Identity.from_seed(b"k")
     text = public_key_to_b64(ident.public_key)
