@@ -130,6 +130,19 @@ def test_verify_refuses_malformed_lengths() -> None:
         verify_signature(ident.public_key[:31], sig, b"m")
 
 
+@pytest.mark.parametrize("message", [b"", b"m", bytes(range(256)) * 40])
+def test_signatures_are_those_openssl_makes_and_verify_there(message: bytes) -> None:
+    # Signing goes through libsodium; Ed25519 is deterministic, so the bytes must be exactly
+    # OpenSSL's, and anyone verifying with plain ``cryptography`` accepts them.
+    secret = hashlib.sha256(b"interop").digest()
+    ident = Identity(Ed25519PrivateKey.from_private_bytes(secret))
+    openssl = Ed25519PrivateKey.from_private_bytes(secret)
+    sig = ident.sign(message)
+    assert sig == openssl.sign(message)
+    openssl.public_key().verify(sig, message)  # raises InvalidSignature if not
+    verify_signature(ident.public_key, sig, message)
+
+
 _L = 2**252 + 27742317777372353535851937790883648493  # the order of the Ed25519 base point
 
 
