@@ -730,9 +730,19 @@ class RecordSet:
         self.policy = policy
         self.cache = cache if cache is not None else SignatureCache()
         self._records: dict[str, Record] = {}
-        self._by_subject: dict[str, list[Record]] = {}
-        self._by_link: dict[tuple[str, str], list[Record]] = {}
-        self._links_of: dict[str, set[tuple[str, str]]] = {}
+        # Member folding, incremental: subject -> {incarnation: least join time}, and
+        # subject -> {incarnation: end kinds held ("leave"/"fail")}.
+        self._join_at: dict[str, dict[int, float]] = {}
+        self._ended: dict[str, dict[int, set[str]]] = {}
+        # (party, incarnation) -> links naming that party at that incarnation: only those can
+        # change liveness when the party's status or incarnation changes.
+        self._links_of: dict[tuple[str, int], set[tuple[str, str]]] = {}
+        # Link entries whose liveness may have changed since the last read: (party, old
+        # incarnation, new incarnation) of member changes and links with a new version. They
+        # are refolded when the links are next read (link(), view()), once per batch of records
+        # rather than once per record.
+        self._stale_members: list[tuple[str, int | None, int]] = []
+        self._stale_links: set[tuple[str, str]] = set()
         self._members: dict[str, MemberInfo] = {}
         self._links: dict[tuple[str, str], LinkInfo] = {}
         # link -> (highest version held, whether a link_down of that version is held)
@@ -795,58 +805,61 @@ class RecordSet:
         self._xor ^= int(rid, 16)
         self._view = None
         self._active = None
-        if record.kind in _MEMBER_KINDS:
-            subject = record.body["subject"]
-            self._by_subject.setdefault(subject, []).append(record)
-            self._refold_member(subject)
+        body = record.body
+        kind = body["kind"]
+        if kind in _MEMBER_KINDS:
+            self._fold_member(body["subject"], kind, body)
         else:
-            key = (record.body["a"], record.body["b"])
-            self._by_link.setdefault(key, []).append(record)
-            self._links_of.setdefault(key[0], set()).add(key)
-            self._links_of.setdefault(key[1], set()).add(key)
-            self._refold_version(key)
-            self._refold_link(key)
+            key = (body["a"], body["b"])
+            self._links_of.setdefault((key[0], body["inc_a"]), set()).add(key)
+            self._links_of.setdefault((key[1], body["inc_b"]), set()).add(key)
+            self._fold_version(key, kind, body)
+            self._stale_links.add(key)
         return True
 
-    def _refold_member(self, subject: str) -> None:
-        bodies = [r.body for r in self._by_subject[subject]]
-        joins = [b for b in bodies if b["kind"] == "join"]
-        old = self._members.get(subject)
-        if not joins:
-            self._members.pop(subject, None)
-            new = None
+    def _fold_member(self, subject: str, kind: str, body: Mapping[str, Any]) -> None:
+        inc = body["incarnation"]
+        if kind == "join":
+            joins = self._join_at.setdefault(subject, {})
+            at = body["at"]
+            if inc not in joins or at < joins[inc]:
+                joins[inc] = at
         else:
-            inc = max(b["incarnation"] for b in joins)
-            joined_at = min(b["at"] for b in joins if b["incarnation"] == inc)
-            ended = {b["kind"] for b in bodies if b["kind"] != "join" and b["incarnation"] == inc}
-            status = LEFT if "leave" in ended else FAILED if "fail" in ended else ACTIVE
-            new = MemberInfo(subject, status, inc, joined_at)
-            self._members[subject] = new
-        # Liveness of the subject's links depends on its status and incarnation (only).
-        if (
-            old is None
-            or new is None
-            or (old.status, old.incarnation)
-            != (
-                new.status,
-                new.incarnation,
-            )
-        ):
-            for key in self._links_of.get(subject, ()):
-                self._refold_link(key)
+            self._ended.setdefault(subject, {}).setdefault(inc, set()).add(kind)
+        held = self._join_at.get(subject)
+        old = self._members.get(subject)
+        if not held:
+            return  # an end record of a party never seen joining: no member entry (yet)
+        top = max(held) if old is None or inc > old.incarnation else old.incarnation
+        ended = self._ended.get(subject, {}).get(top, ())
+        status = LEFT if "leave" in ended else FAILED if "fail" in ended else ACTIVE
+        new = MemberInfo(subject, status, top, held[top])
+        if new == old:
+            return
+        self._members[subject] = new
+        # Liveness of the subject's links depends on its status and incarnation (only), and
+        # only links naming the old or the new incarnation can be live before or after.
+        self._stale_members.append((subject, None if old is None else old.incarnation, top))
 
-    def _refold_version(self, key: tuple[str, str]) -> None:
-        best: tuple[int, int, int] | None = None
-        down = False
-        for r in self._by_link[key]:
-            b = r.body
-            version = (b["epoch"], b["inc_a"], b["inc_b"])
-            if best is None or version > best:
-                best, down = version, b["kind"] == "link_down"
-            elif version == best and b["kind"] == "link_down":
-                down = True
-        assert best is not None  # a link key exists only with a record
-        self._link_ver[key] = (best, down)
+    def _flush_links(self) -> None:
+        """Refold every link entry a record since the last read may have changed."""
+        keys = self._stale_links
+        for subject, old_inc, new_inc in self._stale_members:
+            keys.update(self._links_of.get((subject, new_inc), ()))
+            if old_inc is not None and old_inc != new_inc:
+                keys.update(self._links_of.get((subject, old_inc), ()))
+        self._stale_members = []
+        self._stale_links = set()
+        for key in keys:
+            self._refold_link(key)
+
+    def _fold_version(self, key: tuple[str, str], kind: str, body: Mapping[str, Any]) -> None:
+        version = (body["epoch"], body["inc_a"], body["inc_b"])
+        held = self._link_ver.get(key)
+        if held is None or version > held[0]:
+            self._link_ver[key] = (version, kind == "link_down")
+        elif version == held[0] and kind == "link_down" and not held[1]:
+            self._link_ver[key] = (version, True)
 
     def _refold_link(self, key: tuple[str, str]) -> None:
         (epoch, inc_a, inc_b), down = self._link_ver[key]
@@ -861,7 +874,16 @@ class RecordSet:
             and ma.incarnation == inc_a
             and mb.incarnation == inc_b
         )
-        self._links[key] = LinkInfo(a, b, DOWN if down else UP, epoch, inc_a, inc_b, live)
+        state = DOWN if down else UP
+        held = self._links.get(key)
+        if (
+            held is not None
+            and held.live == live
+            and held.state == state
+            and (held.epoch, held.inc_a, held.inc_b) == (epoch, inc_a, inc_b)
+        ):
+            return
+        self._links[key] = LinkInfo(a, b, state, epoch, inc_a, inc_b, live)
 
     def active(self) -> list[str]:
         """The view's active members, sorted (cheap; no full view built; a fresh list)."""
@@ -875,10 +897,14 @@ class RecordSet:
 
     def link(self, a: str, b: str) -> LinkInfo | None:
         """The view's entry for the link between ``a`` and ``b`` (either order)."""
+        if self._stale_members or self._stale_links:
+            self._flush_links()
         return self._links.get((a, b) if a < b else (b, a))
 
     def view(self) -> View:
         """The current view (cached until the next new record)."""
         if self._view is None:
+            if self._stale_members or self._stale_links:
+                self._flush_links()
             self._view = View(self._members, self._links)
         return self._view

@@ -126,6 +126,7 @@ class _Arm:
     t_hop: float | None = None
     t_last: float | None = None
     t_ends: float | None = None
+    t_routed: float | None = None
     verifies: int = 0
     busy: float = 0.0
     cpu0: float = 0.0
@@ -248,6 +249,7 @@ class _Host:
                 w.busy,
                 cpu,
                 w.t_recv,
+                w.t_routed,
             )
         )
 
@@ -268,6 +270,8 @@ class _Host:
         else:
             outs = getattr(peer, action)(self.now, *args)
         self.route(pid, outs)
+        if self.arm is not None:
+            self.arm.t_routed = time.perf_counter()
         return t
 
     def cmd_connect_many(self, pairs: list[tuple[str, str]]) -> None:
@@ -281,6 +285,8 @@ class _Host:
         for pid in chosen:
             if pid not in skip:
                 self.route(pid, self.peers[pid].tick(self.now))
+        if self.arm is not None:
+            self.arm.t_routed = time.perf_counter()
         return t
 
     def cmd_drop(self, pid: str, on: bool) -> None:
@@ -544,6 +550,8 @@ class _Timing:
     busy: float
     cpu: float
     recv: float | None = None
+    recv_last: float | None = None
+    trigger: float | None = None
 
 
 class _Cluster:
@@ -641,6 +649,7 @@ class _Cluster:
         hops = [m[3] for m in self._done if m[3] is not None]
         end_times = [m[5] for m in self._done if m[5] is not None]
         recvs = [m[9] for m in self._done if m[9] is not None]
+        routed = [m[10] for m in self._done if m[10] is not None]
         return _Timing(
             total=(max(lasts) - t0) * 1000.0,
             hop=(min(hops) - t0) * 1000.0 if hops else None,
@@ -649,6 +658,8 @@ class _Cluster:
             busy=max(float(m[7]) for m in self._done) * 1000.0,
             cpu=max(float(m[8]) for m in self._done) * 1000.0,
             recv=(min(recvs) - t0) * 1000.0 if recvs else None,
+            recv_last=(max(recvs) - t0) * 1000.0 if len(recvs) == len(self._done) else None,
+            trigger=(max(routed) - t0) * 1000.0 if routed else None,
         )
 
 
@@ -812,6 +823,12 @@ def _row(
         "floor_p50_ms": round(_percentile(floors, 50), 3),
         "floor_quiet_p50_ms": round(_percentile(quiet, 50), 3),
         "recv_p50_ms": round(_percentile([t.recv for t in timings if t.recv is not None], 50), 3),
+        "recv_last_p50_ms": round(
+            _percentile([t.recv_last for t in timings if t.recv_last is not None], 50), 3
+        ),
+        "trigger_p50_ms": round(
+            _percentile([t.trigger for t in timings if t.trigger is not None], 50), 3
+        ),
         "hop_p50_ms": round(_percentile(hops, 50), 3),
         "hop_p99_ms": round(_percentile(hops, 99), 3),
     }
@@ -893,7 +910,9 @@ async def _run(
         ),
         "recv": (
             "recv_p50_ms: trigger until the first batch of the window reached any host (the "
-            "trigger's own steps, one seal, one loopback hop)"
+            "trigger's own steps, one seal, one loopback hop); recv_last_p50_ms: until every "
+            "host had its first batch; trigger_p50_ms: the triggering call itself (the "
+            "peer's action or the watchers' ticks, and handing the envelopes to the carrier)"
         ),
         "hop": (
             "hop_p50_ms/hop_p99_ms (measured): trigger until the first peer outside the "
