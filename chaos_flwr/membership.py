@@ -361,6 +361,18 @@ class Record:
         object.__setattr__(self, "signed", data)
         object.__setattr__(self, "record_id", hashlib.sha256(data).hexdigest()[:32])
 
+    @classmethod
+    def _checked(cls, body: dict[str, Any], signatures: dict[str, bytes]) -> Record:
+        """A record of an already checked body and signature map (taken, not copied)."""
+        record = cls.__new__(cls)
+        data = _RECORD_DOMAIN + codec.encode(body)
+        setattr_ = object.__setattr__
+        setattr_(record, "body", body)
+        setattr_(record, "signatures", signatures)
+        setattr_(record, "signed", data)
+        setattr_(record, "record_id", hashlib.sha256(data).hexdigest()[:32])
+        return record
+
     @property
     def kind(self) -> str:
         """The record kind."""
@@ -395,7 +407,7 @@ class Record:
         for signer, sig in sigs.items():
             if not isinstance(sig, bytes):
                 raise DecodeError(f"record signature of {signer!r} must be bytes")
-        return cls(body=body, signatures=dict(sigs))
+        return cls._checked(body, dict(sigs))
 
     @classmethod
     def from_own(cls, env: Envelope) -> Record:
@@ -412,23 +424,25 @@ class Record:
             ``{"record": {"body", "sigs"}}``, or ``sigs`` names the sender or holds anything but
             64-byte signatures (a proof never nests inside another).
         """
-        value = env.payload.get("record")
-        if (
-            env.kind != PROOF_KIND
-            or env.payload.keys() != {"record"}
-            or not isinstance(value, dict)
-        ):
+        payload = env.payload
+        value = payload.get("record")
+        if env.kind != PROOF_KIND or len(payload) != 1 or type(value) is not dict:
             raise DecodeError("own envelope payload must be {'record': {'body', 'sigs'}}")
-        sigs = value.get("sigs")
-        if (
-            not isinstance(sigs, dict)
-            or env.sender in sigs
-            or not all(isinstance(v, bytes) and len(v) == SIGNATURE_BYTES for v in sigs.values())
-        ):
+        if len(value) != 2 or "body" not in value or "sigs" not in value:
+            raise DecodeError("a record must be a map with exactly the fields 'body' and 'sigs'")
+        sigs = value["sigs"]
+        if type(sigs) is not dict or env.sender in sigs:
             raise DecodeError(
                 "own envelope field 'sigs' must map the other signers to 64-byte signatures"
             )
-        return cls.from_wire({"body": value.get("body"), "sigs": {**sigs, env.sender: env.raw}})
+        for sig in sigs.values():
+            if type(sig) is not bytes or len(sig) != SIGNATURE_BYTES:
+                raise DecodeError(
+                    "own envelope field 'sigs' must map the other signers to 64-byte signatures"
+                )
+        signatures = dict(sigs)
+        signatures[env.sender] = env.raw
+        return cls._checked(_check_body(value["body"]), signatures)
 
     @classmethod
     def sign(cls, body: Mapping[str, Any], signers: Iterable[Any]) -> Record:
@@ -748,8 +762,12 @@ class RecordSet:
         # link -> (highest version held, whether a link_down of that version is held)
         self._link_ver: dict[tuple[str, str], tuple[tuple[int, int, int], bool]] = {}
         self._xor = 0
+        # The view and the active list are rebuilt on the next read after a new record; the
+        # stale objects are only marked (freeing a view of a large federation is work of its
+        # own, done when the next view replaces it).
         self._view: View | None = None
         self._active: list[str] | None = None
+        self._fresh = False
 
     def __contains__(self, record_id: object) -> bool:
         return record_id in self._records
@@ -803,8 +821,7 @@ class RecordSet:
             validate_record(record, self.policy, self.cache)
         self._records[rid] = record
         self._xor ^= int(rid, 16)
-        self._view = None
-        self._active = None
+        self._fresh = False
         body = record.body
         kind = body["kind"]
         if kind in _MEMBER_KINDS:
@@ -887,8 +904,9 @@ class RecordSet:
 
     def active(self) -> list[str]:
         """The view's active members, sorted (cheap; no full view built; a fresh list)."""
-        if self._active is None:
-            self._active = sorted(p for p, m in self._members.items() if m.status == ACTIVE)
+        if not self._fresh or self._active is None:
+            self._refresh()
+        assert self._active is not None
         return list(self._active)
 
     def member(self, party_id: str) -> MemberInfo | None:
@@ -903,8 +921,16 @@ class RecordSet:
 
     def view(self) -> View:
         """The current view (cached until the next new record)."""
+        if not self._fresh or self._view is None:
+            self._refresh()
         if self._view is None:
             if self._stale_members or self._stale_links:
                 self._flush_links()
             self._view = View(self._members, self._links)
         return self._view
+
+    def _refresh(self) -> None:
+        """Drop the view and active list built before the newest record (rebuilt on demand)."""
+        self._view = None
+        self._active = sorted(p for p, m in self._members.items() if m.status == ACTIVE)
+        self._fresh = True

@@ -92,7 +92,8 @@ _HEARTBEAT_S = EVENTS_BENCH_HEARTBEAT_S
 _SUSPICION_S = EVENTS_BENCH_SUSPICION_S
 _QUORUM = EVENTS_BENCH_FAILURE_QUORUM
 _CHORDS_PER_PEER = EVENTS_BENCH_CHORDS_PER_PEER
-_ID_BYTES = 17  # a party id in ASCII: the prefix of every routed item
+_ID_BYTES = 17  # a party id in ASCII
+_MAX_DESTS = 255  # destinations one routed item names (its first byte counts them)
 
 
 def _identities(n: int) -> list[Identity]:
@@ -137,9 +138,12 @@ class _Arm:
 class _Host:
     """A share of the peers (those with ``index % hosts == host``) and their deliveries.
 
-    Transport-agnostic: ``send_item(host, item)`` hands an item (17-byte destination id +
-    envelope) to the carrier, :meth:`on_items` takes delivered items, ``notify`` reports a
-    finished timed window to the coordinator.
+    Transport-agnostic: ``send_item(host, item)`` hands an item to the carrier, :meth:`on_items`
+    takes delivered items, ``notify`` reports a finished timed window to the coordinator. An
+    item is one envelope and the local peers it is for: a count byte ``n``, ``n`` 17-byte party
+    ids, then the envelope. A broadcast (one sealed envelope to many peers) so crosses to each
+    host once, as it would be written once per destination machine; each named peer still
+    opens and verifies its own copy.
     """
 
     index: int
@@ -161,6 +165,7 @@ class _Host:
         self.charter = _bench_charter(idents[:_FOUNDERS], idents[_FOUNDERS:])
         self.idents = {i.party_id: i for i in idents}
         self.owner = {ident.party_id: k % self.hosts for k, ident in enumerate(idents)}
+        self._id_bytes = {pid: pid.encode("ascii") for pid in self.owner}
         self.peers: dict[str, Peer] = {}
         for pid, h in self.owner.items():
             if h == self.index:
@@ -176,22 +181,35 @@ class _Host:
     def route(self, src: str, outs: Iterable[Outgoing]) -> None:
         if src in self.dropped:
             return
+        groups: dict[tuple[int, int], tuple[bytes, list[bytes]]] = {}
         for out in outs:
             if out.to in self.dropped or out.to not in self.owner:
                 continue
             self.sent += 1
-            self.send_item(self.owner[out.to], out.to.encode("ascii") + out.data)
+            key = (self.owner[out.to], id(out.data))
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = (out.data, [])
+            group[1].append(self._id_bytes[out.to])
+        for (host, _), (data, dests) in groups.items():
+            for i in range(0, len(dests), _MAX_DESTS):
+                chunk = dests[i : i + _MAX_DESTS]
+                self.send_item(host, bytes([len(chunk)]) + b"".join(chunk) + data)
 
     def on_items(self, items: Sequence[bytes]) -> None:
         if self.arm is not None and self.arm.t_recv is None:
             self.arm.t_recv = time.perf_counter()
         for item in items:
-            self.delivered += 1
-            dst = item[:_ID_BYTES].decode("ascii")
-            peer = self.peers.get(dst)
-            if peer is None or dst in self.dropped:
-                continue
-            data = item[_ID_BYTES:]
+            n = item[0]
+            start = 1 + n * _ID_BYTES
+            data = item[start:]
+            for k in range(1, start, _ID_BYTES):
+                self._deliver(item[k : k + _ID_BYTES].decode("ascii"), data)
+
+    def _deliver(self, dst: str, data: bytes) -> None:
+        self.delivered += 1
+        peer = self.peers.get(dst)
+        if peer is not None and dst not in self.dropped:
             if self.arm is None:
                 outs = peer.handle(data, self.now)
             else:
