@@ -766,8 +766,9 @@ class RecordSet:
         # stale objects are only marked (freeing a view of a large federation is work of its
         # own, done when the next view replaces it).
         self._view: View | None = None
-        self._active: list[str] | None = None
-        self._fresh = False
+        self._view_fresh = False
+        # The active members, kept sorted as statuses change (reading it walks no member).
+        self._active: list[str] = []
 
     def __contains__(self, record_id: object) -> bool:
         return record_id in self._records
@@ -821,7 +822,7 @@ class RecordSet:
             validate_record(record, self.policy, self.cache)
         self._records[rid] = record
         self._xor ^= int(rid, 16)
-        self._fresh = False
+        self._view_fresh = False
         body = record.body
         kind = body["kind"]
         if kind in _MEMBER_KINDS:
@@ -854,6 +855,12 @@ class RecordSet:
         if new == old:
             return
         self._members[subject] = new
+        was = old is not None and old.status == ACTIVE
+        if was != (status == ACTIVE):
+            if was:
+                del self._active[bisect.bisect_left(self._active, subject)]
+            else:
+                bisect.insort(self._active, subject)
         # Liveness of the subject's links depends on its status and incarnation (only), and
         # only links naming the old or the new incarnation can be live before or after.
         self._stale_members.append((subject, None if old is None else old.incarnation, top))
@@ -904,9 +911,6 @@ class RecordSet:
 
     def active(self) -> list[str]:
         """The view's active members, sorted (cheap; no full view built; a fresh list)."""
-        if not self._fresh or self._active is None:
-            self._refresh()
-        assert self._active is not None
         return list(self._active)
 
     def member(self, party_id: str) -> MemberInfo | None:
@@ -921,16 +925,9 @@ class RecordSet:
 
     def view(self) -> View:
         """The current view (cached until the next new record)."""
-        if not self._fresh or self._view is None:
-            self._refresh()
-        if self._view is None:
+        if not self._view_fresh or self._view is None:
             if self._stale_members or self._stale_links:
                 self._flush_links()
             self._view = View(self._members, self._links)
+            self._view_fresh = True
         return self._view
-
-    def _refresh(self) -> None:
-        """Drop the view and active list built before the newest record (rebuilt on demand)."""
-        self._view = None
-        self._active = sorted(p for p, m in self._members.items() if m.status == ACTIVE)
-        self._fresh = True

@@ -312,3 +312,114 @@ def test_different_record_sets_give_different_digests() -> None:
         part.add(r)
     assert full.view().digest != part.view().digest
     assert full.digest() != part.digest()
+
+
+# --- the incremental fold against a fold from scratch ------------------------------------------
+
+
+def _fold_from_scratch(records: list[Record]) -> tuple[dict[str, tuple[str, int, float]], dict]:
+    """The view's semantics, written independently of RecordSet: members and links."""
+    members: dict[str, tuple[str, int, float]] = {}
+    subjects = {r.body["subject"] for r in records if "subject" in r.body}
+    for pid in subjects:
+        mine = [r.body for r in records if r.body.get("subject") == pid]
+        joins = [b for b in mine if b["kind"] == "join"]
+        if not joins:
+            continue
+        inc = max(b["incarnation"] for b in joins)
+        at = min(b["at"] for b in joins if b["incarnation"] == inc)
+        ends = {b["kind"] for b in mine if b["kind"] != "join" and b["incarnation"] == inc}
+        status = "left" if "leave" in ends else "failed" if "fail" in ends else "active"
+        members[pid] = (status, inc, at)
+    links: dict[tuple[str, str], tuple[str, int, int, int, bool]] = {}
+    keys = {(r.body["a"], r.body["b"]) for r in records if "a" in r.body}
+    for key in keys:
+        mine = [r.body for r in records if (r.body.get("a"), r.body.get("b")) == key]
+        top = max((b["epoch"], b["inc_a"], b["inc_b"]) for b in mine)
+        down = any(
+            b["kind"] == "link_down" and (b["epoch"], b["inc_a"], b["inc_b"]) == top for b in mine
+        )
+        ma, mb = members.get(key[0]), members.get(key[1])
+        live = (
+            not down
+            and ma is not None
+            and mb is not None
+            and ma[0] == "active" == mb[0]
+            and (ma[1], mb[1]) == (top[1], top[2])
+        )
+        links[key] = ("down" if down else "up", *top, live)
+    return members, links
+
+
+def _history(rng: random.Random) -> list[Record]:
+    """Random joins, leaves, fails, rejoins and link flaps over several incarnations."""
+    parties = FOUNDERS + JOINERS
+    inc = {p.party_id: 0 for p in parties}
+    out = [genesis(f, at=float(i)) for i, f in enumerate(FOUNDERS)]
+    for j in JOINERS:
+        out.append(Record.sign(join_body(FED, j.party_id, 0, 3.0), [j, FOUNDERS[0]]))
+    epoch: dict[tuple[str, str], int] = {}
+    for step in range(25):
+        x, y = rng.sample(parties, 2)
+        roll = rng.random()
+        if roll < 0.45:
+            body = link_body(
+                rng.choice(["link_up", "link_down"]),
+                FED,
+                (x.party_id, inc[x.party_id]),
+                (y.party_id, inc[y.party_id]),
+                epoch.setdefault(tuple(sorted((x.party_id, y.party_id))), rng.randint(1, 3)),
+            )
+            out.append(Record.sign(body, [x, y]))
+        elif roll < 0.6 and x in JOINERS:
+            out.append(Record.sign(leave_body(FED, x.party_id, inc[x.party_id]), [x]))
+        elif roll < 0.75:
+            voters = [p for p in parties if p is not x][:2]
+            out.append(Record.sign(fail_body(FED, x.party_id, inc[x.party_id]), voters))
+        else:
+            inc[x.party_id] += 1
+            sponsor = [FOUNDERS[0]] if x in JOINERS else []
+            at = 10.0 + step + rng.choice([0.0, 0.5])
+            out.append(Record.sign(join_body(FED, x.party_id, inc[x.party_id], at), [x, *sponsor]))
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=2**32 - 1))
+def test_the_incremental_fold_matches_a_fold_from_scratch_after_every_record(seed: int) -> None:
+    # Reads (active, link, member, view) interleave with adds, so every lazily refolded entry
+    # is checked at every step, whatever order the records arrive in.
+    rng = random.Random(seed)
+    records = _history(rng)
+    rng.shuffle(records)
+    rs = RecordSet(make_policy())
+    held: list[Record] = []
+    ids = sorted(p.party_id for p in FOUNDERS + JOINERS)
+    for record in records:
+        if rs.add(record):
+            held.append(record)
+        members, links = _fold_from_scratch(held)
+        if rng.random() < 0.5:
+            assert rs.active() == sorted(p for p, m in members.items() if m[0] == "active")
+        a, b = sorted(rng.sample(ids, 2))
+        got = rs.link(a, b)
+        want = links.get((a, b))
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert (got.state, got.epoch, got.inc_a, got.inc_b, got.live) == want
+        m = rs.member(a)
+        assert ((m.status, m.incarnation, m.joined_at) if m is not None else None) == (
+            members.get(a)
+        )
+        if rng.random() < 0.3:
+            view = rs.view()
+            assert {p: (v.status, v.incarnation, v.joined_at) for p, v in view.members.items()} == (
+                members
+            )
+            assert {
+                k: (v.state, v.epoch, v.inc_a, v.inc_b, v.live) for k, v in view.links.items()
+            } == links
+    fresh = RecordSet(make_policy())
+    for record in sorted(held, key=lambda r: r.record_id):
+        fresh.add(record)
+    assert rs.view().digest == fresh.view().digest
