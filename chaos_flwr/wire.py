@@ -295,8 +295,17 @@ def open_sealed(
             f"envelope is {size} bytes, the limit is {max_bytes}; it was refused unread"
         )
     raw = data if type(data) is bytes else bytes(data)
-    _check_prefix(raw, size)
-    sender = _sender_of(raw)
+    if size < OVERHEAD_BYTES or raw[:_SENDER_AT] != _PREFIX:
+        _check_prefix(raw, size)  # raises, naming what is wrong
+    # A sender id the keyring knows is a well-formed party id: the full check (and its error
+    # messages) is only needed for one it does not know.
+    sender_raw = raw[_SENDER_AT:_LEN_AT]
+    key = None
+    if sender_raw.isascii():
+        sender = sender_raw.decode("ascii")
+        key = keyring.get(sender)
+    if key is None:
+        sender = _sender_of(raw)
     (body_len,) = _U32.unpack_from(raw, _LEN_AT)
     end = HEADER_BYTES + body_len
     if end + SIGNATURE_BYTES != size:
@@ -305,7 +314,6 @@ def open_sealed(
             f"{end + SIGNATURE_BYTES} bytes long, but it is {size}"
             + (" (truncated)" if size < end + SIGNATURE_BYTES else " (trailing bytes)")
         )
-    key = keyring.get(sender)
     if key is None:
         raise UnknownPartyError(
             f"envelope from {sender}, a party this receiver has no key for; add it to the "

@@ -598,7 +598,9 @@ class _Cluster:
         return await self.hosts.call(self.owner[pid], name, *args)
 
     async def all(self, name: str, *args: Any) -> list[Any]:
-        return [await self.hosts.call(h, name, *args) for h in range(self.workers)]
+        # Every host gets the command before any reply is awaited (they run it in parallel).
+        calls = [self.hosts.call(h, name, *args) for h in range(self.workers)]
+        return list(await asyncio.gather(*calls))
 
     async def settle(self) -> None:
         """Wait until no item is in flight: two equal counter rounds with sent == delivered."""
@@ -780,10 +782,11 @@ async def _fail(cl: _Cluster, rng: random.Random) -> _Timing:
     await cl.set_now(crash_at + _SUSPICION_S + 1e-3)
 
     async def trigger() -> float:
-        # Every host's watchers tick at once; the clock starts at the first of them.
+        # Every host's watchers tick at once (each host gets the command before any reply is
+        # awaited); the clock starts at the first of them.
         hosts = sorted({cl.owner[w] for w in watchers})
-        times = [float(await cl.hosts.call(h, "tick", watchers, [])) for h in hosts]
-        return min(times)
+        times = await asyncio.gather(*(cl.hosts.call(h, "tick", watchers, []) for h in hosts))
+        return min(float(t) for t in times)
 
     timing = await cl.measure("fail", x, affected, watchers, trigger)
     # x restarts as a fresh process with a higher incarnation and rejoins (untimed).
