@@ -113,6 +113,11 @@ EVENTS_BENCH_CHORDS_PER_PEER: int = 1
 EVENTS_BENCH_WORKERS: int = 2
 #: Ed25519 verifications per round when ``chaos-flwr bench events`` measures their cost.
 EVENTS_BENCH_VERIFY_SAMPLES: int = 2000
+#: Idle pause before each timed seal when ``chaos-flwr bench events`` measures the wake-up
+#: cost (an idle process's caches are cold when its next message arrives), in seconds.
+EVENTS_BENCH_IDLE_PROBE_S: float = 0.01
+#: Seals timed after an idle pause (and, times ten, back to back) for that wake-up cost.
+EVENTS_BENCH_IDLE_PROBE_SAMPLES: int = 20
 #: Verified signatures a membership SignatureCache remembers before it starts afresh.
 MEMBERSHIP_SIGNATURE_CACHE_ENTRIES: int = 1 << 16
 #: Largest record *proof* (an ``own`` envelope standing in for its sender's record signature).
