@@ -279,17 +279,21 @@ def bench_events(
     repeats: int | None = typer.Option(None, "--repeats", help="Events of each type."),
     carrier: str = typer.Option("auto", "--carrier", help="grpc, memory, or auto."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the event choices."),
+    pin: bool | None = typer.Option(
+        None, "--pin/--no-pin", help="Pin each grpc worker process to its own CPU (default on)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Time leave, link-up, link-down and fail from trigger until every member applied it."""
     from .bench.events import run_events
-    from .defaults import EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
+    from .defaults import EVENTS_BENCH_PIN_WORKERS, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
 
     result = run_events(
         peers,
         repeats=EVENTS_BENCH_REPEATS if repeats is None else repeats,
         seed=EVENTS_BENCH_SEED if seed is None else seed,
         carrier=carrier,
+        pin=EVENTS_BENCH_PIN_WORKERS if pin is None else pin,
     )
     if as_json:
         _print_json(result)

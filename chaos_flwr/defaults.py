@@ -111,6 +111,8 @@ EVENTS_BENCH_FAILURE_QUORUM: int = 2
 EVENTS_BENCH_CHORDS_PER_PEER: int = 1
 #: Worker processes ``chaos-flwr bench events`` spreads the peers over (one per core here).
 EVENTS_BENCH_WORKERS: int = 2
+#: Whether ``chaos-flwr bench events`` pins each worker process to its own CPU.
+EVENTS_BENCH_PIN_WORKERS: bool = True
 #: Ed25519 verifications per round when ``chaos-flwr bench events`` measures their cost.
 EVENTS_BENCH_VERIFY_SAMPLES: int = 2000
 #: Idle pause before each timed seal when ``chaos-flwr bench events`` measures the wake-up

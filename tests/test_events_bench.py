@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from chaos_flwr.bench.events import run_events
@@ -19,6 +21,10 @@ def test_grpc_workers_settle_every_event_type_with_per_peer_verification() -> No
     assert result["verify_us"] > 0 and lines  # progress was reported
     # The wake-up probe timed both kinds of seal (their ratio is the machine's, not asserted).
     assert result["seal_warm_us"] > 0 and result["seal_after_idle_us"] > 0
+    # Pinned by default: each worker runs on one CPU of its own (round robin over ours).
+    ours = sorted(os.sched_getaffinity(0))
+    assert result["pinned"] is True
+    assert result["host_cpus"] == [[ours[0]], [ours[1 % len(ours)]]]
     ev = result["events"]
     for row in ev.values():
         assert row["count"] == 2
@@ -54,9 +60,11 @@ def test_a_worker_that_dies_fails_the_next_call_at_once() -> None:
     from chaos_flwr.bench.events import _ProcessHosts
 
     async def scenario() -> tuple[str, float]:
-        hosts = _ProcessHosts(8, 1, lambda msg: None)
+        hosts = _ProcessHosts(8, 1, lambda msg: None, pin=False)
         await hosts.start()
         try:
+            # Unpinned, the worker may run wherever this process may.
+            assert await hosts.call(0, "cpus") == sorted(os.sched_getaffinity(0))
             proc = hosts._procs[0]
             proc.kill()
             proc.join(10)
