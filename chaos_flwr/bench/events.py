@@ -986,20 +986,24 @@ async def _run(
     handle_s = [t for s in stats for t in s["handle_s"]]
     digests = {d for s in stats for d in s["digests"]}
     cores = max(1, min(workers, os.cpu_count() or 1))
+    # Pinned as asked only where every worker really ended up on a single CPU.
+    pinned = (
+        pin and carrier == "grpc" and all(isinstance(c, list) and len(c) == 1 for c in host_cpus)
+    )
     return {
         "peers": peers,
         "carrier": cl.hosts.name,
         "workers": workers,
         "cores_used": cores,
         "host_cpus": host_cpus,
-        "pinned": pin and carrier == "grpc",
+        "pinned": pinned,
         "placement": (
             f"peers round-robin over {workers} host(s)"
             + (
                 " (one OS process each, one grpc.aio carrier each on 127.0.0.1; every "
                 "envelope crosses HTTP/2, batched per destination host on a persistent push "
                 "stream"
-                + ("; each process and its grpc threads pinned to its own CPU" if pin else "")
+                + ("; each process and its grpc threads pinned to its own CPU" if pinned else "")
                 + ")"
                 if carrier == "grpc"
                 else " in this process (FIFO in-process router)"
