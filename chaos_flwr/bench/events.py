@@ -76,7 +76,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,8 +154,8 @@ class _Arm:
 class _Host:
     """A share of the peers (those with ``index % hosts == host``) and their deliveries.
 
-    Transport-agnostic: ``send_item(host, item)`` hands an item to the carrier, :meth:`on_items`
-    takes delivered items, ``notify`` reports a finished timed window to the coordinator. An
+    Transport-agnostic: ``send_item(host, item)`` hands an item to the carrier, :meth:`on_item`
+    takes each delivered item, ``notify`` reports a finished timed window to the coordinator. An
     item is one envelope and the local peers it is for: a count byte ``n``, ``n`` 17-byte party
     ids, then the envelope. A broadcast (one sealed envelope to many peers) so crosses to each
     host once, as it would be written once per destination machine; each named peer still
@@ -210,10 +210,6 @@ class _Host:
             for i in range(0, len(dests), _MAX_DESTS):
                 chunk = dests[i : i + _MAX_DESTS]
                 self.send_item(host, bytes([len(chunk)]) + b"".join(chunk) + data)
-
-    def on_items(self, items: Sequence[bytes]) -> None:
-        for item in items:
-            self.on_item(item)
 
     def on_item(self, item: bytes) -> bool:
         """Deliver one routed item to the local peers it names; whether anything was sent."""
@@ -412,7 +408,7 @@ class _LocalHosts:
         try:
             while self._queue:
                 host, item = self._queue.popleft()
-                self.hosts[host].on_items([item])
+                self.hosts[host].on_item(item)
         finally:
             self._pumping = False
 
