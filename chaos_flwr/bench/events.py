@@ -30,9 +30,10 @@ host in batches (:meth:`~chaos_flwr.transport.GrpcCarrier.push`). Each worker pr
 threads grpc starts in it, is pinned to a CPU of its own (``pin``, on by default; ``--no-pin``):
 unpinned, Linux may queue a host woken by a batch behind the other host's busy thread on one
 CPU while the other CPU idles, and the whole event then waits for that host's batch (measured
-here at 64 peers: leave p99 11.2 ms unpinned, 5.8 ms pinned). With the ``memory`` carrier the
-hosts live in this process and a FIFO router delivers. A coordinator (this process) triggers the
-events over pipes; the peers' ``now`` is a virtual clock it sets (they are sans-I/O).
+here at 64 peers: leave p99 11.7 ms unpinned, a median of 7.0 ms over three pinned runs).
+With the ``memory`` carrier the hosts live in this process and a FIFO router delivers. A
+coordinator (this process) triggers the events over pipes; the peers' ``now`` is a virtual
+clock it sets (they are sans-I/O).
 
 Security is not traded for speed: every peer opens (verifies) every envelope addressed to it and
 verifies every record signature itself (each peer has its own signature cache: a cache hit is
