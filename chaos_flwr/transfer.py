@@ -59,7 +59,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -185,6 +185,181 @@ class _Peer:
         self.bytes_ok = 0
 
 
+#: Version of :meth:`PullSession.snapshot`'s value; another version is refused on restore.
+SNAPSHOT_VERSION = 1
+
+#: Donor statuses a snapshot may name.
+_STATUSES = frozenset({"live", "lost", "bad", "timed_out"})
+
+
+def _is_index(value: object, count: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < count
+
+
+def _is_time(value: object) -> bool:
+    return isinstance(value, float | int) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_fit(
+    manifest: Manifest,
+    plan: TransferPlan,
+    window: int,
+    rate_alpha: float,
+    expected_digest: bytes | None,
+) -> None:
+    """Refuse a plan, manifest and settings that do not fit together (the field is named)."""
+    if expected_digest is not None:
+        manifest.check_certified(expected_digest)
+    total = plan.total_bytes if plan.total_bytes is not None else manifest.total_bytes
+    if total != manifest.total_bytes:
+        raise TransferError(
+            f"plan.total_bytes: {total} differs from the manifest's {manifest.total_bytes}; "
+            "plan for the certified state size"
+        )
+    if plan.num_shards and (
+        plan.shard_bytes != manifest.shard_bytes or plan.num_shards != manifest.num_shards
+    ):
+        raise TransferError(
+            f"manifest.shard_bytes: manifest has {manifest.num_shards} shards of "
+            f"{manifest.shard_bytes} bytes, the plan {plan.num_shards} of {plan.shard_bytes}; "
+            "build the manifest with Manifest.build(data, plan.shard_bytes, "
+            "num_shards=plan.num_shards)"
+        )
+    if window < 1:
+        raise TransferError(f"window: got {window}; give an int >= 1")
+    if not 0.0 < rate_alpha <= 1.0:
+        raise TransferError(f"rate_alpha: got {rate_alpha}; must be in (0, 1]")
+
+
+def _restore_donors(session: PullSession, donors: object) -> None:
+    """Take up the donors of a snapshot (typed and bounded: a bad field is a TransferError)."""
+    if not isinstance(donors, dict) or not donors:
+        raise TransferError("snapshot.donors: must be a non-empty map of donor id -> state")
+    n = session.num_shards
+    for donor_id, value in donors.items():
+        if not isinstance(value, dict) or value.get("status") not in _STATUSES:
+            raise TransferError(f"snapshot.donors.{donor_id}: bad donor state")
+        rate, latency, last = value.get("rate"), value.get("latency"), value.get("last")
+        sent_bytes = value.get("bytes")
+        if not isinstance(sent_bytes, int) or isinstance(sent_bytes, bool) or sent_bytes < 0:
+            raise TransferError(f"snapshot.donors.{donor_id}.bytes: must be an int >= 0")
+        queue, inflight = value.get("queue"), value.get("inflight")
+        if not (_is_time(rate) and _is_time(latency) and (last is None or _is_time(last))):
+            raise TransferError(f"snapshot.donors.{donor_id}: rate/latency/last must be numbers")
+        if not isinstance(queue, list) or not all(_is_index(i, n) for i in queue):
+            raise TransferError(f"snapshot.donors.{donor_id}.queue: must list shard indices")
+        if not isinstance(inflight, list) or not all(
+            isinstance(r, list) and len(r) == 4 and _is_index(r[0], n) and all(map(_is_time, r[1:]))
+            for r in inflight
+        ):
+            raise TransferError(f"snapshot.donors.{donor_id}.inflight: bad request entries")
+        assert isinstance(rate, float | int) and isinstance(latency, float | int)
+        peer = session._add_peer(donor_id, float(rate), float(latency))
+        peer.status = value["status"]
+        peer.queue = deque(queue)
+        peer.last_recv = None if last is None else float(last)
+        peer.bytes_ok = sent_bytes
+        for index, sent, expected, deadline in inflight:
+            peer.inflight[index] = (float(sent), float(expected), float(deadline))
+            session._holders.setdefault(index, set()).add(peer.id)
+
+
+def _restore_shards(session: PullSession, arrived: object, data: object) -> None:
+    """Take up a snapshot's saved shards, each verified against the manifest again."""
+    if not isinstance(arrived, list) or not isinstance(data, list) or len(arrived) != len(data):
+        raise TransferError("snapshot.arrived/data: must be two lists of one length")
+    for index, chunk in zip(arrived, data, strict=True):
+        if not _is_index(index, session.num_shards) or not isinstance(chunk, bytes):
+            raise TransferError(f"snapshot.arrived: shard {index!r} is not a saved shard")
+        if session._shards[index] is not None:
+            raise TransferError(f"snapshot.arrived: shard {index} is saved twice")
+        session._store.put(index, chunk)
+
+
+class _ShardBuffer:
+    """Verified shards, copied into their place in one buffer as they arrive.
+
+    ``marks[i]`` is ``None`` until shard ``i`` arrived. The state digest is computed over the
+    longest verified prefix as shards land, so hashing overlaps the transfer instead of adding a
+    full pass at the end. ``np.empty`` leaves the pages untouched until a shard lands
+    (``bytearray(n)`` would zero all of them up front).
+    """
+
+    def __init__(self, manifest: Manifest, num_shards: int) -> None:
+        self.manifest = manifest
+        self.num_shards = num_shards
+        self.marks: list[bytes | None] = [None] * num_shards
+        self.view = np.empty(manifest.total_bytes, dtype=np.uint8).data.cast("B")
+        self._hash = hashlib.sha256()
+        self._prefix = 0
+        self.count = 0
+        self.bytes = 0
+        for i in range(num_shards):  # empty trailing shards need no round trip
+            start, end = shard_range(manifest.total_bytes, manifest.shard_bytes, i)
+            if start == end:
+                manifest.verify_shard(i, b"")
+                self.marks[i] = b""
+                self.count += 1
+
+    def put(self, index: int, data: bytes | memoryview) -> int:
+        """Verify shard ``index`` (ShardIntegrityError) and take it; return its size."""
+        self.manifest.verify_shard(index, data)
+        start, end = self.manifest.shard_range(index)
+        self.view[start:end] = data
+        self.marks[index] = _ARRIVED
+        while self._prefix < self.num_shards and self.marks[self._prefix] is not None:
+            lo, hi = self.manifest.shard_range(self._prefix)
+            self._hash.update(self.view[lo:hi])
+            self._prefix += 1
+        self.count += 1
+        self.bytes += end - start
+        return end - start
+
+    def saved(self) -> tuple[list[int], list[bytes]]:
+        """Indices and bytes of the shards received (not the empty trailing ones)."""
+        indices: list[int] = []
+        data: list[bytes] = []
+        for i, mark in enumerate(self.marks):
+            start, end = self.manifest.shard_range(i)
+            if mark is not None and start != end:
+                indices.append(i)
+                data.append(bytes(self.view[start:end]))
+        return indices, data
+
+    def assemble(self, expected: bytes | None) -> memoryview:
+        """The verified state (read-only view, no copy); see :meth:`PullSession.assemble`."""
+        if self.count != self.num_shards:
+            raise TransferError(
+                f"assemble: {self.num_shards - self.count} shards are still missing; "
+                "keep driving the session until done"
+            )
+        if self._hash.digest() != self.manifest.state_digest:
+            raise ShardIntegrityError(
+                "state: SHA-256 of the reassembled state differs from the certified state "
+                "digest (the manifest does not describe the certified state); fetch a manifest "
+                "from another donor and transfer again"
+            )
+        if expected is not None:
+            self.manifest.check_certified(expected)
+        return self.view.toreadonly()
+
+
+def _queue_plan(peers: Mapping[str, _Peer], plan: TransferPlan, num_shards: int) -> set[int]:
+    """Queue the plan's shards at their donors; return the shards assigned."""
+    assigned: set[int] = set()
+    for donor_id, shards in plan.assignment.items():
+        if donor_id not in peers:
+            raise TransferError(
+                f"plan.assignment: donor {donor_id!r} is not among the donors given"
+            )
+        for i in shards:
+            if i in assigned or not 0 <= i < num_shards:
+                raise TransferError(f"plan.assignment: shard {i} is out of range or repeated")
+            assigned.add(i)
+        peers[donor_id].queue.extend(shards)
+    return assigned
+
+
 class PullSession:
     """The joiner's side of a multi-source pull (sans-I/O).
 
@@ -231,77 +406,11 @@ class PullSession:
         min_timeout_s: float = TRANSFER_MIN_TIMEOUT_S,
         rate_alpha: float = TRANSFER_RATE_EWMA_ALPHA,
     ) -> None:
-        if expected_digest is not None:
-            manifest.check_certified(expected_digest)
-        total = plan.total_bytes if plan.total_bytes is not None else manifest.total_bytes
-        if total != manifest.total_bytes:
-            raise TransferError(
-                f"plan.total_bytes: {total} differs from the manifest's {manifest.total_bytes}; "
-                "plan for the certified state size"
-            )
-        if plan.num_shards and (
-            plan.shard_bytes != manifest.shard_bytes or plan.num_shards != manifest.num_shards
-        ):
-            raise TransferError(
-                f"manifest.shard_bytes: manifest has {manifest.num_shards} shards of "
-                f"{manifest.shard_bytes} bytes, the plan {plan.num_shards} of {plan.shard_bytes}; "
-                "build the manifest with Manifest.build(data, plan.shard_bytes, "
-                "num_shards=plan.num_shards)"
-            )
-        if window < 1:
-            raise TransferError(f"window: got {window}; give an int >= 1")
-        if not 0.0 < rate_alpha <= 1.0:
-            raise TransferError(f"rate_alpha: got {rate_alpha}; must be in (0, 1]")
-        self.manifest = manifest
-        self.total_bytes = manifest.total_bytes
-        self.shard_bytes = manifest.shard_bytes
-        self.num_shards = manifest.num_shards if self.total_bytes else 0
-        self._expected = expected_digest
-        self._window = window
-        self._timeout_factor = timeout_factor
-        self._min_timeout = min_timeout_s
-        self._alpha = rate_alpha
-        self._peers: dict[str, _Peer] = {}
+        _check_fit(manifest, plan, window, rate_alpha, expected_digest)
+        self._setup(manifest, expected_digest, window, timeout_factor, min_timeout_s, rate_alpha)
         for d in donors:
-            if d.id in self._peers:
-                raise TransferError(f"donors: duplicate donor id {d.id!r}")
-            rate = plan.rates.get(d.id, d.bandwidth)
-            if not (math.isfinite(rate) and rate > 0):
-                raise TransferError(f"bandwidth: donor {d.id!r} has {rate!r}; must be > 0")
-            peer = _Peer(d.id, float(rate), float(d.latency))
-            self._peers[d.id] = peer
-        self._order = sorted(self._peers)
-        assigned: set[int] = set()
-        for donor_id, shards in plan.assignment.items():
-            if donor_id not in self._peers:
-                raise TransferError(
-                    f"plan.assignment: donor {donor_id!r} is not among the donors given"
-                )
-            for i in shards:
-                if i in assigned or not 0 <= i < self.num_shards:
-                    raise TransferError(f"plan.assignment: shard {i} is out of range or repeated")
-                assigned.add(i)
-            self._peers[donor_id].queue.extend(shards)
-        # Verified shards are copied into their place in one buffer as they arrive, so the copy
-        # overlaps the transfer; ``_shards[i]`` marks arrival. ``np.empty`` leaves the pages
-        # untouched until a shard lands (``bytearray(n)`` would zero all of them up front).
-        self._shards: list[bytes | None] = [None] * self.num_shards
-        self._buffer = np.empty(self.total_bytes, dtype=np.uint8).data.cast("B")
-        # The state digest is computed as shards arrive, over the longest verified prefix, so
-        # hashing overlaps the transfer instead of adding a full pass at the end.
-        self._prefix_hash = hashlib.sha256()
-        self._prefix = 0
-        self._done_count = 0
-        self._bytes_done = 0
-        self._holders: dict[int, set[str]] = {}
-        self._observations: list[Observation] = []
-        self._new_obs = 0
-        for i in range(self.num_shards):  # empty trailing shards need no round trip
-            start, end = shard_range(self.total_bytes, self.shard_bytes, i)
-            if start == end:
-                self.manifest.verify_shard(i, b"")
-                self._shards[i] = b""
-                self._done_count += 1
+            self._add_peer(d.id, plan.rates.get(d.id, d.bandwidth), d.latency)
+        assigned = _queue_plan(self._peers, plan, self.num_shards)
         for peer in self._peers.values():
             peer.queue = deque(i for i in peer.queue if self._shards[i] is None)
         unassigned = [i for i in range(self.num_shards) if self._shards[i] is None]
@@ -309,12 +418,95 @@ class PullSession:
         if unassigned:
             self._replan(unassigned, now)
 
+    def _setup(
+        self, manifest: Manifest, expected: bytes | None, window: int, *limits: float
+    ) -> None:
+        """Fields shared by a new session and a restored one (no donors yet)."""
+        self.manifest = manifest
+        self.total_bytes = manifest.total_bytes
+        self.shard_bytes = manifest.shard_bytes
+        self.num_shards = manifest.num_shards if self.total_bytes else 0
+        self._expected = expected
+        self._window = window
+        self._timeout_factor, self._min_timeout, self._alpha = limits
+        self._peers: dict[str, _Peer] = {}
+        self._order: list[str] = []
+        self._store = _ShardBuffer(manifest, self.num_shards)
+        self._shards = self._store.marks
+        self._holders: dict[int, set[str]] = {}
+        self._observations: list[Observation] = []
+        self._new_obs = 0
+
+    def _add_peer(self, donor_id: str, rate: float, latency: float) -> _Peer:
+        if donor_id in self._peers:
+            raise TransferError(f"donors: duplicate donor id {donor_id!r}")
+        if not (math.isfinite(rate) and rate > 0):
+            raise TransferError(f"bandwidth: donor {donor_id!r} has {rate!r}; must be > 0")
+        peer = _Peer(donor_id, float(rate), float(latency))
+        self._peers[donor_id] = peer
+        self._order = sorted(self._peers)
+        return peer
+
+    # --- snapshot (a pull that outlives its process) -----------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The session as plain values (codec-encodable), for :meth:`restore` in another process.
+
+        Holds each donor's status, smoothed rate, latency, queue and in-flight requests, and the
+        verified shards received so far (index and bytes). Observations are not kept.
+        """
+        donors = {
+            p.id: {
+                "status": p.status,
+                "rate": p.rate,
+                "latency": p.latency,
+                "queue": list(p.queue),
+                "inflight": [[i, *times] for i, times in p.inflight.items()],
+                "last": p.last_recv,
+                "bytes": p.bytes_ok,
+            }
+            for p in self._peers.values()
+        }
+        arrived, data = self._store.saved()
+        return {"v": SNAPSHOT_VERSION, "donors": donors, "arrived": arrived, "data": data}
+
+    @classmethod
+    def restore(
+        cls,
+        manifest: Manifest,
+        snapshot: Mapping[str, Any],
+        *,
+        expected_digest: bytes | None = None,
+        window: int = TRANSFER_WINDOW,
+        timeout_factor: float = TRANSFER_TIMEOUT_FACTOR,
+        min_timeout_s: float = TRANSFER_MIN_TIMEOUT_S,
+        rate_alpha: float = TRANSFER_RATE_EWMA_ALPHA,
+    ) -> PullSession:
+        """Rebuild a session from :meth:`snapshot` over the same manifest.
+
+        Every saved shard is verified against the manifest again; a snapshot of another version,
+        of the wrong shape or with a bad shard raises :class:`~chaos_flwr.errors.TransferError`
+        (or :class:`~chaos_flwr.errors.ShardIntegrityError`), and nothing is taken up.
+        """
+        if snapshot.get("v") != SNAPSHOT_VERSION:
+            raise TransferError(
+                f"snapshot.v: got {snapshot.get('v')!r}, this version reads {SNAPSHOT_VERSION}; "
+                "start the pull again"
+            )
+        if expected_digest is not None:
+            manifest.check_certified(expected_digest)
+        session = cls.__new__(cls)
+        session._setup(manifest, expected_digest, window, timeout_factor, min_timeout_s, rate_alpha)
+        _restore_donors(session, snapshot.get("donors"))
+        _restore_shards(session, snapshot.get("arrived"), snapshot.get("data"))
+        return session
+
     # --- queries ---------------------------------------------------------------------------
 
     @property
     def done(self) -> bool:
         """True when every shard has been received and verified."""
-        return self._done_count == self.num_shards
+        return self._store.count == self.num_shards
 
     def status(self, donor: str) -> str:
         """Return the :class:`DonorStatus` of ``donor``."""
@@ -363,9 +555,9 @@ class PullSession:
             ]
             eta = max(0.0, max(finishes) - now) if finishes else None
         return Progress(
-            bytes_done=self._bytes_done,
+            bytes_done=self._store.bytes,
             total_bytes=self.total_bytes,
-            shards_done=self._done_count,
+            shards_done=self._store.count,
             num_shards=self.num_shards,
             bytes_by_donor={d: self._peers[d].bytes_ok for d in self._order},
             eta_s=eta,
@@ -414,16 +606,9 @@ class PullSession:
                 peer.last_recv = now
             return self._fill(now)
         try:
-            self.manifest.verify_shard(index, data)
+            size = self._store.put(index, data)
         except ShardIntegrityError:
             return self._mark_bad(peer, now, also=[index])
-        start, end = self.manifest.shard_range(index)
-        self._buffer[start:end] = data
-        self._shards[index] = _ARRIVED
-        self._advance_prefix()
-        self._done_count += 1
-        size = end - start
-        self._bytes_done += size
         peer.bytes_ok += size
         if sent is not None and size:
             if peer.last_recv is None or sent[0] >= peer.last_recv:
@@ -494,33 +679,9 @@ class PullSession:
         ShardIntegrityError
             If the reassembled state does not hash to the manifest's (or certified) digest.
         """
-        if not self.done:
-            raise TransferError(
-                f"assemble: {self.num_shards - self._done_count} shards are still missing; "
-                "keep driving the session until done"
-            )
-        data = self._buffer.toreadonly()
-        if self._prefix_hash.digest() != self.manifest.state_digest:
-            raise ShardIntegrityError(
-                "state: SHA-256 of the reassembled state differs from the certified state "
-                "digest (the manifest does not describe the certified state); fetch a manifest "
-                "from another donor and transfer again"
-            )
-        if self._expected is not None:
-            self.manifest.check_certified(self._expected)
-        return data
+        return self._store.assemble(self._expected)
 
     # --- internals -------------------------------------------------------------------------
-
-    def _advance_prefix(self) -> None:
-        shards = self._shards
-        view = self._buffer
-        while self._prefix < self.num_shards:
-            if shards[self._prefix] is None:
-                return
-            start, end = self.manifest.shard_range(self._prefix)
-            self._prefix_hash.update(view[start:end])
-            self._prefix += 1
 
     def _service(self, peer: _Peer) -> float:
         return self.shard_bytes / peer.rate

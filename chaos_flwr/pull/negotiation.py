@@ -1,0 +1,538 @@
+"""The puller's side of a pull, as one state machine (sans-I/O: ``now`` comes in, no I/O).
+
+Both a joiner (on Flower: through the relay, and over direct links) and a restarted ServerApp
+(resume) drive this one machine; only their carriers differ. The machine decides, a carrier
+executes: every event method returns a :class:`Decision`, the carrier carries it out and feeds
+the outcome back.
+
+Stages (:class:`Stage`), and the events that move them::
+
+    SIZE      --replies-->  MANIFEST            (sizes known: plan the shard shape, once)
+    MANIFEST  --replies-->  PROBE | SHARDS      (a manifest of the told shape names the digest)
+    PROBE     --probes--->  SHARDS              (direct links timed: plan shares with the rates)
+    SHARDS    --replies/direct--> SHARDS | DONE (every shard verified, state hashes to digest)
+    any       --error---->  FAILED
+
+With a size hint (the ServerApp knows the size of the state it certified), the machine starts
+in MANIFEST: the first holder is told the shape at once and the other holders are asked their
+size (where they name their direct link) in the same step. A holder whose size differs from the
+hint answers with its size instead, and the shape is planned again for it.
+
+A plan is made at most once per event: the shard *shape* when the size is known, the *shares*
+per holder when the shards start (over the shape already fixed, with measured rates when direct
+links were probed). Holders are told the shape; they never plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.monitor import Monitor
+from chaos_flwr.planner import Donor, TransferPlan, plan_transfer
+from chaos_flwr.pull.messages import (
+    ManifestReply,
+    ManifestRequest,
+    Reply,
+    Request,
+    ShardsReply,
+    ShardsRequest,
+    SizeReply,
+    SizeRequest,
+)
+from chaos_flwr.state import Manifest, TrainingState
+from chaos_flwr.transfer import CancelRequest, DonorStatus, PullSession, ShardRequest
+
+__all__ = [
+    "PULL_ASSUMED_BANDWIDTH_BPS",
+    "PULL_DIRECT_ROUNDS_PER_DONOR",
+    "PULL_PROBE_BYTES",
+    "PULL_REQUEST_TIMEOUT_S",
+    "Decision",
+    "LinkResult",
+    "PullNegotiation",
+    "Stage",
+    "Status",
+]
+
+#: Rate assumed for a holder before anything was measured on its link (bytes/s).
+PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
+#: Bytes of the timed range that probes a direct link before the shares are planned.
+PULL_PROBE_BYTES: int = 64 * 1024
+#: Direct fetch rounds per holder within one event (re-plans and steals between direct holders).
+PULL_DIRECT_ROUNDS_PER_DONOR: int = 16
+#: Floor of a shard request's timeout inside the session: the carrier's own deadline decides
+#: who is lost (a relay step waits for every reply), not a local request timer.
+PULL_REQUEST_TIMEOUT_S: float = 3600.0
+
+
+class Stage(StrEnum):
+    """Where a pull is (see the module docstring)."""
+
+    SIZE = "size"
+    MANIFEST = "manifest"
+    PROBE = "probe"
+    SHARDS = "shards"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Status(StrEnum):
+    """What a decision asks of its carrier: more work, or the end."""
+
+    WANT = "want"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class LinkResult:
+    """What a direct link returned for one holder (the carrier measured it).
+
+    Attributes
+    ----------
+    shards:
+        ``(index, data, seconds since the fetch began)`` per shard received.
+    nbytes, seconds:
+        Bytes received and the time the link took (its rate sample).
+    error:
+        Why the link failed (``""``: it did not).
+    """
+
+    shards: tuple[tuple[int, bytes, float], ...] = ()
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the carrier does next.
+
+    Attributes
+    ----------
+    status:
+        ``WANT`` while work is left; ``DONE`` (the state is in
+        :attr:`PullNegotiation.state`) or ``FAILED`` (:attr:`PullNegotiation.error`).
+    relay:
+        Holder -> request, sent through the relay; the replies come back to
+        :meth:`PullNegotiation.on_replies` in one batch.
+    probe:
+        Holder -> ``(address, nbytes)``: time one range over its direct link and hand the
+        results to :meth:`PullNegotiation.on_probes`.
+    direct:
+        Holder -> ``(address, requests)``: fetch these shards over its direct link and hand the
+        results to :meth:`PullNegotiation.on_direct`.
+
+    At most one of ``relay``, ``probe`` and ``direct`` is non-empty.
+    """
+
+    status: Status
+    relay: Mapping[str, Request] = field(default_factory=dict)
+    probe: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    direct: Mapping[str, tuple[str, tuple[ShardRequest, ...]]] = field(default_factory=dict)
+
+
+_FINAL = {Stage.DONE: Status.DONE, Stage.FAILED: Status.FAILED}
+
+
+class PullNegotiation:
+    """Pull the state certified as ``(server_round, digest)`` from ``donors`` (sans-I/O).
+
+    Parameters
+    ----------
+    server_round, digest:
+        The certified state.
+    donors:
+        Holders whose signed receipts name it (checked by the caller), in preference order.
+    min_shard_bytes:
+        Smallest shard of the plan.
+    total_hint:
+        The state's size if the caller knows it (saves a step); ``None`` asks the holders.
+    rates:
+        Holder -> prior rate in bytes/s (a measured estimate wins).
+    direct:
+        Use the direct links holders name in their replies.
+    address_ok:
+        Checks a named direct address (returns it normalised, raises a ChaosError to refuse).
+    """
+
+    def __init__(
+        self,
+        server_round: int,
+        digest: bytes,
+        donors: Sequence[str],
+        *,
+        min_shard_bytes: int,
+        total_hint: int | None = None,
+        rates: Mapping[str, float] | None = None,
+        direct: bool = True,
+        address_ok: Callable[[str], str] | None = None,
+    ) -> None:
+        self.server_round = server_round
+        self.digest = digest
+        self.donors = list(dict.fromkeys(donors))
+        self.min_shard_bytes = min_shard_bytes
+        self.total_hint = total_hint
+        self.priors = dict(rates or {})
+        self.direct = direct
+        self.address_ok = address_ok
+        self.stage = Stage.SIZE
+        self.live = list(self.donors)
+        self.lost: list[str] = []
+        self.total: int | None = None
+        self.plan: TransferPlan | None = None
+        self.manifest: Manifest | None = None
+        self.session: PullSession | None = None
+        self.asked = ""
+        self.addresses: dict[str, str] = {}
+        self.direct_failed: dict[str, str] = {}
+        self.received: dict[str, int] = {}
+        self.direct_bytes: dict[str, int] = {}
+        self.plan_rates: dict[str, float] = {}
+        self.sent: dict[str, set[int]] = {}
+        self.got: set[int] = set()
+        self.state: TrainingState | None = None
+        self.error = ""
+        self.monitor = Monitor("puller", suspicion_timeout_s=1.0, heartbeat_interval_s=0.5)
+        self._pending: list[ShardRequest | CancelRequest] = []
+        self._owed: dict[str, tuple[ShardRequest, ...]] = {}
+        self._direct_rounds = 0
+
+    # -- events -----------------------------------------------------------------------------
+    def start(self, now: float) -> Decision:
+        """The first requests: sizes, or (with a size hint) the manifest and sizes at once."""
+        return self._guard(lambda: self._start(now))
+
+    def on_replies(
+        self, replies: Mapping[str, Reply | None], lost: Iterable[str], now: float
+    ) -> Decision:
+        """The holders' replies to the last relay requests; ``lost``: holders that did not
+        answer (a ``None`` reply, or one of the wrong kind, loses its holder too)."""
+        self._direct_rounds = 0
+        return self._guard(lambda: self._on_replies(replies, set(lost), now))
+
+    def on_probes(self, results: Mapping[str, LinkResult], now: float) -> Decision:
+        """The timed probe ranges of the direct links (rates for the shares' plan)."""
+        return self._guard(lambda: self._on_probes(results, now))
+
+    def on_direct(self, results: Mapping[str, LinkResult], now: float) -> Decision:
+        """Shards fetched over direct links; a failed link's shards go through the relay."""
+        return self._guard(lambda: self._on_direct(results, now))
+
+    def fail(self, why: str) -> Decision:
+        """End the pull as failed (the carrier gave up, e.g. out of steps)."""
+        self.stage = Stage.FAILED
+        self.error = why
+        return Decision(Status.FAILED)
+
+    def stats(self) -> dict[str, object]:
+        """The pull's figures (plain values): plan, bytes received, losses, links, rates.
+
+        Plan (``plan-*``: shards and bytes per holder as planned), bytes received per holder
+        (``recv-*``; ``direct-bytes`` is the part of each that came over a direct link), holders
+        lost, holders with a direct address and those whose link failed, and the per-holder rate
+        estimates (bytes/s) the plan used (``rate-*``).
+        """
+        plan = self.plan
+        donors = sorted(plan.assignment) if plan is not None else []
+        by_donor = plan.bytes_by_donor() if plan is not None else {}
+        recv = sorted(self.received)
+        return {
+            "total": self.total or 0,
+            "shard-bytes": plan.shard_bytes if plan else 0,
+            "num-shards": plan.num_shards if plan else 0,
+            "plan-donors": donors,
+            "plan-shards": [len(plan.assignment[d]) for d in donors] if plan else [],
+            "plan-bytes": [by_donor.get(d, 0) for d in donors],
+            "recv-donors": recv,
+            "recv-bytes": [self.received[d] for d in recv],
+            "lost": list(self.lost),
+            "error": self.error,
+            "direct-donors": sorted(self.addresses),
+            "direct-bytes": [self.direct_bytes.get(d, 0) for d in recv],
+            "direct-failed": sorted(self.direct_failed),
+            "rate-donors": sorted(self.plan_rates),
+            "rate-bps": [float(self.plan_rates[d]) for d in sorted(self.plan_rates)],
+        }
+
+    def rates(self) -> dict[str, float]:
+        """The current rate estimate per holder (measured, else the prior)."""
+        return {d: self._rate(d) for d in self.donors}
+
+    # -- the machine ------------------------------------------------------------------------
+    def _guard(self, step: Callable[[], Decision]) -> Decision:
+        if self.stage in _FINAL:
+            return Decision(_FINAL[self.stage])
+        try:
+            return step()
+        except ChaosError as exc:
+            return self.fail(f"{type(exc).__name__}: {exc}")
+
+    def _rate(self, donor: str) -> float:
+        measured = self.monitor.link(donor).bandwidth_bps
+        if measured is not None:
+            return measured
+        return self.priors.get(donor, PULL_ASSUMED_BANDWIDTH_BPS)
+
+    def _plan(self, total: int, chain: list[int] | None = None) -> TransferPlan:
+        donors = [Donor(id=d, bandwidth=self._rate(d)) for d in self.live]
+        return plan_transfer(total, donors, min_shard_bytes=self.min_shard_bytes, chain=chain)
+
+    def _lose(self, donor: str, now: float | None = None) -> None:
+        if donor in self.live:
+            self.live.remove(donor)
+        if donor not in self.lost:
+            self.lost.append(donor)
+        if now is not None and self.session is not None:
+            self._pending.extend(self.session.on_donor_lost(donor, now))
+
+    def _note_address(self, donor: str, reply: Reply) -> None:
+        addr = getattr(reply, "direct", "")
+        if not self.direct or not addr:
+            return
+        check = self.address_ok
+        try:
+            self.addresses[donor] = check(addr) if check is not None else addr
+        except ChaosError as exc:
+            self.direct_failed[donor] = f"{type(exc).__name__}: {exc}"
+
+    def _start(self, now: float) -> Decision:
+        if not self.live:
+            return self.fail("no donor to pull from")
+        if self.total_hint is None:
+            return Decision(Status.WANT, relay={d: SizeRequest() for d in self.live})
+        return self._ask_manifest(self.total_hint, others=True)
+
+    def _ask_manifest(self, total: int, *, others: bool = False) -> Decision:
+        """Plan the shard shape for ``total`` (once) and tell the first live holder."""
+        if not self.live:
+            return self.fail("no donor sent a manifest that names the certified digest")
+        if self.plan is None or self.total != total:
+            self.total = total
+            self.plan = self._plan(total)
+        self.stage = Stage.MANIFEST
+        self.asked = self.live[0]
+        ask = ManifestRequest(total, self.plan.shard_bytes, self.plan.num_shards)
+        relay: dict[str, Request] = {self.asked: ask}
+        if others:
+            relay.update({d: SizeRequest() for d in self.live if d != self.asked})
+        return Decision(Status.WANT, relay=relay)
+
+    def _on_replies(
+        self, replies: Mapping[str, Reply | None], lost: set[str], now: float
+    ) -> Decision:
+        for donor in sorted(lost):
+            self._lose(donor, now)
+        if self.stage == Stage.SHARDS:
+            return self._on_shard_replies(replies, now)
+        sizes: dict[str, int] = {}
+        for donor, reply in replies.items():
+            if isinstance(reply, SizeReply | ManifestReply) and donor in self.live:
+                self._note_address(donor, reply)
+                sizes[donor] = reply.total
+            elif donor != self.asked or self.stage == Stage.SIZE:
+                self._lose(donor)
+        if self.stage == Stage.SIZE:
+            return self._on_sizes(sizes)
+        return self._on_manifest(replies.get(self.asked), sizes, now)
+
+    def _on_sizes(self, sizes: Mapping[str, int]) -> Decision:
+        for donor in list(self.live):
+            if donor not in sizes:
+                self._lose(donor)
+        if not self.live:
+            return self.fail("no donor answered with the state size")
+        return self._ask_manifest(sizes[self.live[0]])
+
+    def _on_manifest(self, reply: Reply | None, sizes: Mapping[str, int], now: float) -> Decision:
+        asked, plan, total = self.asked, self.plan, self.total
+        assert plan is not None and total is not None
+        if isinstance(reply, SizeReply) and asked in self.live and reply.total != total:
+            return self._ask_manifest(reply.total)  # the hint was wrong: plan for its size
+        for donor, size in sizes.items():
+            if donor != asked and size != total:
+                self._lose(donor)  # it holds a state of another size
+        try:
+            if not isinstance(reply, ManifestReply):
+                raise DecodeError("no manifest in the reply")
+            manifest = Manifest.from_bytes(reply.manifest)
+            manifest.check_certified(self.digest, total)
+            if (manifest.shard_bytes, manifest.num_shards) != (plan.shard_bytes, plan.num_shards):
+                raise DecodeError("the manifest is not of the shape asked for")
+        except (ChaosError, ValueError):
+            self._lose(asked)
+            return self._ask_manifest(total)
+        self.manifest = manifest
+        usable = self._usable()
+        if usable:
+            self.stage = Stage.PROBE
+            size = min(PULL_PROBE_BYTES, total)
+            return Decision(Status.WANT, probe={d: (a, size) for d, a in usable.items()})
+        return self._start_shards(now)
+
+    def _on_probes(self, results: Mapping[str, LinkResult], now: float) -> Decision:
+        if self.stage != Stage.PROBE:
+            raise DecodeError(f"probe results at stage {self.stage}")
+        for donor, res in results.items():
+            if res.error:
+                self.direct_failed[donor] = res.error  # the relay carries its shards
+            else:
+                self.monitor.observe_transfer(donor, res.nbytes, res.seconds)
+        return self._start_shards(now)
+
+    def _start_shards(self, now: float) -> Decision:
+        manifest, total = self.manifest, self.total
+        assert manifest is not None and total is not None and self.plan is not None
+        if self.addresses or set(self.plan.assignment) - set(self.live):
+            # the shares, planned with the measured rates over the shape already fixed
+            chain = [manifest.num_shards] if manifest.num_shards else None
+            self.plan = self._plan(total, chain=chain)
+        self.plan_rates = {d: self._rate(d) for d in self.live}
+        donors = [Donor(id=d, bandwidth=self._rate(d)) for d in self.live]
+        self.session = PullSession(
+            manifest, self.plan, donors, now=now, expected_digest=self.digest,
+            # one relay step carries every request: the carrier's deadline decides who is
+            # lost, not a local request timer
+            window=max(1, self.plan.num_shards), min_timeout_s=PULL_REQUEST_TIMEOUT_S,
+        )  # fmt: skip
+        self.stage = Stage.SHARDS
+        self.asked = ""
+        self._pending = list(self.session.poll(now))
+        return self._advance(now)
+
+    def _take(self, donor: str, shards: Iterable[tuple[int, bytes, float]]) -> set[int]:
+        """Feed one holder's shards to the session; return the indices it answered."""
+        session = self.session
+        assert session is not None
+        answered: set[int] = set()
+        for index, chunk, at in shards:
+            self._pending.extend(session.on_shard(donor, index, chunk, at))
+            if session.status(donor) == DonorStatus.BAD:
+                break  # a shard failed its hash: the donor's shards are re-planned
+            answered.add(index)
+            if index not in self.got:  # a stolen copy that also arrived counts once
+                self.got.add(index)
+                self.received[donor] = self.received.get(donor, 0) + len(chunk)
+        return answered
+
+    def _on_shard_replies(self, replies: Mapping[str, Reply | None], now: float) -> Decision:
+        session = self.session
+        assert session is not None
+        for donor, reply in replies.items():
+            if not isinstance(reply, ShardsReply):
+                self._lose(donor, now)
+                continue
+            shards = zip(reply.index, reply.data, strict=True)
+            answered = self._take(donor, ((i, d, now) for i, d in shards))
+            unanswered = self.sent.get(donor, set()) - answered
+            if session.status(donor) == DonorStatus.LIVE and unanswered:
+                # it answered without some of the shards asked for: not a donor to wait on
+                self._pending.extend(session.on_donor_lost(donor, now))
+            if session.status(donor) != DonorStatus.LIVE:
+                self._lose(donor)
+        return self._advance(now)
+
+    def _on_direct(self, results: Mapping[str, LinkResult], now: float) -> Decision:
+        session = self.session
+        if self.stage != Stage.SHARDS or session is None:
+            raise DecodeError(f"direct results at stage {self.stage}")
+        owed = self._owed
+        elapsed = 0.0
+        for donor, res in results.items():
+            elapsed = max(elapsed, res.seconds)
+            before = self.received.get(donor, 0)
+            answered = self._take(donor, ((i, d, now + at) for i, d, at in res.shards))
+            got = self.received.get(donor, 0) - before
+            if got:
+                self.direct_bytes[donor] = self.direct_bytes.get(donor, 0) + got
+            self.monitor.observe_transfer(donor, res.nbytes, res.seconds)
+            if session.status(donor) != DonorStatus.LIVE:
+                self._lose(donor)
+            elif res.error:  # the link failed: what it still owes goes through the relay
+                self.direct_failed[donor] = res.error
+                self._pending.extend(r for r in owed.get(donor, ()) if r.index not in answered)
+        return self._advance(now + elapsed)
+
+    def _usable(self) -> dict[str, str]:
+        live = set(self.live)
+        return {
+            d: a for d, a in self.addresses.items() if d in live and d not in self.direct_failed
+        }
+
+    def _advance(self, now: float) -> Decision:
+        """Finish, fetch what direct holders owe, or send the relay requests."""
+        session = self.session
+        assert session is not None
+        if session.done:
+            state = TrainingState.from_bytes(session.assemble())
+            if state.digest() != self.digest or state.round != self.server_round:
+                raise ShardIntegrityError("the assembled state is not the certified one")
+            self.state = state
+            self.stage = Stage.DONE
+            return Decision(Status.DONE)
+        direct = self._direct_requests()
+        if direct:
+            return Decision(Status.WANT, direct=direct)
+        return self._relay_requests()
+
+    def _direct_requests(self) -> dict[str, tuple[str, tuple[ShardRequest, ...]]]:
+        """Split the pending actions: direct holders' shard requests are taken out."""
+        session = self.session
+        assert session is not None
+        usable = self._usable()
+        limit = PULL_DIRECT_ROUNDS_PER_DONOR * max(1, len(self.donors))
+        if not usable or self._direct_rounds >= limit:
+            return {}
+        missing = set(session.missing())
+        # shards a relay holder is asked for stay with it (no direct steal of them: the relay
+        # request leaves only when this event's decision is carried out, so a steal would
+        # always win and leave the relay holder's planned share unused)
+        relayed = {
+            i
+            for d in self.live
+            if d not in usable and session.status(d) == DonorStatus.LIVE
+            for i in session.inflight(d)
+        }
+        direct: dict[str, list[ShardRequest]] = {}
+        rest: list[ShardRequest | CancelRequest] = []
+        for action in self._pending:
+            if isinstance(action, ShardRequest) and action.donor in usable:
+                if action.index in missing and action.index not in relayed:
+                    direct.setdefault(action.donor, []).append(action)
+            else:
+                rest.append(action)
+        self._pending = rest  # a direct holder's copy of a relayed shard is dropped
+        if not direct:
+            return {}
+        self._owed = {d: tuple(rs) for d, rs in direct.items()}
+        self._direct_rounds += 1
+        return {d: (usable[d], rs) for d, rs in self._owed.items()}
+
+    def _relay_requests(self) -> Decision:
+        session = self.session
+        assert session is not None
+        missing = set(session.missing())
+        by_donor: dict[str, dict[int, ShardRequest]] = {}
+        for action in self._pending:
+            if isinstance(action, ShardRequest):
+                by_donor.setdefault(action.donor, {})[action.index] = action
+            elif isinstance(action, CancelRequest):
+                by_donor.get(action.donor, {}).pop(action.index, None)
+        self._pending = []
+        wanted = {
+            d: [r for i, r in sorted(rs.items()) if i in missing] for d, rs in by_donor.items()
+        }
+        wanted = {d: rs for d, rs in wanted.items() if rs}
+        if not wanted:
+            return self.fail("no live donor holds the missing shards")
+        self.sent = {d: {r.index for r in rs} for d, rs in wanted.items()}
+        relay: dict[str, Request] = {
+            d: ShardsRequest(
+                tuple(r.index for r in rs), tuple(r.start for r in rs), tuple(r.end for r in rs)
+            )
+            for d, rs in wanted.items()
+        }
+        return Decision(Status.WANT, relay=relay)
