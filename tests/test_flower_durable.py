@@ -308,3 +308,52 @@ def test_a_state_file_not_sealed_by_the_partys_key_is_refused(
     assert "not sealed by this party's key" in caplog.text
     assert (state_dir / f"{durable.STATE_FILE}.bad").is_file()
     assert rebuilt.peer.incarnation > inc  # type: ignore[union-attr]  # a fresh life
+
+
+def _write_body(state_dir: Path, value: dict[str, Any]) -> None:
+    """Write a well-formed, unsealed state file holding ``value`` (as an older version would)."""
+    import hashlib
+
+    from chaos_flwr import codec
+
+    body = codec.encode(value)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / durable.STATE_FILE).write_bytes(
+        durable.STATE_MAGIC + hashlib.sha256(body).digest() + body
+    )
+
+
+def test_a_format_1_state_is_migrated_unless_it_holds_a_pickled_pull(tmp_path: Path) -> None:
+    state = durable.SavedParty("p", "1:2", 5, 17, joins_done=[{"status": "done"}])
+    value = state.to_value()
+    assert value["format"] == durable.SAVED_FORMAT == 2 and value["joining"] is None
+    old = {k: v for k, v in value.items() if k != "format"}
+    old["joining"] = b""  # format 1: the pickled pull's bytes, empty when none was running
+    _write_body(tmp_path, old)
+    assert durable.load(tmp_path, "p") == state  # migrated as it was
+    old["joining"] = b"\x80\x05pickled"  # a pull was in progress: refused, not unpickled
+    _write_body(tmp_path, old)
+    with pytest.raises(StoreError, match="format 1 holds a pickled join pull"):
+        durable.load(tmp_path, "p")
+    _write_body(tmp_path, {**value, "format": 99})
+    with pytest.raises(StoreError, match="format 99 is unknown"):
+        durable.load(tmp_path, "p")
+
+
+def test_a_saved_pull_is_explicit_values_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    from chaos_flwr.flower.joinpull import JoinerPull
+
+    pull = JoinerPull(3, b"\x01" * 32, ["a", "b"], total_hint=1000)
+    status, requests = pull.start(0.0)
+    assert status == "want" and set(requests) == {"a", "b"}
+    state = durable.SavedParty("p", "1:2", 5, 17, joining=pull.to_value())
+    durable.save(tmp_path, state)
+    loaded = durable.load(tmp_path, "p")
+    assert loaded is not None and loaded == state
+    again = loaded.joiner_pull()
+    assert isinstance(again, JoinerPull) and again.server_round == 3
+    assert again.negotiation.stage == pull.negotiation.stage == "manifest"
+    assert again.negotiation.plan == pull.negotiation.plan
+    bad = durable.SavedParty("p", "1:2", 5, 17, joining={**pull.to_value(), "v": 7})
+    with pytest.raises(StoreError, match="join pull unreadable"):
+        bad.joiner_pull()

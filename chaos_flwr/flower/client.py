@@ -48,6 +48,7 @@ from flwr.common.constant import ErrorCode
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_CHAOS_RECORD_KEY,
+    FLOWER_JOIN_MIN_SHARD_BYTES,
     FLOWER_JOIN_RETRY_S,
     FLOWER_PULL_DATA_KEY,
 )
@@ -290,7 +291,7 @@ class Party:
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
         """What this party must keep until its next message (see :mod:`.durable`)."""
-        from chaos_flwr.flower.durable import SavedParty, ledger_receipts, pickle_pull
+        from chaos_flwr.flower.durable import SavedParty, ledger_receipts
 
         peer = self.peer
         replay_of = getattr(peer, "replay_state", None)
@@ -306,7 +307,7 @@ class Party:
             pending=[(o.to, bytes(o.data)) for o in self.pending],
             join_asked=self._join_asked,
             links_asked=sorted(self._links_asked),
-            joining=pickle_pull(self.joining),
+            joining=None if self.joining is None else self.joining.to_value(),
             joins_done=[dict(c.items()) for c in self.joins_done],
             receipts=ledger_receipts(self._ledger),
             evidence=[ev.encode() for ev in self.evidence],
@@ -552,7 +553,6 @@ class Party:
         if control.get("op") == "start" or pull is None or pull.server_round != rnd:
             donors = control.get("donors", [])
             blobs = control.get("receipts", [])
-            min_shard = control.get("min-shard")
             if not isinstance(donors, list) or not isinstance(blobs, list):
                 return ConfigRecord({"status": "failed", "error": "bad start record"}), {}
             good = [
@@ -577,9 +577,8 @@ class Party:
                 self.check_receipts(ConfigRecord({"receipts": theirs}))
                 why = f"EquivocationError: round {rnd} was shown with two digests"
                 return ConfigRecord({"status": "failed", "error": why}), {}
-            pull = JoinerPull(rnd, digest, good)
-            if isinstance(min_shard, int) and not isinstance(min_shard, bool) and min_shard > 0:
-                pull.min_shard_bytes = min_shard
+            min_shard, total = _start_settings(control)
+            pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total)
             self.joining = pull
             status, requests = pull.start(now)
         else:
@@ -777,6 +776,18 @@ class Party:
             held = getattr(self.peer, "records", None)
             out["records"] = [codec.encode(r.to_wire()) for r in held or ()]
         return out
+
+
+def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
+    """The shard floor and the size hint a start record names (each ignored unless an int
+    > 0: the floor then defaults, the size is asked of the donors)."""
+
+    def positive(key: str) -> int | None:
+        value = control.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else None  # type: ignore[return-value]
+
+    return positive("min-shard") or FLOWER_JOIN_MIN_SHARD_BYTES, positive("total")
 
 
 def _envelopes(record: ConfigRecord) -> Sequence[bytes]:

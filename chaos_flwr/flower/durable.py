@@ -12,8 +12,8 @@ What is saved
 - the peer's incarnation, last sequence number and replay-guard state;
 - the outgoing envelopes not yet handed to the relay (``Party.pending``);
 - the join progress: when a sponsored join was asked, the links asked, and the joiner's
-  pull in progress (:class:`~chaos_flwr.flower.joinpull.JoinerPull`, pickled: it holds the
-  transfer session's partial shards);
+  pull in progress (:mod:`chaos_flwr.pull.saved`: an explicit, versioned value holding the
+  plan, the manifest and the verified shards received so far);
 - the receipt ledger (recent rounds) and the equivocation evidence;
 - the **lifetime** token: which SuperNode process this party life belongs to.
 
@@ -32,8 +32,8 @@ One codec document: ``MAGIC || sha256(body) || seal || body``, written to a temp
 and renamed over the old one. The seal is the party's own Ed25519 signature of the hash
 (deterministic, so the party recomputes it on load without a public key): a file the party's
 key did not seal is refused like a corrupt one, so whoever can write the state directory but
-lacks the key cannot plant a pickled pull. A SIGKILL mid-write leaves the previous file (the
-page cache outlives a killed process). The file is not fsynced by default
+lacks the key cannot plant a state the party would take up. A SIGKILL mid-write leaves the
+previous file (the page cache outlives a killed process). The file is not fsynced by default
 (:data:`~chaos_flwr.defaults.FLOWER_DURABLE_FSYNC`): only a power loss or kernel crash could
 lose or tear it, and that also ends the SuperNode process, so the next start is a real restart
 in any case (fresh incarnation); what a stale or torn file can then give is records (which
@@ -41,6 +41,10 @@ re-verify or are refused), an older replay snapshot (safe for all it covers) and
 ledger; a torn file fails its hash and is discarded. A save of a 12 KB state took 6 ms
 (median) with fsync on the test machine and 0.5 ms without, and a simulation party saves
 after every message.
+
+The body names its format (``"format"``, :data:`SAVED_FORMAT`). Format 1 (no field; it held
+a pickled pull) is migrated when no pull was in progress, and refused otherwise (the pull
+starts again); an unknown format is refused.
 
 A file that is unreadable, truncated or fails its hash (or names another party) raises
 :class:`~chaos_flwr.errors.StoreError` from :func:`load`; the party factory then discards it
@@ -53,10 +57,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import io
 import logging
 import os
-import pickle
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +74,7 @@ from chaos_flwr.defaults import (
 from chaos_flwr.errors import ChaosError, StoreError
 
 __all__ = [
+    "SAVED_FORMAT",
     "STATE_FILE",
     "STATE_MAGIC",
     "SavedParty",
@@ -88,6 +91,8 @@ STATE_FILE = "party.state"
 STATE_MAGIC = b"CHAOSPS\x01"
 #: Magic of a *sealed* file: the hash is followed by the party's 64-byte seal of it.
 SEALED_MAGIC = b"CHAOSPS\x02"
+#: Format of the saved body (2: the join pull as explicit values; 1: pickled, migrated).
+SAVED_FORMAT = 2
 #: Domain of a seal: ``seal(SEAL_DOMAIN || sha256(body))``.
 SEAL_DOMAIN = b"chaos-flwr/party.state/v1\x00"
 _TMP_PREFIX = ".tmp-party-"
@@ -124,7 +129,8 @@ class SavedParty:
     join_asked, links_asked:
         When (and of whom) a sponsored join was asked; the links asked.
     joining:
-        The pickled :class:`~chaos_flwr.flower.joinpull.JoinerPull` in progress, or ``b""``.
+        The join pull in progress (:func:`chaos_flwr.pull.save_negotiation`'s value), or
+        ``None``.
     joins_done:
         The figures of finished pulls (plain dicts).
     receipts, evidence, evidence_sent:
@@ -141,7 +147,7 @@ class SavedParty:
     pending: list[tuple[str, bytes]] = field(default_factory=list)
     join_asked: tuple[float | None, tuple[str, ...]] = (None, ())
     links_asked: list[tuple[str, int, int]] = field(default_factory=list)
-    joining: bytes = b""
+    joining: dict[str, Any] | None = None
     joins_done: list[dict[str, Any]] = field(default_factory=list)
     receipts: list[bytes] = field(default_factory=list)
     evidence: list[bytes] = field(default_factory=list)
@@ -151,6 +157,7 @@ class SavedParty:
         """The codec tree of this state."""
         at, who = self.join_asked
         return {
+            "format": SAVED_FORMAT,
             "party": self.party_id,
             "lifetime": self.lifetime,
             "incarnation": self.incarnation,
@@ -171,6 +178,7 @@ class SavedParty:
     @classmethod
     def from_value(cls, value: Any) -> SavedParty:
         """Rebuild from :meth:`to_value` output (``StoreError`` if a field is malformed)."""
+        value = _migrate(value)
         try:
             at, who = value["join_asked"]
             state = cls(
@@ -183,7 +191,7 @@ class SavedParty:
                 pending=[(_typed(t, str), _typed(d, bytes)) for t, d in value["pending"]],
                 join_asked=(None if float(at) < 0 else float(at), tuple(str(x) for x in who)),
                 links_asked=[(str(a), int(b), int(c)) for a, b, c in value["links_asked"]],
-                joining=_typed(value["joining"], bytes),
+                joining=None if value["joining"] is None else _typed(value["joining"], dict),
                 joins_done=[dict(x) for x in value["joins_done"]],
                 receipts=[_typed(x, bytes) for x in value["receipts"]],
                 evidence=[_typed(x, bytes) for x in value["evidence"]],
@@ -194,66 +202,38 @@ class SavedParty:
         return state
 
     def joiner_pull(self) -> Any:
-        """The unpickled join pull in progress, or ``None`` (``StoreError`` if unreadable)."""
-        if not self.joining:
+        """The join pull in progress, or ``None`` (``StoreError`` if it does not read back)."""
+        if self.joining is None:
             return None
         from chaos_flwr.flower.joinpull import JoinerPull
 
         try:
-            pull = pickle.loads(self.joining)  # the party's own disk, trusted like its key
-        except Exception as exc:  # any unpickling failure is a bad file
-            raise StoreError(f"saved party state: join pull unreadable ({exc!r})") from exc
-        if not isinstance(pull, JoinerPull):
-            raise StoreError("saved party state: 'joining' is not a JoinerPull")
-        return pull
+            return JoinerPull.from_value(self.joining)
+        except ChaosError as exc:
+            raise StoreError(f"saved party state: join pull unreadable ({exc})") from exc
+
+
+def _migrate(value: Any) -> Any:
+    """Bring a saved state of an older format to :data:`SAVED_FORMAT` (StoreError if not)."""
+    if not isinstance(value, dict):
+        raise StoreError("saved party state: not a map")
+    fmt = value.get("format", 1)
+    if fmt == SAVED_FORMAT:
+        return value
+    if fmt != 1:
+        raise StoreError(f"saved party state: format {fmt!r} is unknown (this reads 1-2)")
+    if value.get("joining"):
+        raise StoreError(
+            "saved party state: format 1 holds a pickled join pull, which this version no "
+            "longer reads; the party starts afresh and pulls again"
+        )
+    return {**value, "format": SAVED_FORMAT, "joining": None}
 
 
 def _typed(value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, kind):
         raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
     return value
-
-
-def _writable_view(data: bytes) -> memoryview:
-    """A writable byte view holding ``data`` (how a pickled memoryview comes back)."""
-    return memoryview(bytearray(data))
-
-
-def _session(state: dict[str, Any]) -> Any:
-    """Rebuild a pickled :class:`~chaos_flwr.transfer.PullSession`: its running state hash
-    (which cannot be pickled) is recomputed over the verified prefix of its buffer."""
-    from chaos_flwr.transfer import PullSession
-
-    session = PullSession.__new__(PullSession)
-    session.__dict__.update(state)
-    session._prefix_hash = hashlib.sha256()
-    session._prefix = 0
-    session._advance_prefix()
-    return session
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a join pull: memoryviews (the shard buffer) as their bytes, a pull session
-    without its running hash (:func:`_session` recomputes it)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        from chaos_flwr.transfer import PullSession
-
-        if isinstance(obj, memoryview):
-            return _writable_view, (obj.tobytes(),)
-        if type(obj) is PullSession:
-            state = {k: v for k, v in vars(obj).items() if k != "_prefix_hash"}
-            return _session, (state,)
-        return NotImplemented
-
-
-def pickle_pull(pull: Any) -> bytes:
-    """Pickle a join pull in progress for :attr:`SavedParty.joining` (``b""`` for none)."""
-    if pull is None:
-        return b""
-    out = io.BytesIO()
-    _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump(pull)
-    return out.getvalue()
 
 
 def ledger_receipts(ledger: Any) -> list[bytes]:
@@ -278,7 +258,7 @@ def save(
     fsynced (survives a power loss; not needed for safety, see the module docstring).
     With ``seal`` (the party's ``Identity.sign``: Ed25519 signatures are deterministic) the
     file carries ``seal(SEAL_DOMAIN || sha256(body))``, which :func:`load` recomputes: only the
-    holder of the party's key can write a file its party takes up (it holds a pickled pull).
+    holder of the party's key can write a file its party takes up.
 
     Raises
     ------

@@ -1,14 +1,13 @@
-"""Multi-source pull of a certified state through the relay (a restarted ServerApp's side).
+"""Pulls on Flower's relay: a holder's answers, and a restarted ServerApp's pull of the state.
 
-The ServerApp that rebuilds the state is the joiner of :class:`chaos_flwr.transfer.PullSession`:
-it learns the state size from a holder, plans the shards over all holders with
-:func:`chaos_flwr.planner.plan_transfer`, takes the shard manifest from one holder (checked
-against the digest the receipts certify before anything is requested), and then asks every
-holder for its shards at once, one exchange per batch of requests. A holder that errs or misses
-a deadline is reported lost and its shards are re-planned over the others. The assembled bytes
-are checked against the certified digest by :meth:`PullSession.assemble`.
-
-Holders serve byte ranges of their replica (:meth:`Donor.serve`) and never pause training.
+A holder answers a pull request from its replica bytes (:func:`serve_request`, the record form
+of :func:`chaos_flwr.pull.serve`); it never pauses training. A restarted ServerApp rebuilds the
+newest certified state by driving the same :class:`~chaos_flwr.pull.PullNegotiation` a joiner
+drives (:func:`pull_state`): sizes from every holder, the manifest of the shape it planned from
+one (checked against the digest the receipts certify before anything is requested), then every
+holder's shards at once, one exchange per decision. A holder that errs or misses a deadline is
+reported lost and its shards are re-planned over the others; the assembled bytes are checked
+against the certified digest.
 """
 
 from __future__ import annotations
@@ -23,18 +22,17 @@ from flwr.serverapp import Grid
 from chaos_flwr.defaults import (
     FLOWER_CHAOS_MESSAGE_TYPE,
     FLOWER_CHAOS_RECORD_KEY,
-    FLOWER_JOIN_MAX_DONORS,
-    FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
     FLOWER_PULL_DATA_KEY,
 )
-from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.errors import ChaosError, TransferError
 from chaos_flwr.flower.relay import exchange, server_record
-from chaos_flwr.planner import Donor as PlanDonor
-from chaos_flwr.planner import plan_transfer
-from chaos_flwr.state import Manifest, TrainingState, to_array_record
-from chaos_flwr.transfer import PullSession, ShardRequest
+from chaos_flwr.pull import PullNegotiation, Reply, Status, read_reply, read_request, serve
+from chaos_flwr.state import to_array_record
 
-__all__ = ["PullReport", "pull_state", "serve_request"]
+__all__ = ["FLOWER_RESUME_MAX_EXCHANGES", "PullReport", "pull_state", "serve_request"]
+
+#: Most exchanges a restarted ServerApp's pull may take (sizes, manifest, shards, re-plans).
+FLOWER_RESUME_MAX_EXCHANGES: int = 64
 
 
 @dataclass
@@ -51,95 +49,67 @@ class PullReport:
 def serve_request(
     state_bytes: bytes, request: ConfigRecord, *, direct_addr: str = ""
 ) -> ConfigRecord:
-    """A holder's answer to a pull request (size, manifest or shards) over its replica bytes.
+    """A holder's answer to a pull request over its replica bytes (:func:`chaos_flwr.pull.serve`).
 
     Parameters
     ----------
     direct_addr:
         The holder's direct replica server (``host:port``, see :mod:`chaos_flwr.flower.direct`);
-        when set, the size and size+manifest replies name it under ``direct`` so a joiner can
+        when set, the size and manifest replies name it under ``direct`` so a joiner can
         fetch its shards without the relay.
+
+    Raises
+    ------
+    chaos_flwr.errors.DecodeError
+        A malformed request (:func:`chaos_flwr.pull.read_request`) or one the holder refuses.
     """
-    op = request.get("op")
-    extra: dict[str, str] = {"direct": direct_addr} if direct_addr else {}
-    if op == "size":
-        return ConfigRecord({"total": len(state_bytes), **extra})
-    if op == "plan-manifest":  # size + manifest in one reply, shaped as the joiner plans
-        n, min_shard = request.get("donors"), request.get("min-shard")
-        if not isinstance(n, int) or not isinstance(min_shard, int) or n < 1 or min_shard < 1:
-            raise DecodeError("pull request fields 'donors'/'min-shard' must be ints >= 1")
-        n = min(n, FLOWER_JOIN_MAX_DONORS)
-        donors = [
-            PlanDonor(id=f"d{i}", bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS) for i in range(n)
-        ]
-        plan = plan_transfer(len(state_bytes), donors, min_shard_bytes=min_shard)
-        manifest = Manifest.build(state_bytes, plan.shard_bytes, num_shards=plan.num_shards)
-        return ConfigRecord({"total": len(state_bytes), "manifest": manifest.to_bytes(), **extra})
-    if op == "manifest":
-        shard_bytes, num_shards = request.get("shard-bytes"), request.get("num-shards")
-        if not isinstance(shard_bytes, int) or not isinstance(num_shards, int):
-            raise DecodeError("pull request fields 'shard-bytes'/'num-shards' must be ints")
-        return ConfigRecord(
-            {"manifest": Manifest.build(state_bytes, shard_bytes, num_shards=num_shards).to_bytes()}
-        )
-    if op == "shards":
-        idx, starts, ends = request.get("index"), request.get("start"), request.get("end")
-        if not (isinstance(idx, list) and isinstance(starts, list) and isinstance(ends, list)):
-            raise DecodeError("pull request fields 'index'/'start'/'end' must be lists")
-        if not len(idx) == len(starts) == len(ends):
-            raise DecodeError("pull request lists 'index'/'start'/'end' must have one length")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in idx):
-            raise DecodeError("pull request field 'index' must hold ints")
-        data: list[bytes] = []
-        for s, e in zip(starts, ends, strict=True):
-            if not isinstance(s, int) or not isinstance(e, int) or not 0 <= s <= e:
-                raise DecodeError("pull request ranges must be ints with 0 <= start <= end")
-            data.append(state_bytes[s:e])
-        return ConfigRecord({"index": [int(i) for i in idx], "data": data})
-    raise DecodeError(
-        f"pull request field 'op' must be size, plan-manifest, manifest or shards, got {op!r}"
-    )
+    reply = serve(state_bytes, read_request(request), direct_addr=direct_addr)
+    return ConfigRecord(reply.to_value())  # type: ignore[arg-type]
 
 
-def _ask(
-    grid: Grid,
-    requests: dict[int, ConfigRecord],
-    *,
-    server_round: int,
-    digest: bytes,
-    timeout_s: float,
-    poll_interval_s: float,
-    clock: Callable[[], float],
-    sleep: Callable[[float], None],
-    on_reply: Callable[[int, Message], None] | None = None,
-) -> tuple[dict[int, ConfigRecord], set[int]]:
-    msgs = []
-    for node, req in requests.items():
-        content = RecordDict(
-            {
-                FLOWER_CHAOS_RECORD_KEY: server_record(
-                    [], phase="pull", server_round=server_round, digest=digest
-                ),
-                FLOWER_PULL_DATA_KEY: req,
-            }
-        )
-        msgs.append(
-            Message(
-                content, dst_node_id=node, message_type=FLOWER_CHAOS_MESSAGE_TYPE, ttl=timeout_s
+@dataclass(frozen=True)
+class _Asker:
+    """One exchange of pull requests with the holders' nodes (the resume's carrier)."""
+
+    grid: Grid
+    server_round: int
+    digest: bytes
+    timeout_s: float
+    poll_interval_s: float
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    on_reply: Callable[[int, Message], None] | None
+
+    def __call__(
+        self, requests: dict[int, ConfigRecord]
+    ) -> tuple[dict[int, ConfigRecord], set[int]]:
+        msgs = []
+        for node, req in requests.items():
+            record = server_record(
+                [], phase="pull", server_round=self.server_round, digest=self.digest
             )
-        )
-    res = exchange(
-        grid, msgs, timeout_s=timeout_s, poll_interval_s=poll_interval_s, clock=clock, sleep=sleep
-    )
-    out: dict[int, ConfigRecord] = {}
-    for node, reply in res.replies.items():
-        if on_reply is not None:
-            on_reply(node, reply)  # the party's Chaos record (envelopes, receipt) is not lost
-        rec = reply.content.get(FLOWER_PULL_DATA_KEY) if reply.has_content() else None
-        if isinstance(rec, ConfigRecord):
-            out[node] = rec
-    failed = set(res.errors) | res.missing | (set(res.replies) - set(out))
-    return out, failed
+            content = RecordDict({FLOWER_CHAOS_RECORD_KEY: record, FLOWER_PULL_DATA_KEY: req})
+            msgs.append(
+                Message(
+                    content,
+                    dst_node_id=node,
+                    message_type=FLOWER_CHAOS_MESSAGE_TYPE,
+                    ttl=self.timeout_s,
+                )
+            )
+        res = exchange(
+            self.grid, msgs, timeout_s=self.timeout_s, poll_interval_s=self.poll_interval_s,
+            clock=self.clock, sleep=self.sleep,
+        )  # fmt: skip
+        out: dict[int, ConfigRecord] = {}
+        for node, reply in res.replies.items():
+            if self.on_reply is not None:
+                self.on_reply(node, reply)  # the party's Chaos record (envelopes, receipt)
+            rec = reply.content.get(FLOWER_PULL_DATA_KEY) if reply.has_content() else None
+            if isinstance(rec, ConfigRecord):
+                out[node] = rec
+        failed = set(res.errors) | res.missing | (set(res.replies) - set(out))
+        return out, failed
 
 
 def pull_state(
@@ -157,6 +127,10 @@ def pull_state(
 ) -> tuple[ArrayRecord, PullReport]:
     """Pull the state certified as ``(server_round, digest)`` from ``holders`` in parallel.
 
+    The ServerApp drives the same :class:`~chaos_flwr.pull.PullNegotiation` a joiner does: one
+    exchange per decision (sizes from every holder, the manifest of the planned shape from one,
+    then every holder's shards at once; a lost holder's shards are re-planned over the others).
+
     Parameters
     ----------
     holders:
@@ -170,103 +144,37 @@ def pull_state(
     Raises
     ------
     chaos_flwr.errors.TransferError
-        No live holder has the missing shards.
+        No live holder has the missing shards, or no holder answered.
     chaos_flwr.errors.ShardIntegrityError
-        The manifest or the assembled state does not match ``digest``.
+        The assembled state does not match ``digest``.
     """
     t0 = clock()
     report = PullReport()
-    ask = dict(
-        server_round=server_round,
-        digest=digest,
-        timeout_s=timeout_s,
-        poll_interval_s=poll_interval_s,
-        clock=clock,
-        sleep=sleep,
-        on_reply=on_reply,
-    )
     node_of = {party: node for node, party in holders}
-    live = list(holders)
-    total: int | None = None
-    while live and total is None:  # size, from the first holder that answers
-        node, party = live[0]
-        got, failed = _ask(grid, {node: ConfigRecord({"op": "size"})}, **ask)  # type: ignore[arg-type]
-        report.exchanges += 1
-        value = got.get(node, ConfigRecord()).get("total")
-        if isinstance(value, int) and not isinstance(value, bool):
-            total = value
-        else:
-            live.pop(0)
-            report.lost.append(party)
-    if total is None:
-        raise ShardIntegrityError("no holder answered with the state size; nothing to pull")
-    donors = [PlanDonor(id=p, bandwidth=FLOWER_PULL_ASSUMED_BANDWIDTH_BPS) for _, p in live]
-    plan = plan_transfer(total, donors, min_shard_bytes=min_shard_bytes)
-    manifest: Manifest | None = None
-    while live and manifest is None:
-        node, party = live[0]
-        req = ConfigRecord(
-            {"op": "manifest", "shard-bytes": plan.shard_bytes, "num-shards": plan.num_shards}
-        )
-        got, _ = _ask(grid, {node: req}, **ask)  # type: ignore[arg-type]
-        report.exchanges += 1
-        raw = got.get(node, ConfigRecord()).get("manifest")
-        try:
-            if not isinstance(raw, bytes):
-                raise DecodeError("no manifest in the reply")
-            candidate = Manifest.from_bytes(raw)
-            candidate.check_certified(digest, total)
-            manifest = candidate
-        except (ChaosError, ValueError):
-            live.pop(0)
-            report.lost.append(party)
-    if manifest is None:
-        raise ShardIntegrityError("no holder sent a manifest that names the certified digest")
-    session = PullSession(
-        manifest, plan, [d for d in donors if d.id in {p for _, p in live}],
-        now=clock(), expected_digest=digest,
+    party_of = {node: party for node, party in holders}
+    pull = PullNegotiation(
+        server_round, digest, [p for _, p in holders], min_shard_bytes=min_shard_bytes,
+        direct=False,
     )  # fmt: skip
-    actions = session.poll(clock())
-    while not session.done:
-        wanted: dict[str, list[ShardRequest]] = {}
-        for action in actions:
-            if isinstance(action, ShardRequest):
-                wanted.setdefault(action.donor, []).append(action)
-        actions = []
-        if not wanted:
-            actions = session.tick(clock())
-            if not actions:
-                sleep(poll_interval_s)
-            continue
-        requests = {
-            node_of[d]: ConfigRecord(
-                {
-                    "op": "shards",
-                    "index": [r.index for r in rs],
-                    "start": [r.start for r in rs],
-                    "end": [r.end for r in rs],
-                }
-            )
-            for d, rs in wanted.items()
-        }
-        got, failed = _ask(grid, requests, **ask)  # type: ignore[arg-type]
+    decision = pull.start(clock())
+    ask = _Asker(grid, server_round, digest, timeout_s, poll_interval_s, clock, sleep, on_reply)
+    for _ in range(FLOWER_RESUME_MAX_EXCHANGES):
+        if decision.status != Status.WANT:
+            break
+        got, failed = ask({node_of[d]: ConfigRecord(r.to_value()) for d, r in  # type: ignore[arg-type]
+                           decision.relay.items()})  # fmt: skip
         report.exchanges += 1
-        party_of = {n: p for p, n in node_of.items()}
+        replies: dict[str, Reply | None] = {}
         for node, rec in got.items():
-            party = party_of[node]
-            idx, data = rec.get("index"), rec.get("data")
-            if not (isinstance(idx, list) and isinstance(data, list)):
-                actions.extend(session.on_donor_lost(party, clock()))
-                continue
-            for i, chunk in zip(idx, data, strict=False):
-                if isinstance(i, int) and isinstance(chunk, bytes):
-                    report.shares[party] = report.shares.get(party, 0) + len(chunk)
-                    actions.extend(session.on_shard(party, i, chunk, clock()))
-        for node in failed:
-            report.lost.append(party_of[node])
-            actions.extend(session.on_donor_lost(party_of[node], clock()))
-        actions.extend(session.tick(clock()))
-    state = TrainingState.from_bytes(session.assemble())
+            try:
+                replies[party_of[node]] = read_reply(rec)
+            except ChaosError:
+                replies[party_of[node]] = None
+        decision = pull.on_replies(replies, {party_of[n] for n in failed}, clock())
+    report.lost = list(pull.lost)
+    report.shares = dict(pull.received)
     report.seconds = clock() - t0
-    report.strategy_state = state.strategy_state
-    return to_array_record(state), report
+    if decision.status != Status.DONE or pull.state is None:
+        raise TransferError(f"resume pull of round {server_round} failed: {pull.error}")
+    report.strategy_state = pull.state.strategy_state
+    return to_array_record(pull.state), report

@@ -74,6 +74,8 @@ def _plan_value(plan: TransferPlan) -> dict[str, Any]:
         "num-shards": plan.num_shards,
         "assignment": {d: list(s) for d, s in plan.assignment.items()},
         "rates": dict(plan.rates),
+        "makespan": plan.makespan,
+        "finish": dict(plan.finish_times),
     }
 
 
@@ -120,8 +122,8 @@ def _plan_of(value: Any, total: int | None) -> TransferPlan | None:
         num_shards=_field(value, "num-shards", int),
         shard_bytes=_field(value, "shard-bytes", int),
         assignment={d: tuple(s) for d, s in assignment.items()},
-        makespan=0.0,
-        finish_times={},
+        makespan=float(_field(value, "makespan", (int, float))),
+        finish_times=_map(value, "finish", (int, float)),
         total_bytes=total,
         rates=_map(value, "rates", (int, float)),
     )
