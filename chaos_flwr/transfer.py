@@ -478,9 +478,7 @@ class PullSession:
         *,
         expected_digest: bytes | None = None,
         window: int = TRANSFER_WINDOW,
-        timeout_factor: float = TRANSFER_TIMEOUT_FACTOR,
         min_timeout_s: float = TRANSFER_MIN_TIMEOUT_S,
-        rate_alpha: float = TRANSFER_RATE_EWMA_ALPHA,
     ) -> PullSession:
         """Rebuild a session from :meth:`snapshot` over the same manifest.
 
@@ -496,7 +494,8 @@ class PullSession:
         if expected_digest is not None:
             manifest.check_certified(expected_digest)
         session = cls.__new__(cls)
-        session._setup(manifest, expected_digest, window, timeout_factor, min_timeout_s, rate_alpha)
+        limits = (TRANSFER_TIMEOUT_FACTOR, min_timeout_s, TRANSFER_RATE_EWMA_ALPHA)
+        session._setup(manifest, expected_digest, window, *limits)
         _restore_donors(session, snapshot.get("donors"))
         _restore_shards(session, snapshot.get("arrived"), snapshot.get("data"))
         return session

@@ -14,25 +14,20 @@ import pytest
 import chaos_flwr.pull.negotiation as negotiation
 from chaos_flwr import codec
 from chaos_flwr.errors import DecodeError
-from chaos_flwr.pull import (
-    Decision,
-    LinkResult,
+from chaos_flwr.pull.messages import (
     ManifestReply,
     ManifestRequest,
-    PullNegotiation,
     Reply,
     Request,
     ShardsRequest,
     SizeReply,
     SizeRequest,
-    Stage,
-    Status,
-    load_negotiation,
     read_reply,
     read_request,
-    save_negotiation,
     serve,
 )
+from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation, Stage, Status
+from chaos_flwr.pull.saved import load_negotiation, save_negotiation
 from chaos_flwr.state import Manifest, TrainingState
 
 ROUND = 7

@@ -43,16 +43,9 @@ from chaos_flwr.defaults import (
     FLOWER_PULL_DATA_KEY,
 )
 from chaos_flwr.errors import ChaosError
-from chaos_flwr.pull import (
-    Decision,
-    LinkResult,
-    PullNegotiation,
-    Reply,
-    Status,
-    load_negotiation,
-    read_reply,
-    save_negotiation,
-)
+from chaos_flwr.pull.messages import Reply, read_reply
+from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation, Status
+from chaos_flwr.pull.saved import load_negotiation, save_negotiation
 from chaos_flwr.state import TrainingState
 
 __all__ = [

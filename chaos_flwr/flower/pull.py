@@ -26,7 +26,8 @@ from chaos_flwr.defaults import (
 )
 from chaos_flwr.errors import ChaosError, TransferError
 from chaos_flwr.flower.relay import exchange, server_record
-from chaos_flwr.pull import PullNegotiation, Reply, Status, read_reply, read_request, serve
+from chaos_flwr.pull.messages import Reply, read_reply, read_request, serve
+from chaos_flwr.pull.negotiation import PullNegotiation, Status
 from chaos_flwr.state import to_array_record
 
 __all__ = ["FLOWER_RESUME_MAX_EXCHANGES", "PullReport", "pull_state", "serve_request"]

@@ -1,44 +1,11 @@
-"""Pulling a certified training state from its holders: messages, the puller's state machine,
-and its saved form (sans-I/O; carriers live in :mod:`chaos_flwr.flower` and
-:mod:`chaos_flwr.transport`)."""
+"""Pulling a certified training state from its holders (sans-I/O).
 
-from __future__ import annotations
+- :mod:`chaos_flwr.pull.messages`: the requests and replies (one frozen class each), how a
+  holder answers them (:func:`~chaos_flwr.pull.messages.serve`);
+- :mod:`chaos_flwr.pull.negotiation`: the puller's state machine
+  (:class:`~chaos_flwr.pull.negotiation.PullNegotiation`), driven by a joiner and by a
+  restarted ServerApp alike;
+- :mod:`chaos_flwr.pull.saved`: a pull in progress as explicit, versioned values.
 
-from chaos_flwr.pull.messages import (
-    ManifestReply,
-    ManifestRequest,
-    Op,
-    Reply,
-    Request,
-    ShardsReply,
-    ShardsRequest,
-    SizeReply,
-    SizeRequest,
-    read_reply,
-    read_request,
-    serve,
-)
-from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation, Stage, Status
-from chaos_flwr.pull.saved import load_negotiation, save_negotiation
-
-__all__ = [
-    "Decision",
-    "LinkResult",
-    "ManifestReply",
-    "ManifestRequest",
-    "Op",
-    "PullNegotiation",
-    "Reply",
-    "Request",
-    "ShardsReply",
-    "ShardsRequest",
-    "SizeReply",
-    "SizeRequest",
-    "Stage",
-    "Status",
-    "load_negotiation",
-    "read_reply",
-    "read_request",
-    "save_negotiation",
-    "serve",
-]
+Carriers (Flower's relay, direct grpc links) live in :mod:`chaos_flwr.flower`.
+"""
