@@ -12,7 +12,6 @@ against the certified digest.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,7 +29,13 @@ from chaos_flwr.pull.messages import Reply, read_reply, read_request, serve
 from chaos_flwr.pull.negotiation import PullNegotiation, Status
 from chaos_flwr.state import to_array_record
 
-__all__ = ["FLOWER_RESUME_MAX_EXCHANGES", "PullReport", "pull_state", "serve_request"]
+__all__ = [
+    "FLOWER_RESUME_MAX_EXCHANGES",
+    "PullReport",
+    "RelayAsker",
+    "pull_state",
+    "serve_request",
+]
 
 #: Most exchanges a restarted ServerApp's pull may take (sizes, manifest, shards, re-plans).
 FLOWER_RESUME_MAX_EXCHANGES: int = 64
@@ -69,8 +74,21 @@ def serve_request(
 
 
 @dataclass(frozen=True)
-class _Asker:
-    """One exchange of pull requests with the holders' nodes (the resume's carrier)."""
+class RelayAsker:
+    """The resume pull's carrier: one exchange of pull requests with the holders' nodes.
+
+    Attributes
+    ----------
+    grid:
+        The ServerApp's Grid.
+    server_round, digest:
+        The certified state pulled (named in every request's Chaos record).
+    timeout_s, poll_interval_s, clock, sleep:
+        Each exchange's deadline and polling.
+    on_reply:
+        Called with every reply before its pull data is read (the caller absorbs the party's
+        Chaos record: relay envelopes, receipt).
+    """
 
     grid: Grid
     server_round: int
@@ -114,56 +132,43 @@ class _Asker:
 
 
 def pull_state(
-    grid: Grid,
-    holders: Sequence[tuple[int, str]],
-    *,
-    server_round: int,
-    digest: bytes,
-    timeout_s: float,
-    poll_interval_s: float,
-    min_shard_bytes: int,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-    on_reply: Callable[[int, Message], None] | None = None,
+    ask: RelayAsker, holders: Sequence[tuple[int, str]], *, min_shard_bytes: int
 ) -> tuple[ArrayRecord, PullReport]:
-    """Pull the state certified as ``(server_round, digest)`` from ``holders`` in parallel.
+    """Pull the state certified as ``(ask.server_round, ask.digest)`` from ``holders`` at once.
 
-    The ServerApp drives the same :class:`~chaos_flwr.pull.PullNegotiation` a joiner does: one
-    exchange per decision (sizes from every holder, the manifest of the planned shape from one,
-    then every holder's shards at once; a lost holder's shards are re-planned over the others).
+    The ServerApp drives the same :class:`~chaos_flwr.pull.negotiation.PullNegotiation` a
+    joiner does: one exchange per decision (sizes from every holder, the manifest of the planned
+    shape from one, then every holder's shards at once; a lost holder's shards are re-planned
+    over the others).
 
     Parameters
     ----------
+    ask:
+        The carrier (grid, deadlines, the reply hook).
     holders:
         ``(node id, party id)`` of parties whose verified receipts name that state.
-    timeout_s:
-        Deadline of each exchange; the whole pull ends when no live holder is left.
-    on_reply:
-        Called with every reply before its pull data is read (the caller absorbs the party's
-        Chaos record: relay envelopes, receipt).
+    min_shard_bytes:
+        Smallest shard of the plan.
 
     Raises
     ------
     chaos_flwr.errors.TransferError
         No live holder has the missing shards, or no holder answered.
-    chaos_flwr.errors.ShardIntegrityError
-        The assembled state does not match ``digest``.
     """
-    t0 = clock()
+    t0 = ask.clock()
     report = PullReport()
     node_of = {party: node for node, party in holders}
     party_of = {node: party for node, party in holders}
     pull = PullNegotiation(
-        server_round, digest, [p for _, p in holders], min_shard_bytes=min_shard_bytes,
+        ask.server_round, ask.digest, [p for _, p in holders], min_shard_bytes=min_shard_bytes,
         direct=False,
     )  # fmt: skip
-    decision = pull.start(clock())
-    ask = _Asker(grid, server_round, digest, timeout_s, poll_interval_s, clock, sleep, on_reply)
+    decision = pull.start(ask.clock())
     for _ in range(FLOWER_RESUME_MAX_EXCHANGES):
         if decision.status != Status.WANT:
             break
-        got, failed = ask({node_of[d]: ConfigRecord(r.to_value()) for d, r in  # type: ignore[arg-type]
-                           decision.relay.items()})  # fmt: skip
+        requests = {node_of[d]: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
+        got, failed = ask(requests)
         report.exchanges += 1
         replies: dict[str, Reply | None] = {}
         for node, rec in got.items():
@@ -171,11 +176,11 @@ def pull_state(
                 replies[party_of[node]] = read_reply(rec)
             except ChaosError:
                 replies[party_of[node]] = None
-        decision = pull.on_replies(replies, {party_of[n] for n in failed}, clock())
+        decision = pull.on_replies(replies, {party_of[n] for n in failed}, ask.clock())
     report.lost = list(pull.lost)
     report.shares = dict(pull.received)
-    report.seconds = clock() - t0
+    report.seconds = ask.clock() - t0
     if decision.status != Status.DONE or pull.state is None:
-        raise TransferError(f"resume pull of round {server_round} failed: {pull.error}")
+        raise TransferError(f"resume pull of round {ask.server_round} failed: {pull.error}")
     report.strategy_state = pull.state.strategy_state
     return to_array_record(pull.state), report

@@ -54,7 +54,7 @@ from chaos_flwr.defaults import (
 from chaos_flwr.errors import ChaosError, DecodeError
 from chaos_flwr.flower.client import certified_digest, receipt_bytes
 from chaos_flwr.flower.joinpull import donor_key, read_donor_records, start_record
-from chaos_flwr.flower.pull import PullReport, pull_state
+from chaos_flwr.flower.pull import PullReport, RelayAsker, pull_state
 from chaos_flwr.flower.relay import (
     ExchangeResult,
     Relay,
@@ -1045,17 +1045,12 @@ class ChaosStrategy(Strategy):
                 continue
             holders = [(n, self.holders[n][0]) for n in sorted(nodes)]
             try:
+                ask = RelayAsker(
+                    grid, rnd, dig, min(timeout, self.phase_timeout_s), self.poll_interval_s,
+                    self.clock, self.sleep, lambda n, m: self._absorb(n, m, {}, hello),
+                )  # fmt: skip
                 arrays, report = pull_state(
-                    grid,
-                    holders,
-                    server_round=rnd,
-                    digest=dig,
-                    timeout_s=min(timeout, self.phase_timeout_s),
-                    poll_interval_s=self.poll_interval_s,
-                    min_shard_bytes=self.resume_min_shard_bytes,
-                    clock=self.clock,
-                    sleep=self.sleep,
-                    on_reply=lambda n, m: self._absorb(n, m, {}, hello),
+                    ask, holders, min_shard_bytes=self.resume_min_shard_bytes
                 )
             except ChaosError as exc:
                 log(WARNING, "Chaos: pulling round %d from its holders failed: %s", rnd, exc)
