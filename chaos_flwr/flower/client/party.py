@@ -307,7 +307,7 @@ class Party:
     def join_step(
         self, record: ConfigRecord, control: ConfigRecord, replies: Mapping[str, ConfigRecord]
     ) -> tuple[ConfigRecord, dict[str, ConfigRecord]]:
-        """One relay step of this party's pull of the certified state (:func:`.joiner.join_step`)."""
+        """One relay step of this party's pull (it is the joiner): :func:`.joiner.join_step`."""
         return joiner.join_step(self, record, control, replies)
 
     def check_receipts(self, record: ConfigRecord | None) -> bool:
