@@ -19,28 +19,10 @@ from chaos_flwr.flower.client.enable import enable
 from chaos_flwr.flower.client.factory import default_party_factory
 from chaos_flwr.flower.client.party import Party
 from chaos_flwr.flower.client.registry import PartyFactory, forget_party, party_for
-from chaos_flwr.flower.client.settings import (
-    LEFT_MARKER,
-    NODE_CHARTER,
-    NODE_KEY,
-    NODE_PARTITION_ID,
-    NODE_STATE_DIR,
-    RUN_KEYS_DIR,
-    RUN_STATE_ROOT,
-    RUN_UNSIGNED,
-    PartySettings,
-    party_settings,
-)
+from chaos_flwr.flower.client.settings import RUN_KEYS_DIR, PartySettings, party_settings
 
 __all__ = [
-    "LEFT_MARKER",
-    "NODE_CHARTER",
-    "NODE_KEY",
-    "NODE_PARTITION_ID",
-    "NODE_STATE_DIR",
     "RUN_KEYS_DIR",
-    "RUN_STATE_ROOT",
-    "RUN_UNSIGNED",
     "Party",
     "PartyFactory",
     "PartySettings",
