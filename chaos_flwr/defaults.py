@@ -130,10 +130,6 @@ MEMORY_CARRIER_MAX_DELIVERIES: int = 10_000_000
 # --- flower ----------------------------------------------------------------------------------
 #: Longest a Chaos relay phase (one send_and_receive of ``query.chaos``) waits for replies.
 FLOWER_PHASE_TIMEOUT_S: float = 30.0
-#: Message type of the Chaos relay exchange (Flower allows ``query.<action>``).
-FLOWER_CHAOS_MESSAGE_TYPE: str = "query.chaos"
-#: Key of the ConfigRecord that carries Chaos envelopes inside a Flower RecordDict.
-FLOWER_CHAOS_RECORD_KEY: str = "chaos"
 #: Pause between two pulls of replies while a Chaos phase waits (Flower's own grids use 0.1-3 s).
 FLOWER_POLL_INTERVAL_S: float = 0.02
 #: Most envelopes one relay message carries to one party; the rest wait for the next exchange.
@@ -154,19 +150,14 @@ FLOWER_RESUME_MIN_RECEIPTS: int = 1
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
-#: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
-FLOWER_PULL_DATA_KEY: str = "chaos-pull"
-#: Link rate assumed for every holder when a restarted ServerApp plans a pull (no estimates yet).
-FLOWER_PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
 #: Direct joiner pulls (chaos_flwr.flower.direct): hosts a joiner dials (the address comes
 #: through the untrusted relay, so loopback only), bound of the probe and of all direct fetches
 #: of one joiner step (below FLOWER_PHASE_TIMEOUT_S, so the step's reply is in time), bytes per grpc
-#: request, largest request/reply, and the rate probe's size (one range, timed, per donor).
+#: request, largest request/reply (the probe's size is chaos_flwr.pull.negotiation's).
 FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
 FLOWER_DIRECT_MAX_BYTES: int = 64 * 1024 * 1024
-FLOWER_DIRECT_PROBE_BYTES: int = 64 * 1024
 #: node_config key of a party's direct replica server address (optional, ``127.0.0.1:PORT``).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
 #: Folder layout of :func:`chaos_flwr.flower.keys.make_federation`: key file prefix
@@ -180,8 +171,6 @@ FLOWER_FEDERATION_NAME: str = "chaos-flwr-federation"
 FLOWER_JOIN_MAX_DONORS: int = 8
 #: A non-member that is still not admitted asks new sponsors after this long.
 FLOWER_JOIN_RETRY_S: float = 10.0
-#: A joiner's own timer on a relayed shard request (the ServerApp's phase deadline rules).
-FLOWER_JOIN_REQUEST_TIMEOUT_S: float = 3600.0
 #: Smallest shard of a joiner's pull, in bytes (small enough that small models still split).
 FLOWER_JOIN_MIN_SHARD_BYTES: int = 1024
 #: Most relay steps (joiner exchange + donor exchange) one joiner pull may take.

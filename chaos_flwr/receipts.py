@@ -2,7 +2,7 @@
 
 After every round each party signs a *receipt*: "I, ``party``, hold the state of round
 ``round`` whose digest is ``digest``". The signed bytes are exactly
-:func:`chaos_flwr.flower.client.receipt_bytes`::
+:func:`receipt_signing_bytes` (the one definition; the Flower parties sign these too)::
 
     codec.encode({"kind": "receipt", "party": party, "round": round, "digest": digest})
 
@@ -16,6 +16,10 @@ of parties makes honest parties sign receipts for different digests of the same 
 valid receipts for one round with different digests are *transferable evidence*
 (:class:`Equivocation`): anyone with the charter's keyring can check them, and no honest party
 accepts a round that has such evidence (:meth:`ReceiptLedger.certified` returns ``None``).
+
+Every receipt check goes through :func:`verify_receipt` (or its boolean form
+:func:`receipt_verifies`): the ServerApp's keyring verifier, the Flower parties (a donor's
+receipt, a replica's certificate) and :meth:`Receipt.verify` alike.
 
 The ledger does no I/O and reads no clock; refused receipts are raised as typed errors and
 appended to :attr:`ReceiptLedger.rejections` (the log), and change nothing else.
@@ -46,6 +50,8 @@ __all__ = [
     "ReceiptLedger",
     "ReceiptRejection",
     "receipt_signing_bytes",
+    "receipt_verifies",
+    "verify_receipt",
 ]
 
 #: The domain tag: the ``kind`` field of every signed receipt body.
@@ -64,8 +70,8 @@ _EVIDENCE_KIND = "equivocation"
 def receipt_signing_bytes(party: str, round: int, digest: bytes) -> bytes:
     """The exact bytes a party signs for its receipt of ``round``.
 
-    Identical to :func:`chaos_flwr.flower.client.receipt_bytes` (same dict, same codec), so a
-    signature made by a Flower party verifies here and vice versa.
+    The Flower parties sign exactly these bytes, so a signature made by a Flower party verifies
+    here and vice versa.
 
     Parameters
     ----------
@@ -82,6 +88,49 @@ def receipt_signing_bytes(party: str, round: int, digest: bytes) -> bytes:
         ``codec.encode({"kind": "receipt", "party": ..., "round": ..., "digest": ...})``.
     """
     return codec.encode({"kind": RECEIPT_KIND, "party": party, "round": round, "digest": digest})
+
+
+def verify_receipt(
+    keyring: Mapping[str, bytes], party: str, round: int, digest: bytes, signature: bytes
+) -> None:
+    """Check that ``signature`` is ``party``'s receipt for ``(round, digest)``: the one verifier.
+
+    The fields are not checked for shape (a Flower party's blob is checked as it came); only
+    the signature over :func:`receipt_signing_bytes` under the keyring's key of ``party``.
+
+    Parameters
+    ----------
+    keyring
+        Party id -> raw Ed25519 public key (the charter's).
+    party, round, digest
+        What the receipt claims.
+    signature
+        The receipt's signature blob.
+
+    Raises
+    ------
+    UnknownPartyError
+        If ``party`` is not in the keyring (not named by the charter).
+    SignatureError
+        If the signature does not verify under the party's key (or is malformed).
+    """
+    key = keyring.get(party)
+    if key is None:
+        raise UnknownPartyError(
+            f"receipt of round {round} is signed by {party}, which the charter does not name"
+        )
+    verify_signature(key, signature, receipt_signing_bytes(party, round, digest))
+
+
+def receipt_verifies(
+    keyring: Mapping[str, bytes], party: str, round: int, digest: bytes, signature: bytes
+) -> bool:
+    """Whether :func:`verify_receipt` accepts the receipt (an unknown party's never does)."""
+    try:
+        verify_receipt(keyring, party, round, digest, signature)
+    except SignatureError:  # UnknownPartyError is a SignatureError
+        return False
+    return True
 
 
 def _check_fields(party: Any, round: Any, digest: Any, signature: Any) -> None:
@@ -165,13 +214,7 @@ class Receipt:
         SignatureError
             If the signature does not verify under the party's key.
         """
-        key = keyring.get(self.party)
-        if key is None:
-            raise UnknownPartyError(
-                f"receipt of round {self.round} is signed by {self.party}, which the charter "
-                "does not name"
-            )
-        verify_signature(key, self.signature, self.signing_bytes)
+        verify_receipt(keyring, self.party, self.round, self.digest, self.signature)
 
     def to_value(self) -> dict[str, Any]:
         """The receipt as a codec value."""

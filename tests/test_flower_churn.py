@@ -21,8 +21,8 @@ from chaos_flwr.flower.churn import (
     parse_scenario,
 )
 from chaos_flwr.flower.fake_grid import FakeGrid
-from chaos_flwr.flower.relay import server_record
 from chaos_flwr.flower.report import build_report, plot_report, read_progress, render_table
+from chaos_flwr.flower.schema import server_record
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
 

@@ -20,14 +20,14 @@ import pytest
 from flwr.app import ConfigRecord
 
 from chaos_flwr.errors import ConfigError, StoreError
+from chaos_flwr.flower.client.donor import serve_request
+from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.direct import (
     BytesSource,
     DirectServer,
     check_address,
     fetch_ranges,
 )
-from chaos_flwr.flower.joinpull import JoinerPull
-from chaos_flwr.flower.pull import serve_request
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 from chaos_flwr.transport.shaping import Shaper, parse_profile

@@ -28,7 +28,7 @@ from chaos_flwr.flower import durable
 from chaos_flwr.flower.client import Party, default_party_factory, enable, forget_party, party_for
 from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
-from chaos_flwr.flower.strategy import ChaosStrategy
+from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
 from chaos_flwr.store import ReplicaStore
 
 
@@ -122,7 +122,7 @@ class PerMessage:
         return ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
-            phase_timeout_s=2.0,
+            phases=PhaseSettings(phase_timeout_s=2.0),
         )
 
 
@@ -341,7 +341,7 @@ def test_a_format_1_state_is_migrated_unless_it_holds_a_pickled_pull(tmp_path: P
 
 
 def test_a_saved_pull_is_explicit_values_and_a_bad_one_is_refused(tmp_path: Path) -> None:
-    from chaos_flwr.flower.joinpull import JoinerPull
+    from chaos_flwr.flower.client.joiner import JoinerPull
 
     pull = JoinerPull(3, b"\x01" * 32, ["a", "b"], total_hint=1000)
     status, requests = pull.start(0.0)

@@ -22,7 +22,6 @@ from flwr.serverapp.strategy import FedAvg
 from chaos_flwr.charter import load_charter
 from chaos_flwr.flower.client import (
     Party,
-    certified_digest,
     default_party_factory,
     enable,
     forget_party,
@@ -30,7 +29,13 @@ from chaos_flwr.flower.client import (
 )
 from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
-from chaos_flwr.flower.strategy import ChaosStrategy, JoinLog, RoundLog
+from chaos_flwr.flower.server import (
+    ChaosStrategy,
+    JoinLog,
+    PhaseSettings,
+    RoundLog,
+    certified_digest,
+)
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 
@@ -123,7 +128,7 @@ class World:
         return self.fed.party_ids[partition]
 
     def strategy(self, **kw: Any) -> ChaosStrategy:
-        kw.setdefault("phase_timeout_s", 2.0)
+        kw.setdefault("phases", PhaseSettings(phase_timeout_s=2.0))
         return ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
@@ -272,7 +277,7 @@ def test_a_crashed_party_is_not_sampled_then_declared_failed_by_its_peers(tmp_pa
 
     for rnd in range(3, 9):
         w.hooks[rnd] = slow_sleep_train
-    strategy = w.strategy(phase_timeout_s=0.3)
+    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
     strategy.start(w.grid, _initial(), num_rounds=8, timeout=10)
     crashed = w.pid(3)
     died = next(r for r in strategy.rounds if victim.node_id in r.missing)
@@ -322,7 +327,7 @@ def test_a_stale_replica_catches_up_by_pulling(tmp_path: Path) -> None:
     store = ReplicaStore(w.state_root / "party-3" / "replicas")
     w.hooks[3] = lambda: setattr(w.nodes[3], "mode", "dead")  # down for rounds 3-4
     w.hooks[5] = lambda: (forget_party(w.nodes[3].context), setattr(w.nodes[3], "mode", "ok"))
-    strategy = w.strategy(phase_timeout_s=0.3)
+    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
     strategy.start(w.grid, _initial(), num_rounds=7, timeout=10)
     back = w.party(3)
     pulls = _joins(strategy, w.pid(3))
@@ -359,9 +364,13 @@ def _fedadam() -> Any:
 def _fedadam_run(w: World, rounds: list[int], **kw: Any) -> tuple[ChaosStrategy, ArrayRecord]:
     """Run ChaosStrategy(FedAdam) to each number of rounds in turn, a new ServerApp each time."""
     arrays = _initial()
-    strategy = ChaosStrategy(_fedadam(), charter=w.charter, phase_timeout_s=2.0)
+    strategy = ChaosStrategy(
+        _fedadam(), charter=w.charter, phases=PhaseSettings(phase_timeout_s=2.0)
+    )
     for n in rounds:
-        strategy = ChaosStrategy(_fedadam(), charter=w.charter, phase_timeout_s=2.0, **kw)
+        strategy = ChaosStrategy(
+            _fedadam(), charter=w.charter, phases=PhaseSettings(phase_timeout_s=2.0), **kw
+        )
         arrays = strategy.start(w.grid, _initial(), num_rounds=n, timeout=10).arrays
     return strategy, arrays
 
@@ -389,7 +398,7 @@ def test_fedadam_moments_survive_a_server_restart(
     moments = TrainingState.from_bytes(replica.strategy_state)
     assert sorted(moments.arrays) == ["m_t/b", "m_t/w", "v_t/b", "v_t/w"]
     # ... and a restart that dropped them would have trained to a different model
-    import chaos_flwr.flower.strategy as strategy_mod
+    import chaos_flwr.flower.server.strategy as strategy_mod
 
     monkeypatch.setattr(strategy_mod, "restore_strategy_state", lambda inner, blob: None)
     _, forgetful = _fedadam_run(world("c"), [2, 4])

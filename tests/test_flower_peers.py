@@ -14,7 +14,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
-from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
+from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings, keyring_verifier
 from chaos_flwr.identity import Identity
 from chaos_flwr.peer import Peer
 
@@ -102,7 +102,7 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     strategy = ChaosStrategy(
         FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
         receipt_verifier=keyring_verifier(keyring),
-        phase_timeout_s=2.0,
+        phases=PhaseSettings(phase_timeout_s=2.0),
     )
     init = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
     strategy.start(grid, init, num_rounds=3, timeout=5)
@@ -121,7 +121,7 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     restarted = ChaosStrategy(
         FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
         charter=_charter(),  # a server-side view from the relayed records
-        phase_timeout_s=2.0,
+        phases=PhaseSettings(phase_timeout_s=2.0),
     )
     result = restarted.start(grid, init, num_rounds=7, timeout=5)
     hello = restarted.rounds[0]

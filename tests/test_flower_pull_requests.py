@@ -6,7 +6,7 @@ import pytest
 from flwr.app import ConfigRecord
 
 from chaos_flwr.errors import DecodeError
-from chaos_flwr.flower.pull import serve_request
+from chaos_flwr.flower.client.donor import serve_request
 
 STATE = bytes(range(256)) * 4
 

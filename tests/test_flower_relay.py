@@ -10,14 +10,13 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from chaos_flwr.defaults import FLOWER_CHAOS_MESSAGE_TYPE, FLOWER_CHAOS_RECORD_KEY
 from chaos_flwr.errors import ConfigError, DecodeError
 from chaos_flwr.flower.client import Party, enable, party_settings
 from chaos_flwr.flower.fake_grid import FakeGrid
-from chaos_flwr.flower.relay import (
-    BROADCAST,
-    Relay,
-    exchange,
+from chaos_flwr.flower.relay import BROADCAST, Relay, exchange
+from chaos_flwr.flower.schema import (
+    CHAOS_MESSAGE_TYPE,
+    CHAOS_RECORD_KEY,
     read_party_record,
     server_record,
     split_chaos,
@@ -118,7 +117,7 @@ def test_with_chaos_copies_and_split_chaos_restores_the_content() -> None:
     shared = RecordDict({"config": ConfigRecord({"lr": 0.1})})
     m1 = Message(shared, dst_node_id=1, message_type="train")
     m2 = with_chaos(m1, server_record([b"e"], phase="relay", server_round=1))
-    assert FLOWER_CHAOS_RECORD_KEY not in shared  # the shared RecordDict is untouched
+    assert CHAOS_RECORD_KEY not in shared  # the shared RecordDict is untouched
     rec = split_chaos(m2)
     assert rec is not None and rec["env"] == [b"e"]
     assert list(m2.content.keys()) == ["config"]
@@ -145,7 +144,7 @@ def test_dead_and_failing_nodes_never_hold_an_exchange_past_its_deadline() -> No
     failing.mode = "error"
     slow.delay_s = 0.5
     msgs = [
-        Message(RecordDict(), dst_node_id=n.node_id, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE)
         for n in (alive, dead, failing, slow)
     ]
     res = exchange(grid, msgs, timeout_s=2.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep)
@@ -162,7 +161,7 @@ def test_exchange_returns_as_soon_as_the_awaited_nodes_answered() -> None:
     alive, dead = grid.add_node(app), grid.add_node(app)
     dead.mode = "dead"
     msgs = [
-        Message(RecordDict(), dst_node_id=n.node_id, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE)
         for n in (alive, dead)
     ]
     res = exchange(
@@ -180,7 +179,7 @@ def test_a_reply_that_misses_its_deadline_is_collected_by_a_later_exchange() -> 
     slow.delay_s = 3.0
 
     def msg(node: int) -> Message:
-        return Message(RecordDict(), dst_node_id=node, message_type=FLOWER_CHAOS_MESSAGE_TYPE)
+        return Message(RecordDict(), dst_node_id=node, message_type=CHAOS_MESSAGE_TYPE)
 
     first = exchange(
         grid, [msg(fast.node_id), msg(slow.node_id)], timeout_s=1.0, clock=clock,
@@ -231,14 +230,10 @@ def test_envelopes_travel_between_peers_through_the_relay() -> None:
         msgs = [
             Message(
                 RecordDict(
-                    {
-                        FLOWER_CHAOS_RECORD_KEY: server_record(
-                            relay.take(n), phase="relay", server_round=0
-                        )
-                    }
+                    {CHAOS_RECORD_KEY: server_record(relay.take(n), phase="relay", server_round=0)}
                 ),
                 dst_node_id=n,
-                message_type=FLOWER_CHAOS_MESSAGE_TYPE,
+                message_type=CHAOS_MESSAGE_TYPE,
             )
             for n in (a.node_id, b.node_id)
         ]

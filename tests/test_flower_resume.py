@@ -18,10 +18,16 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.charter import load_charter
-from chaos_flwr.flower.client import certified_digest, default_party_factory, enable, party_for
+from chaos_flwr.flower.client import default_party_factory, enable, party_for
 from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
-from chaos_flwr.flower.strategy import ChaosStrategy, RoundLog
+from chaos_flwr.flower.server import (
+    ChaosStrategy,
+    PhaseSettings,
+    ResumeSettings,
+    RoundLog,
+    certified_digest,
+)
 from chaos_flwr.receipts import Receipt
 from chaos_flwr.store import ReplicaStore
 
@@ -130,7 +136,7 @@ class World:
         return ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
-            phase_timeout_s=2.0,
+            phases=PhaseSettings(phase_timeout_s=2.0),
             **kw,
         )
 
@@ -212,7 +218,7 @@ def test_with_a_receipt_quorum_the_partial_round_number_is_skipped_not_reused(
 ) -> None:
     w = World(tmp_path)
     w.kill_mid_certify(1)  # one receipt for the killed round: below a quorum of 2
-    second = w.strategy(resume_min_receipts=2)
+    second = w.strategy(resume=ResumeSettings(min_receipts=2))
     second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
     hello = second.rounds[0]
     assert hello.server_round == KILL_ROUND - 1  # resumed from the quorum-certified state ...

@@ -14,10 +14,16 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
 
 from chaos_flwr.errors import ProfileError
-from chaos_flwr.flower.client import Party, certified_digest, enable
+from chaos_flwr.flower.client import Party, enable
 from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
-from chaos_flwr.flower.strategy import ChaosStrategy, keyring_verifier
+from chaos_flwr.flower.server import (
+    ChaosStrategy,
+    PhaseSettings,
+    ResumeSettings,
+    certified_digest,
+    keyring_verifier,
+)
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 
@@ -108,7 +114,9 @@ def test_aggregation_is_identical_to_the_inner_strategy(make) -> None:  # type: 
     )
     random.seed(7)
     clock = VClock()
-    chaos = ChaosStrategy(make(), phase_timeout_s=5.0, clock=clock, sleep=clock.sleep)
+    chaos = ChaosStrategy(
+        make(), phases=PhaseSettings(phase_timeout_s=5.0), clock=clock, sleep=clock.sleep
+    )
     wrapped = chaos.start(
         _grid(True, clock=clock), _initial(), num_rounds=3, timeout=5, train_config=ConfigRecord()
     )
@@ -132,7 +140,9 @@ def test_a_dead_party_does_not_hang_a_round_and_is_not_sampled_again() -> None:
     grid = _grid(True, n=5, clock=clock)
     victim = list(grid.get_node_ids())[2]
     inner = FedAvg(min_available_nodes=3, min_train_nodes=3, min_evaluate_nodes=3)
-    chaos = ChaosStrategy(inner, phase_timeout_s=10.0, clock=clock, sleep=clock.sleep)
+    chaos = ChaosStrategy(
+        inner, phases=PhaseSettings(phase_timeout_s=10.0), clock=clock, sleep=clock.sleep
+    )
     calls: list[int] = []
 
     def kill_after_round_1(rnd: int, arrays: ArrayRecord) -> None:
@@ -158,7 +168,7 @@ def test_node_unavailable_errors_take_a_party_out_of_sampling_at_once() -> None:
     victim = next(iter(grid.get_node_ids()))
     chaos = ChaosStrategy(
         FedAvg(min_available_nodes=3, min_train_nodes=3, min_evaluate_nodes=3),
-        phase_timeout_s=10.0,
+        phases=PhaseSettings(phase_timeout_s=10.0),
         clock=clock,
         sleep=clock.sleep,
     )
@@ -175,7 +185,10 @@ def test_too_few_eligible_parties_skip_training_instead_of_blocking() -> None:
     for node in list(grid.get_node_ids())[:2]:
         grid.node(node).mode = "dead"
     chaos = ChaosStrategy(
-        FedAvg(min_available_nodes=2), phase_timeout_s=1.0, clock=clock, sleep=clock.sleep
+        FedAvg(min_available_nodes=2),
+        phases=PhaseSettings(phase_timeout_s=1.0),
+        clock=clock,
+        sleep=clock.sleep,
     )
     res = chaos.start(grid, _initial(), num_rounds=2, timeout=60)
     assert all(r.skipped.startswith("train: 1 eligible") for r in chaos.rounds[1:])
@@ -237,10 +250,10 @@ def test_shipped_profiles_load_and_build_their_inner_strategy() -> None:
     for name, cls in expected.items():
         s = ChaosStrategy.from_profile(name, poll_interval_s=0.5)
         assert type(s.inner) is cls
-        assert s.poll_interval_s == 0.5
-        assert s.phase_timeout_s == load_profile(name).chaos["phase_timeout_s"]
+        assert s.phases.poll_interval_s == 0.5
+        assert s.phases.phase_timeout_s == load_profile(name).chaos["phase_timeout_s"]
     assert ChaosStrategy.from_profile("fedprox-wan").inner.proximal_mu == 0.01  # type: ignore[attr-defined]
-    assert ChaosStrategy.from_profile("fedadam-wan").join_max_donors == 8  # an integer setting
+    assert ChaosStrategy.from_profile("fedadam-wan").joins.max_donors == 8  # an integer setting
 
 
 @pytest.mark.parametrize(
@@ -405,7 +418,7 @@ def test_resume_pulls_shares_from_several_holders_and_survives_a_lost_one() -> N
     again = ChaosStrategy(
         FedAvg(min_available_nodes=3, min_train_nodes=3),
         receipt_verifier=verifier,
-        resume_min_shard_bytes=16,
+        resume=ResumeSettings(min_shard_bytes=16),
         clock=clock,
         sleep=clock.sleep,
     )
@@ -426,9 +439,12 @@ def test_nodes_that_all_missed_a_deadline_are_waited_for_again_once_they_answer(
     for node in grid.get_node_ids():  # the first exchange is slower than its deadline
         grid.node(node).delay_s = 5.0
     strategy = ChaosStrategy(
-        FedAvg(min_available_nodes=3), phase_timeout_s=1.0, clock=clock, sleep=clock.sleep
+        FedAvg(min_available_nodes=3),
+        phases=PhaseSettings(phase_timeout_s=1.0),
+        clock=clock,
+        sleep=clock.sleep,
     )
-    original = strategy._exchange
+    original = strategy.courier.exchange
     calls = {"n": 0}
 
     def exchange_then_speed_up(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -438,7 +454,7 @@ def test_nodes_that_all_missed_a_deadline_are_waited_for_again_once_they_answer(
             grid.node(node).delay_s = 0.0  # the federation is fast from then on
         return res
 
-    strategy._exchange = exchange_then_speed_up  # type: ignore[method-assign]
+    strategy.courier.exchange = exchange_then_speed_up  # type: ignore[method-assign]
     res = strategy.start(grid, _initial(), num_rounds=4, timeout=60)
     first = strategy.rounds[0]
     assert sorted(first.missing) == sorted(grid.get_node_ids())  # all missed round 0
@@ -454,9 +470,12 @@ def test_when_every_node_is_a_suspect_the_next_exchange_still_waits_for_them() -
     for node in grid.get_node_ids():  # round 0's certify misses its deadline everywhere
         grid.node(node).delay_s = 5.0
     strategy = ChaosStrategy(
-        FedAvg(min_available_nodes=3), phase_timeout_s=1.0, clock=clock, sleep=clock.sleep
+        FedAvg(min_available_nodes=3),
+        phases=PhaseSettings(phase_timeout_s=1.0),
+        clock=clock,
+        sleep=clock.sleep,
     )
-    original = strategy._exchange
+    original = strategy.courier.exchange
 
     def slow_but_in_time(*args, **kwargs):  # type: ignore[no-untyped-def]
         res = original(*args, **kwargs)
@@ -464,7 +483,7 @@ def test_when_every_node_is_a_suspect_the_next_exchange_still_waits_for_them() -
             grid.node(node).delay_s = 0.5  # from then on every reply is in time, not at once
         return res
 
-    strategy._exchange = slow_but_in_time  # type: ignore[method-assign]
+    strategy.courier.exchange = slow_but_in_time  # type: ignore[method-assign]
     res = strategy.start(grid, _initial(), num_rounds=4, timeout=60)
     assert sorted(strategy.rounds[0].missing) == sorted(grid.get_node_ids())
     # all suspects: the next exchanges waited (bounded) for their replies, so training resumed

@@ -12,10 +12,16 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.charter import load_charter
-from chaos_flwr.flower.client import certified_digest, default_party_factory, enable, party_for
+from chaos_flwr.flower.client import default_party_factory, enable, party_for
 from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
-from chaos_flwr.flower.strategy import ChaosStrategy, JoinLog, RoundLog
+from chaos_flwr.flower.server import (
+    ChaosStrategy,
+    JoinLog,
+    PhaseSettings,
+    RoundLog,
+    certified_digest,
+)
 from chaos_flwr.store import ReplicaStore
 
 
@@ -96,24 +102,26 @@ class World:
         strategy = ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
-            phase_timeout_s=2.0,
+            phases=PhaseSettings(phase_timeout_s=2.0),
         )
         exchanges: dict[int, int] = {}
         count = {"n": 0}
-        real_exchange, real_pulls = strategy._exchange, strategy._join_pulls
+        real_exchange, real_pulls = strategy.courier.exchange, strategy.join_relay.pull
 
         def counting_exchange(*a: Any, **kw: Any) -> Any:
             count["n"] += 1
             return real_exchange(*a, **kw)
 
-        def counted_pulls(grid: Any, rnd: int, digest: bytes, rlog: RoundLog, t: float) -> float:
+        def counted_pulls(
+            grid: Any, rnd: int, digest: bytes, rlog: RoundLog, t: float, total: int | None
+        ) -> float:
             before = count["n"]
-            out = real_pulls(grid, rnd, digest, rlog, t)
+            out = real_pulls(grid, rnd, digest, rlog, t, total)
             exchanges[rlog.server_round] = count["n"] - before
             return out
 
-        strategy._exchange = counting_exchange  # type: ignore[method-assign]
-        strategy._join_pulls = counted_pulls  # type: ignore[method-assign]
+        strategy.courier.exchange = counting_exchange  # type: ignore[method-assign]
+        strategy.join_relay.pull = counted_pulls  # type: ignore[method-assign]
         strategy.start(self.grid, _initial(), num_rounds=5, timeout=10)
         return strategy, exchanges
 

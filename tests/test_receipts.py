@@ -16,9 +16,9 @@ from chaos_flwr.errors import (
     SignatureError,
     UnknownPartyError,
 )
-from chaos_flwr.flower.client import receipt_bytes
 from chaos_flwr.identity import Identity
 from chaos_flwr.receipts import Equivocation, Receipt, ReceiptLedger, receipt_signing_bytes
+from chaos_flwr.receipts import receipt_signing_bytes as receipt_bytes
 
 IDS = [Identity.from_seed(f"receipt-party-{i}") for i in range(4)]
 OUTSIDER = Identity.from_seed("receipt-outsider")

@@ -64,13 +64,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from chaos_flwr.defaults import (
-    FLOWER_CHAOS_RECORD_KEY,
     FLOWER_CHURN_KILL_TRAIN_DELAY_S,
     FLOWER_CHURN_MAX_FILE_BYTES,
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
 )
 from chaos_flwr.errors import ChaosError, ConfigError
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 
 __all__ = [
     "CLIENT_EVENTS",
@@ -360,7 +360,7 @@ def message_round(message: Any, start_round: int = 0) -> int:
     config = content.config_records.get("config")
     if config is not None and _int(config.get("server-round")) is not None:
         return int(config["server-round"])
-    record = content.config_records.get(FLOWER_CHAOS_RECORD_KEY)
+    record = content.config_records.get(CHAOS_RECORD_KEY)
     if record is not None:
         rnd = _int(record.get("round"))
         phase = record.get("phase")

@@ -205,7 +205,7 @@ class SavedParty:
         """The join pull in progress, or ``None`` (``StoreError`` if it does not read back)."""
         if self.joining is None:
             return None
-        from chaos_flwr.flower.joinpull import JoinerPull
+        from chaos_flwr.flower.client.joiner import JoinerPull
 
         try:
             return JoinerPull.from_value(self.joining)

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from chaos_flwr.defaults import (
-    CHARTER_DEFAULT_FAILURE_QUORUM,
-    CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
-    CHARTER_DEFAULT_SPONSORS_REQUIRED,
-    CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
     FLOWER_FEDERATION_CHARTER_FILE,
     FLOWER_FEDERATION_FOUNDERS,
     FLOWER_FEDERATION_KEY_PREFIX,
@@ -29,7 +26,15 @@ from chaos_flwr.defaults import (
 )
 from chaos_flwr.errors import ConfigError
 
+if TYPE_CHECKING:
+    from chaos_flwr.identity import Identity
+
 __all__ = ["Federation", "charter_path", "key_path", "load_federation", "make_federation"]
+
+#: Charter policy fields :func:`make_federation` passes on.
+_POLICY_FIELDS = frozenset(
+    {"sponsors_required", "failure_quorum", "heartbeat_interval_s", "suspicion_timeout_s"}
+)
 
 
 def key_path(keys_dir: Path | str, partition_id: int) -> Path:
@@ -57,14 +62,11 @@ def make_federation(
     n_parties: int,
     *,
     founders: int = FLOWER_FEDERATION_FOUNDERS,
-    sponsors_required: int = CHARTER_DEFAULT_SPONSORS_REQUIRED,
     allowlist_extra: int = 0,
     federation: str = FLOWER_FEDERATION_NAME,
-    failure_quorum: int = CHARTER_DEFAULT_FAILURE_QUORUM,
-    heartbeat_interval_s: float = CHARTER_DEFAULT_HEARTBEAT_INTERVAL_S,
-    suspicion_timeout_s: float = CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
     seed: str | None = None,
     overwrite: bool = False,
+    **policy: Any,
 ) -> Path:
     """Write keys for ``n_parties + allowlist_extra`` parties and a founder-signed charter.
 
@@ -76,16 +78,18 @@ def make_federation(
         Parties ``party-0 .. party-<n-1>`` (one per simulation partition).
     founders:
         How many of them (the first ones) found the federation; capped at ``n_parties``.
-    sponsors_required:
-        Member signatures a non-founder's join needs (charter ``admission``).
     allowlist_extra:
         Extra allowlisted keys ``party-<n> ..``: joiners that no partition starts with.
-    federation, failure_quorum, heartbeat_interval_s, suspicion_timeout_s:
-        Charter fields.
+    federation:
+        The charter's federation name.
     seed:
         Derive every key from ``seed`` (reproducible federations); random keys if ``None``.
     overwrite:
         Replace key files already in ``out_dir``.
+    **policy:
+        Charter policy fields, each defaulting to the charter's default: ``sponsors_required``
+        (member signatures a non-founder's join needs), ``failure_quorum``,
+        ``heartbeat_interval_s``, ``suspicion_timeout_s``.
 
     Returns
     -------
@@ -95,12 +99,16 @@ def make_federation(
     Raises
     ------
     ConfigError
-        A count is out of range or the files cannot be written.
+        A count is out of range, a policy field is unknown, or the files cannot be written.
     """
     from chaos_flwr.charter import Charter
     from chaos_flwr.errors import ChaosError
-    from chaos_flwr.identity import Identity
 
+    unknown = sorted(set(policy) - _POLICY_FIELDS)
+    if unknown:
+        raise ConfigError(
+            f"unknown charter policy field(s) {unknown}; allowed: {sorted(_POLICY_FIELDS)}"
+        )
     if n_parties < 1:
         raise ConfigError(f"n_parties must be >= 1, got {n_parties}")
     if founders < 1:
@@ -109,15 +117,7 @@ def make_federation(
         raise ConfigError(f"allowlist_extra must be >= 0, got {allowlist_extra}")
     n_found = min(founders, n_parties)
     folder = Path(out_dir)
-    idents: list[Identity] = []
-    for i in range(n_parties + allowlist_extra):
-        name = f"{FLOWER_FEDERATION_KEY_PREFIX}{i}"
-        ident = (
-            Identity.generate(name)
-            if seed is None
-            else Identity.from_seed(f"{seed}/{name}".encode(), name=name)
-        )
-        idents.append(ident)
+    idents = _identities(n_parties + allowlist_extra, seed)
     try:
         for ident in idents:
             ident.save(folder, overwrite=overwrite)
@@ -125,15 +125,28 @@ def make_federation(
             federation,
             idents[:n_found],
             idents[n_found:],
-            sponsors_required=sponsors_required,
-            failure_quorum=failure_quorum,
-            heartbeat_interval_s=heartbeat_interval_s,
-            suspicion_timeout_s=suspicion_timeout_s,
+            **policy,
         )
         charter.save(charter_path(folder))
     except ChaosError as exc:
         raise ConfigError(f"make_federation({folder}): {exc}") from exc
     return folder
+
+
+def _identities(count: int, seed: str | None) -> list[Identity]:
+    """Identities ``party-0 .. party-<count-1>``: derived from ``seed``, else random."""
+    from chaos_flwr.identity import Identity
+
+    idents: list[Identity] = []
+    for i in range(count):
+        name = f"{FLOWER_FEDERATION_KEY_PREFIX}{i}"
+        ident = (
+            Identity.generate(name)
+            if seed is None
+            else Identity.from_seed(f"{seed}/{name}".encode(), name=name)
+        )
+        idents.append(ident)
+    return idents
 
 
 def load_federation(keys_dir: Path | str) -> Federation:

@@ -8,8 +8,9 @@ A profile looks like::
       strategy: FedAvg            # a class of flwr.serverapp.strategy
       args: {fraction_train: 1.0, min_available_nodes: 2}
     chaos:
-      phase_timeout_s: 20.0       # keyword arguments of ChaosStrategy (numbers only)
-      poll_interval_s: 0.02
+      phase_timeout_s: 20.0       # ChaosStrategy settings (numbers only), flat keys that
+      poll_interval_s: 0.02       # map onto PhaseSettings / JoinSettings
+      join_max_donors: 8
 
 Profiles load by name from the repository's ``strategies/`` folder (editable install) or from
 ``chaos_flwr/strategies/`` (wheel), or by path.
@@ -24,15 +25,16 @@ from typing import Any
 
 import yaml
 
-from chaos_flwr.errors import ProfileError
+from chaos_flwr.errors import ConfigError, ProfileError
 
 __all__ = ["Profile", "available_profiles", "load_profile", "profile_dirs"]
 
 _TOP_KEYS = {"name", "description", "inner", "chaos"}
 _INNER_KEYS = {"strategy", "args"}
-#: ChaosStrategy keyword arguments a profile may set, with the check each value must pass.
+#: ChaosStrategy settings a profile may set as positive seconds (keys of
+#: :data:`~chaos_flwr.flower.server.settings.FLAT_KEYS`).
 _CHAOS_KEYS = {"phase_timeout_s", "poll_interval_s"}
-#: ChaosStrategy keyword arguments a profile may set as positive integers.
+#: ChaosStrategy settings a profile may set as positive integers.
 _CHAOS_INT_KEYS = {"join_min_shard_bytes", "join_max_donors", "join_max_steps"}
 #: Inner strategy arguments that take functions: not expressible in YAML.
 _CALLABLE_ARGS = {"train_metrics_aggr_fn", "evaluate_metrics_aggr_fn"}
@@ -75,6 +77,16 @@ class Profile:
             raise ProfileError(
                 f"{self._where()}inner.args: {self.strategy} refused them: {exc}"
             ) from exc
+
+    def settings(self, **flat: float) -> dict[str, Any]:
+        """The grouped ChaosStrategy settings (``phases=``, ``joins=``) of the ``chaos:``
+        section, with ``flat`` (the same flat keys) replacing its values."""
+        from chaos_flwr.flower.server.settings import settings_from_flat
+
+        try:
+            return settings_from_flat({**self.chaos, **flat})
+        except ConfigError as exc:
+            raise ProfileError(f"{self._where()}chaos: {exc}") from exc
 
     def _where(self) -> str:
         return f"{self.source}: " if self.source else ""

@@ -2,7 +2,8 @@
 
 Flower allows no node-to-node traffic: SuperNodes only talk to the SuperLink. So each exchange
 of a round, the ServerApp sends every party one Message whose RecordDict carries, in a
-ConfigRecord under :data:`~chaos_flwr.defaults.FLOWER_CHAOS_RECORD_KEY`, the envelopes addressed
+ConfigRecord under :data:`~chaos_flwr.flower.schema.CHAOS_RECORD_KEY` (its layout:
+:mod:`chaos_flwr.flower.schema`), the envelopes addressed
 to it (``bytes`` values, which ConfigRecord carries as they are), and reads from the party's reply
 the envelopes it sends on (each with a destination party id). They are delivered on the next
 exchange. The relay never opens an envelope: parties verify every one end to end, so the relay
@@ -24,44 +25,26 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from chaos_flwr.defaults import (
-    FLOWER_CHAOS_RECORD_KEY,
     FLOWER_MAX_ENVELOPES_PER_MESSAGE,
     FLOWER_MAX_QUEUED_ENVELOPES,
     FLOWER_POLL_INTERVAL_S,
 )
-from chaos_flwr.errors import DecodeError
+from chaos_flwr.flower.schema import OutgoingLike, PartyReply, read_party_record
 
 __all__ = [
     "BROADCAST",
     "ExchangeResult",
-    "OutgoingLike",
-    "PartyReply",
     "PeerProtocol",
     "Relay",
     "exchange",
-    "read_party_record",
-    "split_chaos",
-    "with_chaos",
 ]
 
 #: Destination that means "every other party the relay knows".
 BROADCAST = "*"
-#: Version of the record layout below.
-RECORD_VERSION = 1
-
-
-class OutgoingLike(Protocol):
-    """What :class:`chaos_flwr.peer.Outgoing` looks like to a carrier."""
-
-    @property
-    def to(self) -> str: ...
-
-    @property
-    def data(self) -> bytes: ...
 
 
 class PeerProtocol(Protocol):
@@ -73,135 +56,6 @@ class PeerProtocol(Protocol):
     def handle(self, data: bytes, now: float) -> Sequence[OutgoingLike]: ...
 
     def tick(self, now: float) -> Sequence[OutgoingLike]: ...
-
-
-@dataclass(frozen=True)
-class PartyReply:
-    """The Chaos part of one party's reply, as the relay reads it.
-
-    Attributes
-    ----------
-    party:
-        Party id the sender claims (binding only; envelopes are verified by recipients).
-    outgoing:
-        ``(destination party id, envelope bytes)`` pairs to route on.
-    receipt_round, receipt_digest, receipt:
-        The party's receipt for the state it holds: round, digest, and the signed receipt
-        blob (empty when the party has no identity: such a receipt is *unsigned*).
-    """
-
-    party: str
-    outgoing: tuple[tuple[str, bytes], ...]
-    receipt_round: int
-    receipt_digest: bytes
-    receipt: bytes
-
-
-def read_party_record(record: ConfigRecord) -> PartyReply:
-    """Parse the Chaos ConfigRecord of a party's reply; :class:`DecodeError` names the field."""
-    party = record.get("party", "")
-    to = record.get("to", [])
-    env = record.get("env", [])
-    rnd = record.get("receipt-round", -1)
-    dig = record.get("receipt-digest", b"")
-    rec = record.get("receipt", b"")
-    if not isinstance(party, str):
-        raise DecodeError("chaos record field 'party' must be a str")
-    if not isinstance(to, list) or not all(isinstance(t, str) for t in to):
-        raise DecodeError("chaos record field 'to' must be a list of str")
-    if not isinstance(env, list) or not all(isinstance(e, bytes) for e in env):
-        raise DecodeError("chaos record field 'env' must be a list of bytes")
-    if len(to) != len(env):
-        raise DecodeError(f"chaos record fields 'to' ({len(to)}) and 'env' ({len(env)}) differ")
-    if isinstance(rnd, bool) or not isinstance(rnd, int):
-        raise DecodeError("chaos record field 'receipt-round' must be an int")
-    if not isinstance(dig, bytes) or not isinstance(rec, bytes):
-        raise DecodeError("chaos record fields 'receipt-digest' and 'receipt' must be bytes")
-    pairs = tuple(
-        (t, e) for t, e in zip(to, env, strict=True) if isinstance(t, str) and isinstance(e, bytes)
-    )
-    return PartyReply(party, pairs, rnd, dig, rec)
-
-
-def party_record(
-    party: str,
-    outgoing: Iterable[OutgoingLike],
-    *,
-    receipt_round: int = -1,
-    receipt_digest: bytes = b"",
-    receipt: bytes = b"",
-) -> ConfigRecord:
-    """Build the Chaos ConfigRecord a party attaches to its reply."""
-    outs = list(outgoing)
-    return ConfigRecord(
-        {
-            "v": RECORD_VERSION,
-            "party": party,
-            "to": [o.to for o in outs],
-            "env": [bytes(o.data) for o in outs],
-            "receipt-round": receipt_round,
-            "receipt-digest": receipt_digest,
-            "receipt": receipt,
-        }
-    )
-
-
-def server_record(
-    envelopes: Sequence[bytes],
-    *,
-    phase: str,
-    server_round: int,
-    digest: bytes = b"",
-    strategy_state: bytes | None = None,
-) -> ConfigRecord:
-    """Build the Chaos ConfigRecord the relay attaches to a message for one party.
-
-    ``strategy_state`` (certify messages that carry the state) is the inner strategy's opaque
-    state, part of the certified state whose digest is ``digest``.
-    """
-    record = ConfigRecord(
-        {
-            "v": RECORD_VERSION,
-            "phase": phase,
-            "round": server_round,
-            "digest": digest,
-            "env": list(envelopes),
-        }
-    )
-    if strategy_state:
-        record["strategy-state"] = strategy_state
-    return record
-
-
-def with_chaos(message: Message, record: ConfigRecord) -> Message:
-    """Copy ``message`` with ``record`` added to its content (the original is left as it is).
-
-    Strategies often share one RecordDict between all the messages of a round, so the Chaos
-    record (different per party) goes into a fresh RecordDict holding the same records.
-    """
-    content = RecordDict(dict(message.content.items()))
-    content[FLOWER_CHAOS_RECORD_KEY] = record
-    md = message.metadata
-    return Message(
-        content,
-        dst_node_id=md.dst_node_id,
-        message_type=md.message_type,
-        group_id=md.group_id or None,
-        ttl=md.ttl,
-    )
-
-
-def split_chaos(message: Message) -> ConfigRecord | None:
-    """Remove and return the Chaos record of a message with content (``None`` if it has none).
-
-    What remains is exactly what the application (or the inner strategy) expects to see.
-    """
-    if not message.has_content() or FLOWER_CHAOS_RECORD_KEY not in message.content:
-        return None
-    record = message.content[FLOWER_CHAOS_RECORD_KEY]
-    rest = RecordDict({k: v for k, v in message.content.items() if k != FLOWER_CHAOS_RECORD_KEY})
-    message.content = rest
-    return record if isinstance(record, ConfigRecord) else None
 
 
 @dataclass

@@ -46,6 +46,7 @@ def _build_strategy(context: Context) -> Strategy:
         return fedavg
     if mode == "chaos":
         from chaos_flwr import ChaosStrategy, load_charter
+        from chaos_flwr.flower import PhaseSettings
 
         # a signed federation (run config chaos-keys-dir): receipts are verified against the
         # charter's keyring and the server keeps a view of the signed records it relays;
@@ -55,8 +56,10 @@ def _build_strategy(context: Context) -> Strategy:
         return ChaosStrategy(
             fedavg,
             charter=charter,
-            phase_timeout_s=float(cfg["phase-timeout-s"]),
-            poll_interval_s=float(cfg["poll-interval-s"]),
+            phases=PhaseSettings(
+                phase_timeout_s=float(cfg["phase-timeout-s"]),
+                poll_interval_s=float(cfg["poll-interval-s"]),
+            ),
         )
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 

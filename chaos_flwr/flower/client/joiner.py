@@ -1,4 +1,4 @@
-"""A joiner's pull on Flower: the carrier of :class:`chaos_flwr.pull.PullNegotiation`.
+"""The joiner side of a pull on Flower: relay steps, and the carrier of the pull's state machine.
 
 Flower has no node-to-node traffic, so the ServerApp relays; but it only *relays*: the joiner
 plans the pull (planner-sized shares), checks the donors' signed receipts, verifies the
@@ -9,19 +9,22 @@ manifest and every shard, and assembles the state. One relay **step** is two exc
    donors' replies to the previous step's requests after that). The joiner answers with its
    next requests, one per donor, or ``done`` / ``failed``.
 2. ServerApp -> each donor named (phase ``pull``): the request, answered from the donor's
-   replica (:func:`chaos_flwr.flower.pull.serve_request`); a donor that errs, misses the
+   replica (:func:`chaos_flwr.flower.client.donor.serve_request`); a donor that errs, misses the
    deadline or sends nothing is reported *lost* to the joiner, which re-plans its shards.
 
-What to ask, and when, is the state machine's (:mod:`chaos_flwr.pull`); this module does the
-I/O it decides: it turns its requests into records for the relay, times the direct links
+What to ask, and when, is the state machine's
+(:class:`~chaos_flwr.pull.negotiation.PullNegotiation`); this module does the I/O it
+decides: it turns its requests into records for the relay, times the direct links
 (:mod:`chaos_flwr.flower.direct`) a donor names, fetches the direct donors' shards over grpc
 within the step (all at once, within one budget: a link still busy when it is spent falls back
 to the relay), and reads the clock. Records, per RecordDict of a message:
 
-- ``chaos-pull`` (:data:`~chaos_flwr.defaults.FLOWER_PULL_DATA_KEY`): the control record;
+- ``chaos-pull`` (:data:`~chaos_flwr.flower.schema.PULL_DATA_KEY`): the control record;
 - ``chaos-pull.<party id>``: the request to / reply from that donor.
 
-A donor serves whoever the ServerApp names. That gives the ServerApp nothing it lacks: it
+:func:`join_step` is one relay step of a party (it checks the donors' receipts, starts or goes on
+with its :class:`JoinerPull`, kept in ``Party.joining`` between steps, and holds the verified
+state). A donor serves whoever the ServerApp names. That gives the ServerApp nothing it lacks: it
 aggregated the state itself. What it cannot do is make a joiner hold a state that no holder
 certified: receipts are verified by the joiner and the bytes against their digest.
 """
@@ -30,66 +33,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord
 
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
-    FLOWER_DIRECT_PROBE_BYTES,
     FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
-    FLOWER_PULL_ASSUMED_BANDWIDTH_BPS,
-    FLOWER_PULL_DATA_KEY,
 )
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.pull.messages import Reply, read_reply
-from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation, Status
+from chaos_flwr.pull.negotiation import (
+    PULL_ASSUMED_BANDWIDTH_BPS,
+    PULL_PROBE_BYTES,
+    Decision,
+    LinkResult,
+    PullNegotiation,
+    Status,
+)
 from chaos_flwr.pull.saved import load_negotiation, save_negotiation
 from chaos_flwr.state import TrainingState
 
-__all__ = [
-    "JoinerPull",
-    "donor_key",
-    "read_donor_records",
-    "start_record",
-]
-
-
-def donor_key(party: str) -> str:
-    """RecordDict key of the request to / reply from donor ``party``."""
-    return f"{FLOWER_PULL_DATA_KEY}.{party}"
-
-
-def read_donor_records(content: RecordDict) -> dict[str, ConfigRecord]:
-    """The per-donor records (``chaos-pull.<party>``) of a RecordDict, by party id."""
-    prefix = f"{FLOWER_PULL_DATA_KEY}."
-    out: dict[str, ConfigRecord] = {}
-    for key, value in content.items():
-        if key.startswith(prefix) and isinstance(value, ConfigRecord):
-            out[key[len(prefix) :]] = value
-    return out
-
-
-def start_record(
-    donors: list[str],
-    receipts: list[bytes],
-    min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
-    total: int | None = None,
-) -> ConfigRecord:
-    """The first step's control record: the donors and their signed receipts (same order),
-    and the state's size when the ServerApp knows it (a hint: the donors' manifest decides)."""
-    record = ConfigRecord(
-        {
-            "op": "start",
-            "donors": list(donors),
-            "receipts": list(receipts),
-            "min-shard": min_shard_bytes,
-        }
-    )
-    if total is not None:
-        record["total"] = total
-    return record
+__all__ = ["JoinerPull", "JoiningParty", "join_step"]
 
 
 def _address_ok(value: str) -> str:
@@ -139,7 +105,7 @@ class JoinerPull:
             donors,
             min_shard_bytes=min_shard_bytes,
             total_hint=total_hint,
-            rates={d: FLOWER_PULL_ASSUMED_BANDWIDTH_BPS for d in donors},
+            rates={d: PULL_ASSUMED_BANDWIDTH_BPS for d in donors},
             direct=direct,
             address_ok=_address_ok,
         )
@@ -219,7 +185,7 @@ class JoinerPull:
             if decision.probe:
                 results = self._fetch(
                     {d: a for d, (a, _) in decision.probe.items()},
-                    {d: [(-1, 0, min(n, FLOWER_DIRECT_PROBE_BYTES))] for d, (_, n) in
+                    {d: [(-1, 0, min(n, PULL_PROBE_BYTES))] for d, (_, n) in
                      decision.probe.items()},
                     left,
                 )  # fmt: skip
@@ -271,3 +237,105 @@ class JoinerPull:
     def from_value(cls, value: Mapping[str, Any]) -> JoinerPull:
         """A pull saved by :meth:`to_value` (DecodeError on a bad or foreign value)."""
         return cls(0, b"", [], negotiation=load_negotiation(value, address_ok=_address_ok))
+
+
+class JoiningParty(Protocol):
+    """What :func:`join_step` uses of a :class:`~chaos_flwr.flower.client.party.Party`."""
+
+    held_round: int
+    held_digest: bytes
+    left: bool
+    joining: JoinerPull | None
+    joins_done: list[ConfigRecord]
+    errors: list[str]
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def check_receipts(self, record: ConfigRecord | None) -> bool: ...
+
+    def _receipt_ok(self, party: str, rnd: int, digest: bytes, blob: bytes) -> bool: ...
+
+    def _hold(self, state: TrainingState) -> None: ...
+
+
+def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
+    """The shard floor and the size hint a start record names (each ignored unless an int
+    > 0: the floor then defaults, the size is asked of the donors)."""
+
+    def positive(key: str) -> int | None:
+        value = control.get(key)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        return value if ok else None  # type: ignore[return-value]
+
+    return positive("min-shard") or FLOWER_JOIN_MIN_SHARD_BYTES, positive("total")
+
+
+def join_step(
+    party: JoiningParty,
+    record: ConfigRecord,
+    control: ConfigRecord,
+    replies: Mapping[str, ConfigRecord],
+) -> tuple[ConfigRecord, dict[str, ConfigRecord]]:
+    """One relay step of this party's pull of the certified state (it is the joiner).
+
+    ``record`` names the certified round and digest; ``control`` starts the pull (donors
+    and their signed receipts, checked here against the keyring) or reports lost donors;
+    ``replies`` are the donors' answers to the previous step's requests. Returns the
+    control reply (``status`` want/done/failed, figures when done) and the requests per
+    donor. A verified state is held (and stored with this party's receipt).
+    """
+    rnd, digest = record.get("round"), record.get("digest")
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or not isinstance(digest, bytes):
+        return ConfigRecord({"status": "failed", "error": "no round/digest"}), {}
+    if party.left:
+        return ConfigRecord({"status": "failed", "error": "party left"}), {}
+    if rnd == party.held_round and digest == party.held_digest:
+        party.joining = None
+        return ConfigRecord({"status": "done", "error": "already held"}), {}
+    now = party.clock()
+    pull = party.joining
+    if control.get("op") == "start" or pull is None or pull.server_round != rnd:
+        donors = control.get("donors", [])
+        blobs = control.get("receipts", [])
+        if not isinstance(donors, list) or not isinstance(blobs, list):
+            return ConfigRecord({"status": "failed", "error": "bad start record"}), {}
+        good = [
+            d
+            for d, b in zip(donors, blobs, strict=False)
+            if isinstance(d, str) and isinstance(b, bytes) and party._receipt_ok(d, rnd, digest, b)
+        ]
+        if not good:
+            return ConfigRecord({"status": "failed", "error": "no donor receipt verifies"}), {}
+        if rnd == party.held_round and party.held_round >= 0:
+            # it certified another state of this very round: the relay showed the round
+            # two ways. Never re-sign; the donors' receipts and its own are the evidence.
+            from chaos_flwr.receipts import Receipt
+
+            theirs = [
+                Receipt.from_flower(d, rnd, digest, b).encode()
+                for d, b in zip(donors, blobs, strict=False)
+                if d in good and isinstance(b, bytes)
+            ]
+            party.check_receipts(ConfigRecord({"receipts": theirs}))
+            why = f"EquivocationError: round {rnd} was shown with two digests"
+            return ConfigRecord({"status": "failed", "error": why}), {}
+        min_shard, total = _start_settings(control)
+        pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total)
+        party.joining = pull
+        status, requests = pull.start(now)
+    else:
+        lost_v = control.get("lost", [])
+        lost = {x for x in lost_v if isinstance(x, str)} if isinstance(lost_v, list) else set()
+        status, requests = pull.step(replies, lost, now)
+    reply = ConfigRecord({"status": status})
+    if status != "want":
+        reply = pull.stats()
+        reply["status"] = status
+        party.joining = None
+        if status == "done" and pull.state is not None:
+            party._hold(pull.state)
+        party.joins_done.append(reply)
+        if status == "failed":
+            party.errors.append(f"join pull of round {rnd} failed: {pull.error}")
+    return reply, requests

@@ -1,7 +1,6 @@
-"""Pulls on Flower's relay: a holder's answers, and a restarted ServerApp's pull of the state.
+"""A restarted ServerApp's pull of the newest certified state from its holders, via the relay.
 
-A holder answers a pull request from its replica bytes (:func:`serve_request`, the record form
-of :func:`chaos_flwr.pull.serve`); it never pauses training. A restarted ServerApp rebuilds the
+A restarted ServerApp rebuilds the
 newest certified state by driving the same :class:`~chaos_flwr.pull.PullNegotiation` a joiner
 drives (:func:`pull_state`): sizes from every holder, the manifest of the shape it planned from
 one (checked against the digest the receipts certify before anything is requested), then every
@@ -18,14 +17,15 @@ from dataclasses import dataclass, field
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from chaos_flwr.defaults import (
-    FLOWER_CHAOS_MESSAGE_TYPE,
-    FLOWER_CHAOS_RECORD_KEY,
-    FLOWER_PULL_DATA_KEY,
-)
 from chaos_flwr.errors import ChaosError, TransferError
-from chaos_flwr.flower.relay import exchange, server_record
-from chaos_flwr.pull.messages import Reply, read_reply, read_request, serve
+from chaos_flwr.flower.relay import exchange
+from chaos_flwr.flower.schema import (
+    CHAOS_MESSAGE_TYPE,
+    CHAOS_RECORD_KEY,
+    PULL_DATA_KEY,
+    server_record,
+)
+from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import PullNegotiation, Status
 from chaos_flwr.state import to_array_record
 
@@ -34,7 +34,6 @@ __all__ = [
     "PullReport",
     "RelayAsker",
     "pull_state",
-    "serve_request",
 ]
 
 #: Most exchanges a restarted ServerApp's pull may take (sizes, manifest, shards, re-plans).
@@ -50,27 +49,6 @@ class PullReport:
     exchanges: int = 0
     seconds: float = 0.0
     strategy_state: bytes = b""
-
-
-def serve_request(
-    state_bytes: bytes, request: ConfigRecord, *, direct_addr: str = ""
-) -> ConfigRecord:
-    """A holder's answer to a pull request over its replica bytes (:func:`chaos_flwr.pull.serve`).
-
-    Parameters
-    ----------
-    direct_addr:
-        The holder's direct replica server (``host:port``, see :mod:`chaos_flwr.flower.direct`);
-        when set, the size and manifest replies name it under ``direct`` so a joiner can
-        fetch its shards without the relay.
-
-    Raises
-    ------
-    chaos_flwr.errors.DecodeError
-        A malformed request (:func:`chaos_flwr.pull.read_request`) or one the holder refuses.
-    """
-    reply = serve(state_bytes, read_request(request), direct_addr=direct_addr)
-    return ConfigRecord(reply.to_value())  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -107,12 +85,12 @@ class RelayAsker:
             record = server_record(
                 [], phase="pull", server_round=self.server_round, digest=self.digest
             )
-            content = RecordDict({FLOWER_CHAOS_RECORD_KEY: record, FLOWER_PULL_DATA_KEY: req})
+            content = RecordDict({CHAOS_RECORD_KEY: record, PULL_DATA_KEY: req})
             msgs.append(
                 Message(
                     content,
                     dst_node_id=node,
-                    message_type=FLOWER_CHAOS_MESSAGE_TYPE,
+                    message_type=CHAOS_MESSAGE_TYPE,
                     ttl=self.timeout_s,
                 )
             )
@@ -124,7 +102,7 @@ class RelayAsker:
         for node, reply in res.replies.items():
             if self.on_reply is not None:
                 self.on_reply(node, reply)  # the party's Chaos record (envelopes, receipt)
-            rec = reply.content.get(FLOWER_PULL_DATA_KEY) if reply.has_content() else None
+            rec = reply.content.get(PULL_DATA_KEY) if reply.has_content() else None
             if isinstance(rec, ConfigRecord):
                 out[node] = rec
         failed = set(res.errors) | res.missing | (set(res.replies) - set(out))

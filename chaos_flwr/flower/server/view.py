@@ -18,7 +18,7 @@ from typing import Any
 
 from chaos_flwr import codec
 from chaos_flwr.errors import ChaosError
-from chaos_flwr.flower.strategy import MembershipEvent
+from chaos_flwr.flower.server.logs import MembershipEvent
 from chaos_flwr.membership import (
     PROOF_KIND,
     Policy,

@@ -1,0 +1,140 @@
+"""The client side's one hook into Flower: :func:`enable` makes an existing ``ClientApp`` a
+Chaos party.
+
+The change to a plain Flower app is::
+
+    from chaos_flwr.flower import enable   # 1
+    app = ClientApp()
+    ...                                     # @app.train() / @app.evaluate() as before
+    enable(app)                             # 2
+
+:func:`enable` registers the ``query.chaos`` handler and wraps the app's train/evaluate handlers
+(in Flower's ``ClientApp._registered_funcs``, the only place this package touches Flower's
+internals; see docs/internals.md) so that Chaos records riding on those messages are taken off
+before the handler sees them and the party's outgoing envelopes and receipt are put on the
+reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+
+from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower.client.factory import default_party_factory
+from chaos_flwr.flower.client.registry import Parties, PartyFactory, register
+from chaos_flwr.flower.schema import (
+    CHAOS_RECORD_KEY,
+    PULL_DATA_KEY,
+    donor_key,
+    read_donor_records,
+    split_chaos,
+)
+
+__all__ = ["enable"]
+
+
+def _wrap(
+    fn: Callable[[Message, Context], Message], parties: Parties
+) -> Callable[[Message, Context], Message]:
+    def wrapped(message: Message, context: Context) -> Message:
+        record = split_chaos(message)
+        if record is not None and parties(context).left:
+            # a party that left answers nothing more as a member (its leave record waits in
+            # ``pending`` for the next relay message)
+            return Message(
+                Error(ErrorCode.MOD_FAILED_PRECONDITION, "party left the federation"),
+                reply_to=message,
+            )
+        if record is not None and message.metadata.message_type.startswith("train"):
+            party = parties(context)
+            if party.check_receipts(record):
+                # it will not train on a round that was shown two ways (evidence goes out
+                # with its next relay reply)
+                return Message(
+                    Error(ErrorCode.MOD_FAILED_PRECONDITION, str(party.evidence[0].error())),
+                    reply_to=message,
+                )
+        reply = fn(message, context)
+        if record is None:
+            return reply
+        arrays = message.content.array_records
+        first = next(iter(arrays.values()), None)
+        party = parties(context)
+        out = party.process(record, first)
+        party.persist()
+        if reply.has_content():
+            content = RecordDict(dict(reply.content.items()))
+            content[CHAOS_RECORD_KEY] = out
+            reply.content = content
+        return reply
+
+    wrapped.__name__ = getattr(fn, "__name__", "wrapped")
+    wrapped.__doc__ = getattr(fn, "__doc__", None)
+    return wrapped
+
+
+def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> ClientApp:
+    """Make ``app`` a Chaos party: register ``query.chaos`` and wrap train/evaluate handlers.
+
+    Call it after the app's ``@app.train()`` / ``@app.evaluate()`` handlers are registered.
+
+    Parameters
+    ----------
+    app:
+        A ``ClientApp`` built with decorators (not with a legacy ``client_fn``).
+    party_factory:
+        Builds the party of a node from its ``Context``; default
+        :func:`default_party_factory`, which reads ``node_config``.
+
+    Returns
+    -------
+    ClientApp
+        The same ``app``.
+    """
+    parties = Parties(party_factory or default_party_factory)
+    registered: dict[str, Callable[[Message, Context], Message]] | None = getattr(
+        app, "_registered_funcs", None
+    )
+    if registered is None or getattr(app, "_call", None) is not None:
+        raise ConfigError(
+            "app: chaos_flwr.flower.enable needs a ClientApp built with @app.train()/"
+            "@app.evaluate() decorators, not one built from a legacy client_fn"
+        )
+    if "query.chaos" in registered:
+        raise ConfigError("app: Chaos is already enabled on this ClientApp")
+    for name in list(registered):
+        if name.startswith(("train.", "evaluate.")):
+            registered[name] = _wrap(registered[name], parties)
+    app._chaos_parties = parties  # type: ignore[attr-defined]
+    register(parties)
+
+    @app.query("chaos")
+    def chaos_query(message: Message, context: Context) -> Message:
+        record = split_chaos(message)
+        first = next(iter(message.content.array_records.values()), None)
+        party = parties(context)
+        request = message.content.get(PULL_DATA_KEY)
+        phase = record.get("phase") if record is not None else None
+        extra: dict[str, ConfigRecord] = {}
+        if record is not None and phase == "join" and isinstance(request, ConfigRecord):
+            # this party is the joiner: it pulls before its receipt goes out below
+            ctl, requests = party.join_step(record, request, read_donor_records(message.content))
+            extra[PULL_DATA_KEY] = ctl
+            for donor, req in requests.items():
+                extra[donor_key(donor)] = req
+        out = party.process(record, first)
+        content = RecordDict({CHAOS_RECORD_KEY: out})
+        if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
+            served = party.serve(record, request)
+            if served is not None:
+                content[PULL_DATA_KEY] = served
+        for key, rec in extra.items():
+            content[key] = rec
+        party.persist()  # before any envelope of this reply leaves the process
+        return Message(content, reply_to=message)
+
+    return app

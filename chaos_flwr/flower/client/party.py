@@ -1,0 +1,489 @@
+"""A party's Chaos runtime inside a ClientApp process: :class:`Party`.
+
+It feeds the relayed envelopes to its protocol peer, holds the certified state it is sent (and
+stores it with its signed receipt), signs and checks receipts, and answers the membership
+actions of churn scenarios and operators (:meth:`Party.leave`, :meth:`Party.connect`,
+:meth:`Party.disconnect`). Its pulls are in :mod:`.joiner` and :mod:`.donor`; its durable state
+in :mod:`chaos_flwr.flower.durable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from flwr.app import ArrayRecord, ConfigRecord
+
+from chaos_flwr import codec
+from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
+from chaos_flwr.errors import ChaosError, ConfigError, StoreError
+from chaos_flwr.flower.client import donor, joiner
+from chaos_flwr.flower.client.joiner import JoinerPull
+from chaos_flwr.flower.client.settings import LEFT_MARKER
+from chaos_flwr.flower.relay import PeerProtocol
+from chaos_flwr.flower.schema import OutgoingLike, party_record
+from chaos_flwr.receipts import receipt_signing_bytes, receipt_verifies
+from chaos_flwr.state import TrainingState, from_array_record, to_array_record
+from chaos_flwr.store import ReplicaStore
+
+if TYPE_CHECKING:
+    from chaos_flwr.flower.durable import SavedParty
+    from chaos_flwr.receipts import Equivocation, ReceiptLedger
+
+__all__ = ["Party"]
+
+
+@dataclass
+class Party:
+    """One party's Chaos runtime inside a ClientApp process.
+
+    Parameters
+    ----------
+    party_id:
+        The party's id (``identity.party_id_of(public key)``).
+    peer:
+        The sans-I/O protocol peer fed with every envelope the relay delivers; ``None`` for a
+        relay-only party (it routes nothing and speaks no membership protocol).
+    signer:
+        Signs receipts (``Identity.sign``); ``None`` means receipts go out *unsigned* (empty
+        receipt blob), and a verifying server does not count them.
+    clock:
+        Wall clock handed to the peer as ``now``.
+    store:
+        The party's replica store: every certified state is written there (with the party's
+        signed receipt as its certificate) and :meth:`restore` takes it up after a restart.
+    """
+
+    party_id: str
+    peer: PeerProtocol | None = None
+    signer: Callable[[bytes], bytes] | None = None
+    clock: Callable[[], float] = time.time
+    held_round: int = -1
+    held_digest: bytes = b""
+    held_arrays: ArrayRecord | None = None
+    errors: list[str] = field(default_factory=list)
+    pending: list[OutgoingLike] = field(default_factory=list)
+    store: ReplicaStore | None = None
+    left: bool = False
+    keyring: Mapping[str, bytes] | None = None
+    held_state: TrainingState | None = None
+    joining: JoinerPull | None = None
+    joins_done: list[ConfigRecord] = field(default_factory=list)
+    _join_asked: tuple[float | None, tuple[str, ...]] = field(default=(None, ()), repr=False)
+    evidence: list[Equivocation] = field(default_factory=list)
+    auto_link: bool = True
+    state_dir: Path | None = None
+    direct_addr: str = ""
+    _links_asked: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
+    _ledger: ReceiptLedger | None = field(default=None, repr=False)
+    _evidence_sent: int = field(default=0, repr=False)
+    _bytes: bytes = field(default=b"", repr=False)
+    _bytes_round: int = field(default=-1, repr=False)
+    lifetime: str = ""
+    _saved_as: tuple[int, int] | None = field(default=None, repr=False)
+
+    # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
+    def saved(self) -> SavedParty:
+        """What this party must keep until its next message (see :mod:`.durable`)."""
+        from chaos_flwr.flower.durable import SavedParty, ledger_receipts
+
+        peer = self.peer
+        replay_of = getattr(peer, "replay_state", None)
+        replay = replay_of() if replay_of is not None else {}
+        records = getattr(peer, "records", None)
+        return SavedParty(
+            party_id=self.party_id,
+            lifetime=self.lifetime,
+            incarnation=int(getattr(peer, "incarnation", 0)),
+            seq=int(getattr(peer, "seq", 0)),
+            replay=replay,
+            records=[r.to_wire() for r in records or ()],
+            pending=[(o.to, bytes(o.data)) for o in self.pending],
+            join_asked=self._join_asked,
+            links_asked=sorted(self._links_asked),
+            joining=None if self.joining is None else self.joining.to_value(),
+            joins_done=[dict(c.items()) for c in self.joins_done],
+            receipts=ledger_receipts(self._ledger),
+            evidence=[ev.encode() for ev in self.evidence],
+            evidence_sent=self._evidence_sent,
+        )
+
+    def take_up(self, saved: SavedParty, *, same_life: bool) -> None:
+        """Take up a saved state: the ledger and evidence always; when ``same_life`` also the
+        pending envelopes and the join progress (a real restart starts those afresh).
+
+        Raises
+        ------
+        chaos_flwr.errors.StoreError
+            The join pull or a receipt in the saved state is unreadable.
+        """
+        from chaos_flwr.receipts import Equivocation, Receipt, ReceiptLedger
+
+        if self.keyring is not None and saved.receipts:
+            self._ledger = ReceiptLedger(dict(self.keyring))
+            try:
+                self._ledger.add_all([Receipt.decode(b) for b in saved.receipts])
+                self.evidence = [Equivocation.decode(b) for b in saved.evidence]
+            except ChaosError as exc:
+                raise StoreError(f"saved party state: bad receipt or evidence ({exc})") from exc
+            self._evidence_sent = min(saved.evidence_sent, len(self.evidence))
+        if not same_life:
+            return
+        from chaos_flwr.peer import Outgoing
+
+        self.joining = saved.joiner_pull()
+        self.pending = [Outgoing(to, data) for to, data in saved.pending]
+        self._join_asked = saved.join_asked
+        self._links_asked = set(saved.links_asked)
+        self.joins_done = [ConfigRecord(d) for d in saved.joins_done]
+
+    def is_current(self) -> bool:
+        """Whether the state file is still the one this party object last saved (another
+        process of the same party, e.g. a second simulation worker, has not saved since)."""
+        if self._saved_as is None or self.state_dir is None:
+            return True
+        from chaos_flwr.flower.durable import STATE_FILE
+
+        try:
+            st = (self.state_dir / STATE_FILE).stat()
+        except OSError:
+            return False
+        return (st.st_ino, st.st_mtime_ns) == self._saved_as
+
+    def persist(self) -> None:
+        """Save the party's state to its state directory (before a reply leaves the process).
+
+        A failed save is noted in :attr:`errors` and the old file is removed, so the next
+        process starts as a real restart (fresh incarnation) instead of reusing sequence
+        numbers this one already sent.
+        """
+        if self.state_dir is None or self.peer is None:
+            return
+        from chaos_flwr.flower import durable
+
+        try:
+            path = durable.save(self.state_dir, self.saved(), seal=self.signer)
+            st = path.stat()
+            self._saved_as = (st.st_ino, st.st_mtime_ns)
+        except (StoreError, OSError) as exc:
+            self._saved_as = None
+            self.errors.append(f"StoreError: {exc}")
+            durable.LOG.warning("chaos-flwr: %s", exc)
+            with contextlib.suppress(OSError):
+                (self.state_dir / durable.STATE_FILE).unlink()
+
+    # -- membership actions (churn scenarios, operators) ----------------------------------------
+    def _need_peer(self, action: str) -> PeerProtocol:
+        if self.peer is None:
+            raise ConfigError(
+                f"party {self.party_id} has no protocol peer (unsigned run); it cannot {action}"
+            )
+        return self.peer
+
+    def leave(self) -> None:
+        """Leave the federation: sign a leave record (sent with the party's next reply).
+
+        From then on the party answers nothing more as a member: its train/evaluate handlers
+        reply with an error, it sends no receipt and serves no shards; relay messages are still
+        answered so that the leave record gets out.
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            The party is not an active member.
+        chaos_flwr.errors.ConfigError
+            The party has no protocol peer (unsigned run).
+        """
+        peer = self._need_peer("leave")
+        action = getattr(peer, "leave", None)
+        if action is None:
+            raise ConfigError(f"the peer of {self.party_id} has no leave action")
+        self.pending.extend(action(self.clock()))
+        self.left = True
+        if self.state_dir is not None:  # leaving is durable: a restart does not rejoin
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+                (self.state_dir / LEFT_MARKER).write_text(f"{self.party_id}\n")
+            except OSError as exc:
+                self.errors.append(f"StoreError: cannot write the leave marker: {exc}")
+
+    def connect(self, other_party_id: str) -> None:
+        """Ask ``other_party_id`` for a link (a signed link-up record, both ends sign).
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            Either end is not an active member, or ``other_party_id`` is this party.
+        """
+        peer = self._need_peer("connect")
+        self.pending.extend(peer.connect(other_party_id, self.clock()))  # type: ignore[attr-defined]
+
+    def disconnect(self, other_party_id: str) -> None:
+        """Take the link to ``other_party_id`` down (a signed link-down record).
+
+        Raises
+        ------
+        chaos_flwr.errors.PolicyError
+            There is no up link between the two parties.
+        """
+        peer = self._need_peer("disconnect")
+        self.pending.extend(peer.disconnect(other_party_id, self.clock()))  # type: ignore[attr-defined]
+
+    def _receipt(self) -> bytes:
+        if self.signer is None or self.held_round < 0 or self.left:
+            return b""
+        return self.signer(receipt_signing_bytes(self.party_id, self.held_round, self.held_digest))
+
+    def _hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None:
+        self.held_round = state.round
+        self.held_digest = state.digest()
+        self.held_state = state
+        self.held_arrays = arrays if arrays is not None else to_array_record(state)
+        if self.store is not None:
+            try:
+                self.store.put(state, certificate=self._receipt())
+            except StoreError as exc:  # the replica stays in memory only; say so
+                self.errors.append(f"StoreError: {exc}")
+
+    def _signed_digest(self, rnd: int) -> bytes | None:
+        """The digest this party already holds (and signed) for round ``rnd``, if any."""
+        if rnd == self.held_round and self.held_digest:
+            return self.held_digest
+        if self.store is not None and rnd in self.store.rounds():
+            try:
+                with self.store.open(rnd, verify=False) as replica:
+                    return replica.state_digest
+            except StoreError:
+                return None
+        return None
+
+    def _own_receipt_ok(self, state: TrainingState, certificate: bytes) -> bool:
+        """Whether ``certificate`` is this party's signed receipt for ``state``."""
+        if self.keyring is None:  # no keyring to check with: the store's digest check is all
+            return True
+        return receipt_verifies(
+            self.keyring, self.party_id, state.round, state.digest(), certificate
+        )
+
+    def restore(self) -> bool:
+        """Take up the newest replica of the party's store (a restart with its disk).
+
+        The replica must hash to its digest (the store checks) and carry this party's own
+        signed receipt for it (its certificate). Returns whether a replica was taken up. A
+        corrupt or uncertified replica is noted in :attr:`errors` and ignored: the party then
+        holds nothing and rejoins as a joiner. A replica of an older round makes the party a
+        joiner that catches up (the ServerApp has it pull the current state).
+        """
+        if self.store is None:
+            return False
+        try:
+            state = self.store.latest()
+            cert = self.store.certificate(state.round) if state is not None else b""
+        except StoreError as exc:
+            self.errors.append(f"StoreError: {exc}")
+            return False
+        if state is None:
+            return False
+        if not self._own_receipt_ok(state, cert):
+            self.errors.append(
+                f"StoreError: replica of round {state.round} does not carry this party's "
+                "signed receipt; ignored"
+            )
+            return False
+        self.held_round = state.round
+        self.held_digest = state.digest()
+        self.held_state = state
+        self.held_arrays = to_array_record(state)
+        return True
+
+    # -- pulls (chaos_flwr.flower.client.donor / .joiner) ------------------------------------------
+    def serve(self, record: ConfigRecord, request: ConfigRecord) -> ConfigRecord | None:
+        """Answer a pull request from the held replica (:func:`.donor.serve`)."""
+        return donor.serve(self, record, request)
+
+    def join_step(
+        self, record: ConfigRecord, control: ConfigRecord, replies: Mapping[str, ConfigRecord]
+    ) -> tuple[ConfigRecord, dict[str, ConfigRecord]]:
+        """One relay step of this party's pull (it is the joiner): :func:`.joiner.join_step`."""
+        return joiner.join_step(self, record, control, replies)
+
+    def check_receipts(self, record: ConfigRecord | None) -> bool:
+        """Compare the receipts the relay forwards (the previous round's) with this party's own.
+
+        Each forwarded receipt is verified against the keyring; two valid receipts for one
+        round with different digests are equivocation evidence
+        (:class:`chaos_flwr.receipts.Equivocation`): it is kept in :attr:`evidence`, logged in
+        :attr:`errors` as an ``EquivocationError`` and reported with the party's next reply.
+        Returns whether the party holds any evidence (it then refuses to train).
+        """
+        blobs = record.get("receipts") if record is not None else None
+        if isinstance(blobs, list) and blobs and self.keyring is not None:
+            from chaos_flwr.receipts import Receipt, ReceiptLedger
+
+            if self._ledger is None:
+                self._ledger = ReceiptLedger(dict(self.keyring))
+            ledger = self._ledger
+            found: list[Equivocation] = []
+            own = self._receipt()
+            if own:
+                found += ledger.add_all(
+                    [Receipt.from_flower(self.party_id, self.held_round, self.held_digest, own)]
+                )
+            theirs: list[Receipt] = []
+            for blob in blobs:
+                if isinstance(blob, bytes):
+                    try:
+                        theirs.append(Receipt.decode(blob))
+                    except ChaosError as exc:
+                        self.errors.append(f"{type(exc).__name__}: {exc}")
+            found += ledger.add_all(theirs)
+            for ev in found:
+                self.evidence.append(ev)
+                self.errors.append(f"EquivocationError: {ev.error()}")
+        return bool(self.evidence)
+
+    def _auto_links(self, now: float) -> list[OutgoingLike]:
+        """A member links up with every active member it has no live link with (the lower id
+        asks; a link someone took down stays down). Links are what :meth:`disconnect` drops
+        and what the monitor's failure votes follow."""
+        peer = self.peer
+        if not self.auto_link or peer is None or self.left or not getattr(peer, "is_member", 0):
+            return []
+        records = getattr(peer, "records", None)
+        connect = getattr(peer, "connect", None)
+        if records is None or connect is None:
+            return []
+        out: list[OutgoingLike] = []
+        for other in records.view().active():
+            if other <= self.party_id:
+                continue
+            link = records.link(self.party_id, other)
+            if link is not None and (link.live or link.state != "up"):
+                continue
+            m = records.member(other)
+            key = (other, getattr(m, "incarnation", 0), getattr(peer, "incarnation", 0))
+            if key in self._links_asked:
+                continue
+            self._links_asked.add(key)
+            try:
+                out.extend(connect(other, now))
+            except ChaosError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
+        """A non-member asks for a sponsored join when it hears from the relay.
+
+        Sponsors: the active members the relay lists (a hint; the join record needs their
+        signatures anyway), else the charter's founders. Asked again, of the new list, when
+        the list changes and the party is still not a member after ``FLOWER_JOIN_RETRY_S``.
+        """
+        peer = self.peer
+        if peer is None or self.left or getattr(peer, "is_member", True):
+            return []
+        hint = record.get("members", [])
+        members = [m for m in hint if isinstance(m, str)] if isinstance(hint, list) else []
+        policy = getattr(peer, "policy", None)
+        keys = set(self.keyring or {})
+        sponsors = sorted(m for m in members if m != self.party_id and (not keys or m in keys))
+        if not sponsors and policy is not None:
+            sponsors = sorted(set(policy.founders) - {self.party_id})
+        if not sponsors:
+            return []
+        asked_at, asked = self._join_asked
+        if asked_at is not None and (
+            now - asked_at < FLOWER_JOIN_RETRY_S or set(asked) == set(sponsors)
+        ):
+            return []
+        request = getattr(peer, "request_join", None)
+        if request is None:
+            return []
+        try:
+            out: list[OutgoingLike] = list(request(now, sponsors))
+        except ChaosError as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return []
+        self._join_asked = (now, tuple(sponsors))
+        return out
+
+    def _receipt_ok(self, party: str, rnd: int, digest: bytes, blob: bytes) -> bool:
+        if self.keyring is None:
+            return True  # an unsigned run: nothing to check receipts with
+        return receipt_verifies(self.keyring, party, rnd, digest, blob)
+
+    def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
+        """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
+        now = self.clock()
+        outgoing: list[OutgoingLike] = list(self.pending)
+        self.pending.clear()
+        if record is not None and self.peer is not None:
+            for data in _envelopes(record):
+                try:
+                    outgoing.extend(self.peer.handle(data, now))
+                except ChaosError as exc:  # a bad envelope changes nothing; note and go on
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+        if record is not None and self.peer is not None:
+            outgoing.extend(self._maybe_join(record, now))
+            outgoing.extend(self._auto_links(now))
+        if self.peer is not None:
+            outgoing.extend(self.peer.tick(now))
+        if record is not None and record.get("phase") == "certify" and arrays is not None:
+            rnd = record.get("round", -1)
+            sstate = record.get("strategy-state", b"")
+            if (
+                isinstance(rnd, int)
+                and not isinstance(rnd, bool)
+                and rnd >= 0
+                and isinstance(sstate, bytes)
+                and not self.left
+            ):
+                state = from_array_record(arrays, round=rnd, strategy_state=sstate)
+                # a signing party never signs two states of one round, nor goes back a round
+                # (an unsigned party's "receipts" prove nothing, so it takes what it is sent)
+                signed = self._signed_digest(rnd) if self.signer is not None else None
+                if signed is not None and signed != state.digest():
+                    # it signed another state for this round: it never signs a second one
+                    # (the relay showed the round two ways; the held state stays)
+                    self.errors.append(
+                        f"EquivocationError: round {rnd} offered with digest "
+                        f"{state.digest().hex()[:16]} after this party signed "
+                        f"{signed.hex()[:16]}; refused"
+                    )
+                elif self.signer is not None and rnd < self.held_round:
+                    # rounds only move forward: an older round (its replica possibly pruned,
+                    # so not checkable above) is never taken up again
+                    self.errors.append(
+                        f"PolicyError: certify of round {rnd} below the held round "
+                        f"{self.held_round}; refused"
+                    )
+                else:
+                    self._hold(state, arrays)
+        receipt = self._receipt()
+        out = party_record(
+            self.party_id,
+            outgoing,
+            receipt_round=-1 if self.left else self.held_round,
+            receipt_digest=b"" if self.left else self.held_digest,
+            receipt=receipt,
+        )
+        self.check_receipts(record)
+        if len(self.evidence) > self._evidence_sent:
+            out["evidence"] = [ev.encode() for ev in self.evidence]
+            self._evidence_sent = len(self.evidence)
+        if record is not None and record.get("sync") and self.peer is not None:
+            # a (re)started ServerApp rebuilds its view from the records the parties hold;
+            # records carry their own signatures, so this needs no envelope
+            held = getattr(self.peer, "records", None)
+            out["records"] = [codec.encode(r.to_wire()) for r in held or ()]
+        return out
+
+
+def _envelopes(record: ConfigRecord) -> Sequence[bytes]:
+    env = record.get("env", [])
+    if not isinstance(env, list):
+        return []
+    return [e for e in env if isinstance(e, bytes)]

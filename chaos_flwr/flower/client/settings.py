@@ -1,0 +1,181 @@
+"""A party's settings: where its key, charter and state are, read from Flower's config.
+
+Party settings come from Flower's ``node_config`` (``chaos-key``, ``chaos-charter``,
+``chaos-state-dir``); a missing or wrong one is a :class:`~chaos_flwr.errors.ConfigError` that
+names it.
+
+Signed runs in simulation
+-------------------------
+Simulation SuperNodes get only ``node_config = {partition-id, num-partitions}``. For them the
+run config may name a federation folder written by
+:func:`chaos_flwr.flower.keys.make_federation`:
+
+- ``chaos-keys-dir``: the folder; the party's key is ``party-<partition-id>.key`` in it and
+  the charter is its ``charter.yaml``;
+- ``chaos-state-root``: the party's state directory is ``<root>/party-<partition-id>``.
+
+A ``node_config`` key (``chaos-key``, ``chaos-charter``, ``chaos-state-dir``) wins over the run
+config fallback when both are present.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flwr.app import Context
+
+from chaos_flwr.errors import ConfigError
+
+__all__ = [
+    "LEFT_MARKER",
+    "NODE_CHARTER",
+    "NODE_KEY",
+    "NODE_PARTITION_ID",
+    "NODE_STATE_DIR",
+    "RUN_KEYS_DIR",
+    "RUN_STATE_ROOT",
+    "RUN_UNSIGNED",
+    "PartySettings",
+    "party_settings",
+]
+
+#: ``node_config`` key: path of the party's Ed25519 key file.
+NODE_KEY = "chaos-key"
+#: ``node_config`` key: path of the federation's signed charter (YAML).
+NODE_CHARTER = "chaos-charter"
+#: ``node_config`` key: directory of the party's durable state (replicas, records).
+NODE_STATE_DIR = "chaos-state-dir"
+#: ``run_config`` key: run parties with no identity (relay and receipts *unsigned*), e.g. to
+#: measure carrier overhead in simulation, where SuperNodes have no per-node config.
+RUN_UNSIGNED = "chaos-unsigned"
+#: ``run_config`` key: federation folder (``party-<partition-id>.key`` + ``charter.yaml``) for
+#: SuperNodes without per-node Chaos settings (simulation).
+RUN_KEYS_DIR = "chaos-keys-dir"
+#: ``run_config`` key: root of the parties' state directories (``<root>/party-<partition-id>``).
+RUN_STATE_ROOT = "chaos-state-root"
+#: ``node_config`` key Flower's simulation engine sets on every virtual SuperNode.
+NODE_PARTITION_ID = "partition-id"
+#: File in a party's state directory that says it left the federation (it stays out).
+LEFT_MARKER = "left"
+
+
+@dataclass(frozen=True)
+class PartySettings:
+    """Where a party's durable things are (from ``node_config``).
+
+    Attributes
+    ----------
+    key_path, charter_path:
+        The party's key and the charter; ``None`` only in unsigned mode.
+    state_dir:
+        Directory for the party's replica and records (created if missing).
+    unsigned:
+        True when the run asked for identity-less parties (:data:`RUN_UNSIGNED`).
+    direct_addr:
+        The party's direct replica server (``node_config`` ``chaos-direct-addr``, a loopback
+        ``host:port``; see :mod:`chaos_flwr.flower.direct`), or ``""`` for relay only.
+    """
+
+    key_path: Path | None
+    charter_path: Path | None
+    state_dir: Path | None
+    unsigned: bool
+    direct_addr: str = ""
+
+
+def _path_setting(context: Context, key: str) -> Path | None:
+    value = context.node_config.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"node_config '{key}' must be a non-empty path string, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _run_path(context: Context, key: str) -> Path | None:
+    value = context.run_config.get(key)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"run_config '{key}' must be a path string, got {value!r}")
+    return Path(value).expanduser()
+
+
+def _partition_id(context: Context, why: str) -> int:
+    value = context.node_config.get(NODE_PARTITION_ID)
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(
+            f"node_config '{NODE_PARTITION_ID}' is missing or not an int ({value!r}); run "
+            f"config '{why}' needs it to pick this SuperNode's files"
+        )
+    try:
+        pid = int(value)
+    except ValueError:
+        raise ConfigError(f"node_config '{NODE_PARTITION_ID}' is not an int: {value!r}") from None
+    if pid < 0:
+        raise ConfigError(f"node_config '{NODE_PARTITION_ID}' must be >= 0, got {pid}")
+    return pid
+
+
+def party_settings(context: Context) -> PartySettings:
+    """Read and check the party settings of a SuperNode.
+
+    ``node_config`` keys win; missing ones fall back to the run config's ``chaos-keys-dir`` /
+    ``chaos-state-root`` with the node's ``partition-id`` (module docstring).
+
+    Raises
+    ------
+    ConfigError
+        A setting is missing (and the run is not unsigned), or a path does not exist / is not
+        what it should be. The message names the ``node_config`` or ``run_config`` key.
+    """
+    from chaos_flwr.defaults import FLOWER_DIRECT_NODE_KEY, FLOWER_FEDERATION_KEY_PREFIX
+    from chaos_flwr.flower.direct import check_address
+    from chaos_flwr.flower.keys import charter_path, key_path
+
+    direct = context.node_config.get(FLOWER_DIRECT_NODE_KEY)
+    try:
+        direct_addr = "" if direct is None else check_address(direct)
+    except ConfigError as exc:
+        raise ConfigError(f"node_config '{FLOWER_DIRECT_NODE_KEY}': {exc}") from None
+    unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
+    key = _path_setting(context, NODE_KEY)
+    charter = _path_setting(context, NODE_CHARTER)
+    state = _path_setting(context, NODE_STATE_DIR)
+    src = {NODE_KEY: f"node_config '{NODE_KEY}'", NODE_CHARTER: f"node_config '{NODE_CHARTER}'"}
+    src[NODE_STATE_DIR] = f"node_config '{NODE_STATE_DIR}'"
+    keys_dir = _run_path(context, RUN_KEYS_DIR)
+    state_root = _run_path(context, RUN_STATE_ROOT)
+    if keys_dir is not None and (key is None or charter is None):
+        if not keys_dir.is_dir():
+            raise ConfigError(f"run_config '{RUN_KEYS_DIR}': {keys_dir} is not a directory")
+        pid = _partition_id(context, RUN_KEYS_DIR)
+        if key is None:
+            key = key_path(keys_dir, pid)
+            src[NODE_KEY] = f"run_config '{RUN_KEYS_DIR}'"
+        if charter is None:
+            charter = charter_path(keys_dir)
+            src[NODE_CHARTER] = f"run_config '{RUN_KEYS_DIR}'"
+    if state is None and state_root is not None:
+        pid = _partition_id(context, RUN_STATE_ROOT)
+        state = state_root / f"{FLOWER_FEDERATION_KEY_PREFIX}{pid}"
+        src[NODE_STATE_DIR] = f"run_config '{RUN_STATE_ROOT}'"
+    if unsigned and key is None and charter is None:
+        return PartySettings(None, None, state, True, direct_addr)
+    for name, path in ((NODE_KEY, key), (NODE_CHARTER, charter), (NODE_STATE_DIR, state)):
+        if path is None:
+            raise ConfigError(
+                f"node_config '{name}' is missing: start the SuperNode with --node-config "
+                f'\'{NODE_KEY}="..." {NODE_CHARTER}="..." {NODE_STATE_DIR}="..."\' '
+                f"(in simulation: run config '{RUN_KEYS_DIR}' and '{RUN_STATE_ROOT}'; or set "
+                f"run config '{RUN_UNSIGNED}=true' for an identity-less test run)"
+            )
+    assert key is not None and charter is not None and state is not None
+    if not key.is_file():
+        raise ConfigError(f"{src[NODE_KEY]}: no key file at {key}; run chaos-flwr keygen")
+    if not charter.is_file():
+        raise ConfigError(f"{src[NODE_CHARTER]}: no charter file at {charter}")
+    if state.exists() and not state.is_dir():
+        raise ConfigError(f"{src[NODE_STATE_DIR]}: {state} exists and is not a directory")
+    return PartySettings(key, charter, state, unsigned, direct_addr)

@@ -1,0 +1,238 @@
+"""What Chaos adds to Flower's messages: its message type, record keys and record layouts.
+
+One module owns this wire vocabulary, so the server and client wings read and write the same
+records. Every Chaos message and reply carries a ConfigRecord under :data:`CHAOS_RECORD_KEY`:
+
+- **server -> party** (:func:`server_record`): the phase (:class:`Phase`), the certified round
+  and digest, the envelopes relayed to the party, and on certify the inner strategy's state;
+- **party -> server** (:func:`party_record` / :func:`read_party_record`): the party's id, its
+  outgoing envelopes with their destinations, and its signed receipt.
+
+A pull adds records of its own (:data:`PULL_DATA_KEY` for the joiner's control record, and
+``chaos-pull.<party id>`` per donor, :func:`donor_key`); their contents are the messages of
+:mod:`chaos_flwr.pull.messages`. Messages Chaos sends besides the inner strategy's are of type
+:data:`CHAOS_MESSAGE_TYPE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from chaos_flwr.defaults import FLOWER_JOIN_MIN_SHARD_BYTES
+from chaos_flwr.errors import DecodeError
+
+__all__ = [
+    "CHAOS_MESSAGE_TYPE",
+    "CHAOS_RECORD_KEY",
+    "PULL_DATA_KEY",
+    "RECORD_VERSION",
+    "OutgoingLike",
+    "PartyReply",
+    "Phase",
+    "donor_key",
+    "party_record",
+    "read_donor_records",
+    "read_party_record",
+    "server_record",
+    "split_chaos",
+    "start_record",
+    "with_chaos",
+]
+
+#: Flower message type of the messages Chaos sends besides the inner strategy's.
+CHAOS_MESSAGE_TYPE: str = "query.chaos"
+#: Key of the Chaos ConfigRecord in a message's or reply's RecordDict.
+CHAOS_RECORD_KEY: str = "chaos"
+#: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
+PULL_DATA_KEY: str = "chaos-pull"
+#: Version of the record layouts below.
+RECORD_VERSION = 1
+
+
+class Phase(StrEnum):
+    """What a server message is for (its record's ``phase``)."""
+
+    RELAY = "relay"  # train (and relay traffic): envelopes only
+    CERTIFY = "certify"  # the new state: sign a receipt for it
+    JOIN = "join"  # a joiner's pull step (control record + donor replies)
+    PULL = "pull"  # a donor: answer the pull request from your replica
+
+
+class OutgoingLike(Protocol):
+    """An envelope to route on: ``to`` (party id) and ``data`` (sealed bytes)."""
+
+    @property
+    def to(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class PartyReply:
+    """The Chaos part of one party's reply, as the relay reads it.
+
+    Attributes
+    ----------
+    party:
+        Party id the sender claims (binding only; envelopes are verified by recipients).
+    outgoing:
+        ``(destination party id, envelope bytes)`` pairs to route on.
+    receipt_round, receipt_digest, receipt:
+        The party's receipt for the state it holds: round, digest, and the signed receipt
+        blob (empty when the party has no identity: such a receipt is *unsigned*).
+    """
+
+    party: str
+    outgoing: tuple[tuple[str, bytes], ...]
+    receipt_round: int
+    receipt_digest: bytes
+    receipt: bytes
+
+
+def read_party_record(record: ConfigRecord) -> PartyReply:
+    """Parse the Chaos ConfigRecord of a party's reply; :class:`DecodeError` names the field."""
+    party = record.get("party", "")
+    to = record.get("to", [])
+    env = record.get("env", [])
+    rnd = record.get("receipt-round", -1)
+    dig = record.get("receipt-digest", b"")
+    rec = record.get("receipt", b"")
+    if not isinstance(party, str):
+        raise DecodeError("chaos record field 'party' must be a str")
+    if not isinstance(to, list) or not all(isinstance(t, str) for t in to):
+        raise DecodeError("chaos record field 'to' must be a list of str")
+    if not isinstance(env, list) or not all(isinstance(e, bytes) for e in env):
+        raise DecodeError("chaos record field 'env' must be a list of bytes")
+    if len(to) != len(env):
+        raise DecodeError(f"chaos record fields 'to' ({len(to)}) and 'env' ({len(env)}) differ")
+    if isinstance(rnd, bool) or not isinstance(rnd, int):
+        raise DecodeError("chaos record field 'receipt-round' must be an int")
+    if not isinstance(dig, bytes) or not isinstance(rec, bytes):
+        raise DecodeError("chaos record fields 'receipt-digest' and 'receipt' must be bytes")
+    pairs = tuple(
+        (t, e) for t, e in zip(to, env, strict=True) if isinstance(t, str) and isinstance(e, bytes)
+    )
+    return PartyReply(party, pairs, rnd, dig, rec)
+
+
+def party_record(
+    party: str,
+    outgoing: Iterable[OutgoingLike],
+    *,
+    receipt_round: int = -1,
+    receipt_digest: bytes = b"",
+    receipt: bytes = b"",
+) -> ConfigRecord:
+    """Build the Chaos ConfigRecord a party attaches to its reply."""
+    outs = list(outgoing)
+    return ConfigRecord(
+        {
+            "v": RECORD_VERSION,
+            "party": party,
+            "to": [o.to for o in outs],
+            "env": [bytes(o.data) for o in outs],
+            "receipt-round": receipt_round,
+            "receipt-digest": receipt_digest,
+            "receipt": receipt,
+        }
+    )
+
+
+def server_record(
+    envelopes: Sequence[bytes],
+    *,
+    phase: str,
+    server_round: int,
+    digest: bytes = b"",
+    strategy_state: bytes | None = None,
+) -> ConfigRecord:
+    """Build the Chaos ConfigRecord the relay attaches to a message for one party.
+
+    ``strategy_state`` (certify messages that carry the state) is the inner strategy's opaque
+    state, part of the certified state whose digest is ``digest``.
+    """
+    record = ConfigRecord(
+        {
+            "v": RECORD_VERSION,
+            "phase": phase,
+            "round": server_round,
+            "digest": digest,
+            "env": list(envelopes),
+        }
+    )
+    if strategy_state:
+        record["strategy-state"] = strategy_state
+    return record
+
+
+def with_chaos(message: Message, record: ConfigRecord) -> Message:
+    """Copy ``message`` with ``record`` added to its content (the original is left as it is).
+
+    Strategies often share one RecordDict between all the messages of a round, so the Chaos
+    record (different per party) goes into a fresh RecordDict holding the same records.
+    """
+    content = RecordDict(dict(message.content.items()))
+    content[CHAOS_RECORD_KEY] = record
+    md = message.metadata
+    return Message(
+        content,
+        dst_node_id=md.dst_node_id,
+        message_type=md.message_type,
+        group_id=md.group_id or None,
+        ttl=md.ttl,
+    )
+
+
+def split_chaos(message: Message) -> ConfigRecord | None:
+    """Remove and return the Chaos record of a message with content (``None`` if it has none).
+
+    What remains is exactly what the application (or the inner strategy) expects to see.
+    """
+    if not message.has_content() or CHAOS_RECORD_KEY not in message.content:
+        return None
+    record = message.content[CHAOS_RECORD_KEY]
+    rest = RecordDict({k: v for k, v in message.content.items() if k != CHAOS_RECORD_KEY})
+    message.content = rest
+    return record if isinstance(record, ConfigRecord) else None
+
+
+def donor_key(party: str) -> str:
+    """RecordDict key of the request to / reply from donor ``party``."""
+    return f"{PULL_DATA_KEY}.{party}"
+
+
+def read_donor_records(content: RecordDict) -> dict[str, ConfigRecord]:
+    """The per-donor records (``chaos-pull.<party>``) of a RecordDict, by party id."""
+    prefix = f"{PULL_DATA_KEY}."
+    out: dict[str, ConfigRecord] = {}
+    for key, value in content.items():
+        if key.startswith(prefix) and isinstance(value, ConfigRecord):
+            out[key[len(prefix) :]] = value
+    return out
+
+
+def start_record(
+    donors: list[str],
+    receipts: list[bytes],
+    min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
+    total: int | None = None,
+) -> ConfigRecord:
+    """The first step's control record: the donors and their signed receipts (same order),
+    and the state's size when the ServerApp knows it (a hint: the donors' manifest decides)."""
+    record = ConfigRecord(
+        {
+            "op": "start",
+            "donors": list(donors),
+            "receipts": list(receipts),
+            "min-shard": min_shard_bytes,
+        }
+    )
+    if total is not None:
+        record["total"] = total
+    return record

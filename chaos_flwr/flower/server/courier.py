@@ -1,0 +1,447 @@
+"""The courier: the ServerApp's side of every exchange with the parties.
+
+It builds each party's message with the relay envelopes addressed to it, runs deadline-bounded
+exchanges, takes the parties' Chaos records off their replies (routing their envelopes,
+feeding the server-side view, noting their receipts), and keeps who is *suspect* (missed a
+deadline or answered with an error: not waited for, not sampled, until it answers again) and
+who holds which certified state (by its receipt). :meth:`Courier.phase` is one exchange of a
+round: the inner strategy's messages plus a ``query.chaos`` message to every other known node.
+
+It also says which nodes are eligible for sampling (:meth:`Courier.eligible`) and gives the
+inner strategy a Grid that lists only those (:class:`EligibleGrid`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+from flwr.supercore.run import Run
+
+from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
+from chaos_flwr.errors import ChaosError, DecodeError
+from chaos_flwr.flower.relay import ExchangeResult, Relay
+from chaos_flwr.flower.relay import exchange as relay_exchange
+from chaos_flwr.flower.schema import (
+    CHAOS_MESSAGE_TYPE,
+    CHAOS_RECORD_KEY,
+    server_record,
+    split_chaos,
+    with_chaos,
+)
+from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.settings import PhaseSettings
+from chaos_flwr.flower.server.view import ServerView
+from chaos_flwr.receipts import Receipt, receipt_verifies
+
+__all__ = [
+    "Courier",
+    "EligibleGrid",
+    "PhaseSpec",
+    "ReceiptVerifier",
+    "keyring_verifier",
+    "min_nodes",
+]
+
+#: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
+ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
+
+
+def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
+    """A receipt verifier from a ``party id -> raw Ed25519 public key`` keyring (the charter's).
+
+    A receipt counts only if its party is in the keyring and the blob is that key's signature
+    over :func:`~chaos_flwr.receipts.receipt_signing_bytes` (checked by
+    :func:`~chaos_flwr.receipts.receipt_verifies`).
+    """
+    keys = dict(keyring)
+
+    def verify(party: str, server_round: int, digest: bytes, receipt: bytes) -> bool:
+        return receipt_verifies(keys, party, server_round, digest, receipt)
+
+    return verify
+
+
+class EligibleGrid(Grid):
+    """A view of a Grid that lists only the eligible nodes (what the inner strategy samples)."""
+
+    def __init__(self, grid: Grid, nodes: list[int]) -> None:
+        self._grid = grid
+        self._nodes = list(nodes)
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._nodes)
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        return (NodeInfo(node_id=n) for n in self._nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def min_nodes(inner: Strategy, kind: str) -> int:
+    """Nodes the inner strategy's sampler waits for (it would sleep forever with fewer)."""
+    need = int(getattr(inner, "min_available_nodes", 0) or 0)
+    return max(need, int(getattr(inner, f"min_{kind}_nodes", 0) or 0))
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    """What one exchange of a round carries (see :meth:`Courier.phase`).
+
+    Attributes
+    ----------
+    phase:
+        ``hello``, ``relay`` (train), ``certify``, ``join`` or ``pull``.
+    server_round, digest:
+        The round and the certified digest the messages name.
+    arrays:
+        The state sent to known nodes the inner strategy did not address (certify), if any.
+    receivers:
+        Which of those nodes get ``arrays`` (default: all). A joiner is never a receiver: its
+        state comes from parties.
+    strategy_state:
+        The inner strategy's state, sent with the certified state.
+    """
+
+    phase: str
+    server_round: int
+    digest: bytes
+    arrays: ArrayRecord | None = None
+    receivers: frozenset[int] | None = None
+    strategy_state: bytes = b""
+
+
+@dataclass
+class Courier:
+    """Carries the round's messages and keeps what the replies say (module docstring).
+
+    Parameters
+    ----------
+    relay:
+        The envelope router.
+    phases:
+        Deadline and poll interval of each exchange.
+    receipt_verifier:
+        Checks parties' signed receipts; ``None`` takes them as *unsigned* claims.
+    view:
+        The server-side view fed from the relayed records (``None`` without a charter).
+    view_source:
+        Party ids the signed view lists as active (``None``: sampling by receipts only).
+    clock, sleep:
+        The ServerApp's clock and pause.
+
+    Attributes
+    ----------
+    suspects:
+        Nodes that missed a deadline or answered with an error (until they answer again).
+    holders:
+        Node -> ``(party, round, digest)`` of its newest accepted receipt.
+    receipts:
+        Node -> that receipt's blob.
+    forward_round:
+        The round whose receipts go out with the next train messages.
+    """
+
+    relay: Relay
+    phases: PhaseSettings
+    receipt_verifier: ReceiptVerifier | None = None
+    view: ServerView | None = None
+    view_source: Callable[[], set[str]] | None = None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    suspects: set[int] = field(default_factory=set)
+    holders: dict[int, tuple[str, int, bytes]] = field(default_factory=dict)
+    receipts: dict[int, bytes] = field(default_factory=dict)
+    forward_round: int = -1
+    _synced: set[int] = field(default_factory=set)
+    _round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = field(default_factory=dict)
+    _late: dict[str, int] = field(default_factory=dict)
+
+    # -- who holds what -----------------------------------------------------------------------
+    def active(self) -> set[str] | None:
+        """The active party ids of the signed view, or ``None`` when no view is known."""
+        return self.view_source() if self.view_source is not None else None
+
+    def eligible(self, known: list[int], digest: bytes, server_round: int) -> list[int]:
+        """Known nodes that may be sampled: not suspect, holding the certified state, active."""
+        active = self.active()
+        out: list[int] = []
+        for node in known:
+            if node in self.suspects:
+                continue
+            held = self.holders.get(node)
+            if held is None or held[1] != server_round or held[2] != digest:
+                continue
+            if active is not None and held[0] not in active:
+                continue
+            out.append(node)
+        return out
+
+    def holding(self, nodes: Iterable[int], server_round: int, digest: bytes) -> list[int]:
+        """Nodes (not suspected) whose verified receipt names ``(server_round, digest)``."""
+        out = []
+        for node in nodes:
+            held = self.holders.get(node)
+            if node in self.suspects or held is None:
+                continue
+            if held[1] == server_round and held[2] == digest:
+                out.append(node)
+        return sorted(out)
+
+    def holder_parties(self, server_round: int, digest: bytes) -> list[str]:
+        """Sorted party ids whose accepted receipt names ``(server_round, digest)``."""
+        return sorted(p for p, r, d in self.holders.values() if r == server_round and d == digest)
+
+    def certified(self, server_round: int) -> None:
+        """``server_round`` is certified: its receipts go out next; older ones are dropped."""
+        self.forward_round = server_round
+        for old in [r for r in self._round_receipts if r < server_round]:
+            del self._round_receipts[old]
+
+    # -- messages -----------------------------------------------------------------------------
+    def message(
+        self,
+        node: int,
+        spec: PhaseSpec,
+        content: RecordDict | None = None,
+        *,
+        inner: Message | None = None,
+        strategy_state: bytes | None = None,
+    ) -> tuple[Message, list[bytes]]:
+        """A message for ``node`` with its relay envelopes attached (and which were taken)."""
+        envs = self.relay.take(node)
+        record = server_record(
+            envs,
+            phase=spec.phase,
+            server_round=spec.server_round,
+            digest=spec.digest,
+            strategy_state=strategy_state,
+        )
+        if self.view is not None:
+            if node not in self._synced:
+                record["sync"] = True  # first message to this node in this run: your records
+                self._synced.add(node)
+            party = self.relay.party_of.get(node)
+            active = self.view.active()
+            if party is None or party not in active:
+                record["members"] = sorted(active)  # whom a non-member may ask to sponsor it
+        fwd = self._round_receipts.get(self.forward_round)
+        if spec.phase == "relay" and fwd:
+            # the previous round's receipts, so that parties can compare them with their own
+            record["receipts"] = [fwd[p] for p in sorted(fwd)]
+        if inner is not None:
+            return with_chaos(inner, record), envs
+        content = RecordDict() if content is None else content
+        content[CHAOS_RECORD_KEY] = record
+        # a Chaos message outlives its phase only briefly: a dead node must not come back to a
+        # backlog of stale relay traffic queued at the SuperLink
+        msg = Message(
+            content,
+            dst_node_id=node,
+            message_type=CHAOS_MESSAGE_TYPE,
+            ttl=self.phases.phase_timeout_s * FLOWER_CHAOS_TTL_PHASES,
+        )
+        return msg, envs
+
+    # -- exchanges ----------------------------------------------------------------------------
+    def exchange(
+        self,
+        grid: Grid,
+        msgs: list[Message],
+        taken: dict[int, list[bytes]],
+        *,
+        timeout: float,
+        log_: RoundLog,
+    ) -> ExchangeResult:
+        """Run one deadline-bounded exchange; absorb the parties' Chaos records."""
+        addressed = {m.metadata.dst_node_id for m in msgs}
+        # suspects are not waited for, unless every addressed node is one: then nothing would
+        # ever be waited for again (each exchange would end at its first pull, before any reply
+        # could come, and no late reply could clear a suspicion), so wait for them, bounded
+        wait_for = {n for n in addressed if n not in self.suspects} or set(addressed)
+        res = relay_exchange(
+            grid,
+            msgs,
+            timeout_s=self.phases.deadline(timeout),
+            wait_for=wait_for,
+            poll_interval_s=self.phases.poll_interval_s,
+            clock=self.clock,
+            sleep=self.sleep,
+            late=self._late,
+        )
+        self._take_late(res, addressed, log_)
+        node_of_msg = dict(
+            zip(res.message_ids, (m.metadata.dst_node_id for m in msgs), strict=True)
+        )
+        absorbed: set[int] = set()
+        for mid in res.message_ids:
+            answer = res.by_message.get(mid)
+            if answer is None:
+                continue
+            node = node_of_msg[mid]
+            # several messages to one node (joiners asking one donor): every reply's records
+            # count; the envelopes it was given are delivered once
+            self.absorb(node, answer, {} if node in absorbed else taken, log_)
+            absorbed.add(node)
+        for node, code in res.errors.items():
+            self.suspects.add(node)
+            log_.errors[node] = code
+            self.relay.give_back(node, taken.get(node, []))
+            self.holders.pop(node, None)
+        for node in res.missing:
+            self.suspects.add(node)
+            self.relay.give_back(node, taken.get(node, []))
+        log_.missing = sorted(set(log_.missing) | res.missing)
+        if self.view is not None:
+            live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
+            self.view.settle(live)
+        return res
+
+    def _take_late(self, res: ExchangeResult, addressed: set[int], log_: RoundLog) -> None:
+        """Absorb replies to earlier messages that missed their deadline; remember this
+        exchange's missing messages (their envelopes and receipts still count when they come:
+        a recipient refuses a duplicate envelope as a replay)."""
+        for mid in list(self._late):
+            if self._late[mid] in res.late or self._late[mid] in addressed:
+                del self._late[mid]  # answered late, or superseded by this exchange's message
+        for node, reply in res.late.items():
+            # it is alive: no longer a suspect (the next phase may wait for it, up to its
+            # deadline; otherwise a federation whose every node once missed a deadline, e.g.
+            # a first exchange while Ray starts, would never be waited for again)
+            self.absorb(node, reply, {}, log_)
+        self._late.update(res.missing_ids)
+
+    def absorb(
+        self,
+        node: int,
+        reply: Message,
+        taken: Mapping[int, list[bytes]],
+        log_: RoundLog,
+        *,
+        in_time: bool = True,
+    ) -> None:
+        """Take a party's Chaos record off its reply: route, fold, note its receipt."""
+        if in_time:
+            self.suspects.discard(node)
+        record = split_chaos(reply)
+        if record is None:
+            return
+        try:
+            pr = self.relay.absorb(node, record)
+        except DecodeError as exc:
+            log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
+            return
+        evidence = record.get("evidence")
+        if isinstance(evidence, list) and evidence:
+            who = pr.party or str(node)
+            log(WARNING, "Chaos: %s reports equivocation evidence (%d)", who, len(evidence))
+            log_.equivocations.extend(e for e in evidence if isinstance(e, bytes))
+        held = record.get("records")
+        if self.view is not None and isinstance(held, list):
+            self.view.sync(r for r in held if isinstance(r, bytes))
+        if self.view is not None:
+            for _, data in pr.outgoing:
+                self.view.sent(data, log_.server_round)
+            party = pr.party or self.relay.party_of.get(node)
+            if party:
+                self.view.delivered(party, taken.get(node, []))
+        self.note_receipt(node, pr.party, pr.receipt_round, pr.receipt_digest, pr.receipt, log_)
+
+    def phase(
+        self,
+        grid: Grid,
+        inner_msgs: list[Message],
+        known: list[int],
+        spec: PhaseSpec,
+        *,
+        timeout: float,
+        log_: RoundLog,
+    ) -> tuple[list[Message], float]:
+        """Run one exchange; return the inner strategy's replies (Chaos records removed).
+
+        Known nodes the inner strategy did not address get a ``query.chaos`` message; it
+        carries ``spec.arrays`` (and the strategy state) only to ``spec.receivers`` (default:
+        all of them).
+        """
+        msgs: list[Message] = []
+        taken: dict[int, list[bytes]] = {}
+        sstate = spec.strategy_state if spec.phase == "certify" else None
+        for m in inner_msgs:
+            node = m.metadata.dst_node_id
+            msg, taken[node] = self.message(node, spec, inner=m, strategy_state=sstate)
+            msgs.append(msg)
+        for node in known:
+            if node in taken:
+                continue
+            gets = spec.arrays is not None and (spec.receivers is None or node in spec.receivers)
+            content = RecordDict()
+            if gets:
+                assert spec.arrays is not None
+                content["arrays"] = spec.arrays
+            msg, taken[node] = self.message(
+                node, spec, content, strategy_state=sstate if gets else None
+            )
+            msgs.append(msg)
+        res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_)
+        # the inner strategy sees its replies in the order of its own messages, as Flower's
+        # send_and_receive gives them when all replies are in
+        inner_order = [m.metadata.dst_node_id for m in inner_msgs]
+        inner_replies = [res.replies[n] for n in inner_order if n in res.replies]
+        return inner_replies, res.elapsed_s
+
+    # -- receipts -----------------------------------------------------------------------------
+    def note_receipt(
+        self, node: int, party: str, rnd: int, digest: bytes, receipt: bytes, log_: RoundLog
+    ) -> None:
+        """Keep a party's receipt: verified (or listed as unsigned), then forwarded next round."""
+        if rnd < 0 or not party:
+            if party and rnd < 0:
+                self.holders.pop(node, None)  # it holds nothing (any more)
+            return
+        if self.receipt_verifier is not None:
+            if not self.receipt_verifier(party, rnd, digest, receipt):
+                log(WARNING, "Chaos: receipt of %s for round %d does not verify", party, rnd)
+                return
+        elif party not in log_.unsigned_receipts:
+            log_.unsigned_receipts.append(party)
+        self.holders[node] = (party, rnd, digest)
+        self.receipts[node] = receipt
+        if self.receipt_verifier is not None and receipt:
+            try:
+                blob = Receipt.from_flower(party, rnd, digest, receipt).encode()
+            except ChaosError:
+                return
+            self._round_receipts.setdefault(rnd, {}).setdefault((party, digest), blob)

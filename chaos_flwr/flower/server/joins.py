@@ -1,0 +1,249 @@
+"""The join relay: live parties that lack the certified state pull it from its holders.
+
+The joiner plans and verifies (:mod:`chaos_flwr.flower.joinpull`); the ServerApp only carries
+its requests to the donors and the donors' shard replies back (it never assembles the state).
+Every joiner still pulling shares the same two exchanges per relay step (one with the
+joiners, one with the donors), so two joiners take as many exchanges as one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from chaos_flwr.flower.schema import PULL_DATA_KEY, donor_key, read_donor_records, start_record
+from chaos_flwr.flower.server.courier import Courier, PhaseSpec
+from chaos_flwr.flower.server.logs import JoinLog, RoundLog, read_join_stats
+from chaos_flwr.flower.server.settings import JoinSettings
+from chaos_flwr.planner import Donor as PlanDonor
+from chaos_flwr.planner import lower_bound
+from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
+
+__all__ = ["JoinRelay"]
+
+
+@dataclass
+class _Run:
+    """One round's concurrent pulls: per joiner node its log, its next control record and the
+    donors' replies to its previous requests."""
+
+    spec: PhaseSpec
+    node_of: dict[str, int]
+    logs: dict[int, JoinLog]
+    ctl: dict[int, ConfigRecord]
+    replies: dict[int, dict[str, ConfigRecord]]
+    t0: float
+
+
+@dataclass
+class _Step:
+    """What the joiners asked for in one relay step."""
+
+    still: list[int] = field(default_factory=list)
+    donor_msgs: list[Message] = field(default_factory=list)
+    asked: list[tuple[int, str]] = field(default_factory=list)  # (joiner, donor) per message
+    lost: dict[int, set[str]] = field(default_factory=dict)
+    taken: dict[int, list[bytes]] = field(default_factory=dict)
+
+
+class JoinRelay:
+    """Relays the joiners' pulls of each round's certified state (module docstring).
+
+    Parameters
+    ----------
+    courier:
+        Carries the exchanges and knows who holds what.
+    settings:
+        Smallest shard, most donors, most relay steps.
+    clock:
+        The ServerApp's clock (pull times).
+    """
+
+    def __init__(
+        self,
+        courier: Courier,
+        settings: JoinSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.courier = courier
+        self.settings = settings
+        self.clock = clock
+        self._total: int | None = None
+
+    def pull(
+        self,
+        grid: Grid,
+        rnd: int,
+        digest: bytes,
+        rlog: RoundLog,
+        timeout: float,
+        total: int | None = None,
+    ) -> float:
+        """Have every live party that lacks the certified state pull it from its holders.
+
+        ``total`` is the certified state's size, named to the joiners as a hint (it saves
+        them a step; the donors' manifest decides). The pulls are filed in ``rlog.joins``;
+        returns the wall time they took.
+        """
+        courier = self.courier
+        t0 = self.clock()
+        nodes = [n for n in grid.get_node_ids() if n not in courier.suspects]
+        active = courier.active()
+        holding = courier.holding(nodes, rnd, digest)
+        donors = [n for n in holding if active is None or courier.holders[n][0] in active][
+            : self.settings.max_donors
+        ]
+        if not donors:
+            return 0.0
+        joiners: list[tuple[int, str]] = []
+        for node in nodes:
+            party = courier.relay.party_of.get(node)
+            if party is None or node in holding:
+                continue
+            if active is not None and party not in active:
+                continue
+            joiners.append((node, party))
+        if not joiners:
+            return 0.0
+        spec = PhaseSpec("join", rnd, digest)
+        self._total = total
+        for jl in self._pull_for(grid, joiners, donors, spec, timeout, rlog):
+            rlog.joins.append(jl)
+            if jl.ok:
+                log(
+                    INFO,
+                    "Chaos: %s pulled round %d from %d donors in %.3fs (bound %.3fs): %s",
+                    jl.party, rnd, len(jl.bytes_per_donor), jl.pull_s, jl.lower_bound_s,
+                    jl.bytes_per_donor,
+                )  # fmt: skip
+            else:
+                log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
+        return self.clock() - t0
+
+    def _pull_for(
+        self,
+        grid: Grid,
+        joiners: list[tuple[int, str]],
+        donors: list[int],
+        spec: PhaseSpec,
+        timeout: float,
+        rlog: RoundLog,
+    ) -> list[JoinLog]:
+        """Relay the joiners' pulls; they plan, we carry."""
+        holders, receipts = self.courier.holders, self.courier.receipts
+        start = start_record(
+            [holders[d][0] for d in donors],
+            [receipts.get(d, b"") for d in donors],
+            self.settings.min_shard_bytes,
+            self._total,
+        )
+        run = _Run(
+            spec=spec,
+            node_of={holders[d][0]: d for d in donors},
+            logs={
+                n: JoinLog(party=p, node=n, server_round=spec.server_round, digest=spec.digest)
+                for n, p in joiners
+            },
+            ctl={n: start for n, _ in joiners},
+            replies={n: {} for n, _ in joiners},
+            t0=self.clock(),
+        )
+        step_times: list[float] = []
+        pulling = [n for n, _ in joiners]
+        for _ in range(self.settings.max_steps):
+            if not pulling:
+                break
+            t_step = self.clock()
+            step = self._ask_joiners(grid, run, pulling, timeout, rlog)
+            if not step.still:
+                pulling = []
+                break
+            self._ask_donors(grid, run, step, timeout, rlog)
+            pulling = step.still
+            step_times.append(self.clock() - t_step)
+        for node in pulling:
+            run.logs[node].error = f"no verified state after {self.settings.max_steps} relay steps"
+            run.logs[node].pull_s = self.clock() - run.t0
+        _lower_bounds(run.logs.values(), min(step_times) if step_times else 0.0)
+        return [run.logs[n] for n, _ in joiners]
+
+    def _ask_joiners(
+        self, grid: Grid, run: _Run, pulling: list[int], timeout: float, rlog: RoundLog
+    ) -> _Step:
+        """One exchange with every joiner still pulling; their requests become donor messages."""
+        courier = self.courier
+        msgs: list[Message] = []
+        taken: dict[int, list[bytes]] = {}
+        for node in pulling:
+            content = RecordDict({PULL_DATA_KEY: run.ctl[node]})
+            for dparty, rec in run.replies[node].items():
+                content[donor_key(dparty)] = rec
+            msg, taken[node] = courier.message(node, run.spec, content)
+            msgs.append(msg)
+        res = courier.exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+        step = _Step()
+        for node in pulling:
+            jl = run.logs[node]
+            jl.steps += 1
+            reply = res.replies.get(node)
+            got = reply.content.get(PULL_DATA_KEY) if reply is not None else None
+            if not isinstance(got, ConfigRecord):
+                jl.error = "the joiner did not answer"
+                jl.pull_s = self.clock() - run.t0
+                continue
+            status = got.get("status")
+            if status != "want":
+                read_join_stats(jl, got)
+                jl.ok = status == "done"
+                if not jl.ok and not jl.error:
+                    jl.error = str(got.get("error", "failed"))
+                jl.pull_s = self.clock() - run.t0
+                continue
+            step.still.append(node)
+            step.lost[node] = set()
+            requests = read_donor_records(reply.content) if reply is not None else {}
+            pull_spec = PhaseSpec("pull", run.spec.server_round, run.spec.digest)
+            for dparty, req in requests.items():
+                dn = run.node_of.get(dparty)
+                if dn is None or dn in courier.suspects:
+                    step.lost[node].add(dparty)
+                    continue
+                m, envs = courier.message(dn, pull_spec, RecordDict({PULL_DATA_KEY: req}))
+                step.taken.setdefault(dn, []).extend(envs)
+                step.donor_msgs.append(m)
+                step.asked.append((node, dparty))
+        return step
+
+    def _ask_donors(
+        self, grid: Grid, run: _Run, step: _Step, timeout: float, rlog: RoundLog
+    ) -> None:
+        """One exchange carrying every joiner's requests to the donors; keep their answers."""
+        res = self.courier.exchange(grid, step.donor_msgs, step.taken, timeout=timeout, log_=rlog)
+        for node in step.still:
+            run.replies[node] = {}
+        for (node, dparty), mid in zip(step.asked, res.message_ids, strict=True):
+            r = res.by_message.get(mid)
+            data = r.content.get(PULL_DATA_KEY) if r is not None else None
+            if isinstance(data, ConfigRecord):
+                run.replies[node][dparty] = data
+            else:
+                step.lost[node].add(dparty)
+        for node in step.still:
+            run.ctl[node] = ConfigRecord({"op": "step", "lost": sorted(step.lost[node])})
+
+
+def _lower_bounds(logs: Iterable[JoinLog], latency: float) -> None:
+    """The planner's lower bound for each pull (assumed link rates, measured relay latency)."""
+    for jl in logs:
+        if jl.total_bytes and jl.planned_bytes:
+            plan_donors = [
+                PlanDonor(id=d, bandwidth=PULL_ASSUMED_BANDWIDTH_BPS, latency=latency)
+                for d in jl.planned_bytes
+            ]
+            jl.lower_bound_s = lower_bound(jl.total_bytes, plan_donors)

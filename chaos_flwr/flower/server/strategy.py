@@ -1,0 +1,399 @@
+"""``ChaosStrategy``: Chaos phases around any new-style Flower strategy (the round loop).
+
+Each round has the same two exchanges as the inner strategy (train, evaluate), and Chaos rides
+on them, so a churn-free round costs about what the inner strategy's round costs:
+
+1. **train**: the inner strategy's ``configure_train`` samples from a Grid that lists only the
+   *eligible* nodes (those whose party holds the current state, by its receipt, and, when a view
+   source is given, that the signed view lists as active). Every message carries the relay
+   envelopes for its party; other known nodes get a ``query.chaos`` message with theirs in the
+   same push. The phase waits for the non-suspect nodes only, and never past its deadline.
+2. **certify + evaluate**: the inner strategy's ``configure_evaluate`` messages carry the new
+   state; nodes not sampled for evaluation get it in a ``query.chaos`` certify message. Every
+   reply carries the party's receipt (round, digest), signed by the party's key.
+3. **joins**: live parties that lack the certified state pull it from its holders.
+
+Replies are stripped of their Chaos record before the inner strategy aggregates them, so the
+inner strategy sees exactly what it would have seen without Chaos.
+
+The work is done by collaborators: the :class:`~.courier.Courier` (messages, exchanges,
+receipts, suspects), the :class:`~.joins.JoinRelay` and the :class:`~.resume.Resumer`. This
+class only delegates to the inner strategy and runs the rounds.
+
+What this strategy does **not** do by itself: decide membership. Nodes that miss a deadline or
+answer with an error are *suspects* (not waited for, not sampled) until they answer again; the
+membership of the federation is what the parties' signed records say (``view_source``).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from logging import INFO, WARNING
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore import log
+
+from chaos_flwr.flower.relay import Relay
+from chaos_flwr.flower.server.courier import (
+    Courier,
+    EligibleGrid,
+    PhaseSpec,
+    ReceiptVerifier,
+    keyring_verifier,
+    min_nodes,
+)
+from chaos_flwr.flower.server.joins import JoinRelay
+from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.pull import PullReport
+from chaos_flwr.flower.server.resume import Resumed, Resumer
+from chaos_flwr.flower.server.settings import (
+    FLAT_KEYS,
+    JoinSettings,
+    PhaseSettings,
+    ResumeSettings,
+)
+from chaos_flwr.flower.server.state import (
+    certified_digest,
+    certified_state,
+    restore_strategy_state,
+    strategy_state_of,
+)
+from chaos_flwr.flower.server.view import ServerView
+
+__all__ = ["ChaosStrategy"]
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The newest certified state: its round, arrays and digest."""
+
+    server_round: int
+    arrays: ArrayRecord
+    digest: bytes
+
+
+@dataclass
+class _Run:
+    """What one :meth:`ChaosStrategy.start` call was given."""
+
+    grid: Grid
+    timeout: float
+    train_config: ConfigRecord
+    evaluate_config: ConfigRecord
+    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None
+    result: Result
+
+
+class ChaosStrategy(Strategy):
+    """Wrap a ``flwr.serverapp.strategy`` strategy with the Chaos phases (module docstring).
+
+    Parameters
+    ----------
+    inner:
+        Any new-style Flower strategy (FedAvg, FedProx, FedAdam, Krum, ...); it does all
+        sampling sizes and aggregation.
+    charter:
+        The federation's verified charter. With it the ServerApp keeps a server-side view
+        from the signed records it relays (:class:`~chaos_flwr.flower.server.view.ServerView`:
+        validated, never forged), samples only parties it lists as active, verifies receipts
+        with the charter's keyring, and logs membership events and their settle times.
+    phases:
+        Deadline of each exchange (capped by ``start(timeout=...)``) and the pause between
+        pulls while a phase waits; default :class:`PhaseSettings()`.
+    joins:
+        A joiner's pull (:mod:`chaos_flwr.flower.joinpull`): smallest shard, most donors, most
+        relay steps; default :class:`JoinSettings()`.
+    resume:
+        On start, rebuild the newest state that at least ``resume.min_receipts`` parties
+        certified (verified receipts only), pulled in shards from all its holders at once, and
+        go on above the newest round any party signed (:attr:`round_floor`; a restarted
+        ServerApp keeps no checkpoint, and never certifies a round number twice); default
+        :class:`ResumeSettings()`.
+    receipt_verifier:
+        Checks parties' signed receipts (e.g. :func:`keyring_verifier` of the charter's
+        keyring). Without one, receipts are taken as *unsigned* claims: they still steer whom
+        to sample (a liveness decision), and every round lists them in ``unsigned_receipts``.
+    view_source:
+        Returns the party ids the signed view lists as active; ``None`` means no view is known
+        to the server (sampling is then by receipts only).
+    relay:
+        The envelope router (a fresh one by default).
+    clock, sleep:
+        The ServerApp's clock and pause (a virtual clock in tests).
+
+    Attributes
+    ----------
+    rounds:
+        One :class:`~chaos_flwr.flower.server.logs.RoundLog` per round (and the hello).
+    view:
+        The server-side view (with a charter), else ``None``.
+    last_pull:
+        The resume's pull of the certified state, if there was one.
+    round_floor:
+        The newest round any verified receipt named at the resume (-1: none).
+    """
+
+    def __init__(
+        self,
+        inner: Strategy,
+        *,
+        charter: Any | None = None,
+        phases: PhaseSettings | None = None,
+        joins: JoinSettings | None = None,
+        resume: ResumeSettings | None = None,
+        receipt_verifier: ReceiptVerifier | None = None,
+        view_source: Callable[[], set[str]] | None = None,
+        relay: Relay | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not isinstance(inner, Strategy):
+            raise TypeError(
+                f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}"
+            )
+        self.inner = inner
+        self.phases = phases or PhaseSettings()
+        self.joins = joins or JoinSettings()
+        self.resume = resume or ResumeSettings()
+        self.view: ServerView | None = None
+        if charter is not None:
+            self.view = ServerView(charter, clock)
+            if receipt_verifier is None:
+                receipt_verifier = keyring_verifier(dict(charter.keyring()))
+            if view_source is None:
+                view_source = self.view.active
+        self.receipt_verifier = receipt_verifier
+        self.view_source = view_source
+        self.relay = relay or Relay()
+        self.courier = Courier(
+            self.relay, self.phases, receipt_verifier, self.view, view_source, clock, sleep
+        )
+        self.join_relay = JoinRelay(self.courier, self.joins, clock)
+        self.resumer = Resumer(self.courier, self.resume, clock, sleep)
+        self.rounds: list[RoundLog] = []
+        self.last_pull: PullReport | None = None
+        self.round_floor = -1
+
+    # -- delegation ---------------------------------------------------------------------------
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Delegate to the inner strategy."""
+        return self.inner.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Delegate to the inner strategy."""
+        return self.inner.aggregate_train(server_round, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Delegate to the inner strategy."""
+        return self.inner.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Delegate to the inner strategy."""
+        return self.inner.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        """Log the inner strategy's summary and the Chaos settings."""
+        log(INFO, "\t├──> Chaos: relay + receipts around %s", type(self.inner).__name__)
+        log(INFO, "\t│\t├── phase timeout: %.1f s", self.phases.phase_timeout_s)
+        log(INFO, "\t│\t└── receipts: %s", "verified" if self.receipt_verifier else "UNSIGNED")
+        self.inner.summary()
+
+    # -- profiles -----------------------------------------------------------------------------
+    @classmethod
+    def from_profile(cls, name_or_path: str | Path, **overrides: Any) -> ChaosStrategy:
+        """Build a ChaosStrategy from a strategy profile (``strategies/<name>.yaml`` or a path).
+
+        ``overrides`` named like a profile's ``chaos:`` keys (``phase_timeout_s``,
+        ``join_max_donors``, ...) replace the profile's values; the others are keyword
+        arguments of :class:`ChaosStrategy` (e.g. ``receipt_verifier``).
+        :class:`~chaos_flwr.errors.ProfileError` names a bad field.
+        """
+        from chaos_flwr.flower.profiles import load_profile
+
+        profile = load_profile(name_or_path)
+        flat = {k: overrides.pop(k) for k in list(overrides) if k in FLAT_KEYS}
+        kwargs = profile.settings(**flat)
+        kwargs.update(overrides)
+        return cls(profile.build_inner(), **kwargs)
+
+    # -- the rounds ---------------------------------------------------------------------------
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds of the inner strategy with the Chaos phases.
+
+        Same parameters and result as :meth:`flwr.serverapp.strategy.Strategy.start`;
+        ``timeout`` bounds every exchange (together with ``phases.phase_timeout_s``).
+        """
+        log(INFO, "Starting ChaosStrategy(%s)", type(self.inner).__name__)
+        self.summary()
+        run = _Run(
+            grid,
+            timeout,
+            ConfigRecord() if train_config is None else train_config,
+            ConfigRecord() if evaluate_config is None else evaluate_config,
+            evaluate_fn,
+            Result(),
+        )
+        t_start = time.time()
+        if evaluate_fn:
+            res0 = evaluate_fn(0, initial_arrays)
+            if res0 is not None:
+                run.result.evaluate_metrics_serverapp[0] = res0
+        held = self._begin(run, initial_arrays)
+        for rnd in range(max(held.server_round, self.round_floor) + 1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
+            held = self._round(run, rnd, held)
+        log(INFO, "ChaosStrategy finished in %.2fs", time.time() - t_start)
+        for line in io.StringIO(str(run.result)):
+            log(INFO, "\t%s", line.strip("\n"))
+        return run.result
+
+    def _begin(self, run: _Run, initial_arrays: ArrayRecord) -> _Held:
+        """Resume from the parties' replicas, else certify the initial state (round 0)."""
+        grid = run.grid
+        known = self.resumer.wait_for_nodes(grid, min_nodes(self.inner, "train"), run.timeout)
+        found = self.resumer.resume(grid, known, run.timeout) if self.resume.enabled else Resumed()
+        self.round_floor = found.round_floor
+        if found.report is not None:
+            self.last_pull = found.report
+        if found.state is not None and found.hello is not None:
+            rnd, arrays, digest, sstate = found.state
+            restore_strategy_state(self.inner, sstate)
+            self.courier.forward_round = rnd
+            run.result.arrays = arrays
+            size = certified_state(arrays, rnd, sstate).serialized_size()
+            found.hello.join_s = self.join_relay.pull(
+                grid, rnd, digest, found.hello, run.timeout, size
+            )
+            self._finish(found.hello)
+            return _Held(rnd, arrays, digest)
+        if found.hello is not None:
+            self._finish(found.hello)
+        # round 0: certify the initial state on every node that answers (numbered above every
+        # round a party already signed, if a resume found receipts but no state)
+        round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
+        digest = certified_digest(initial_arrays, round0)
+        log0 = RoundLog(round0, digest=digest)
+        spec = PhaseSpec("certify", round0, digest, arrays=initial_arrays)
+        _, log0.certify_s = self.courier.phase(
+            grid, [], known, spec, timeout=run.timeout, log_=log0
+        )
+        log0.holders = self.courier.holder_parties(round0, digest)
+        self._finish(log0)
+        self.courier.forward_round = round0
+        return _Held(round0, initial_arrays, digest)
+
+    def _round(self, run: _Run, rnd: int, held: _Held) -> _Held:
+        """One round: train on the eligible nodes, certify the new state, relay the joins."""
+        grid, courier = run.grid, self.courier
+        rlog = RoundLog(rnd)
+        known = list(grid.get_node_ids())
+        prev_holders = set(courier.holding(known, held.server_round, held.digest))
+        arrays = self._train(run, rnd, rlog, known, held)
+        sstate = strategy_state_of(self.inner)
+        state = certified_state(arrays, rnd, sstate)
+        digest = state.digest()
+        rlog.digest = digest
+
+        # certify + evaluate: the new state goes to the live nodes that held the previous one
+        # or trained on it; receipts come back. Others (joiners) pull it from parties.
+        receivers = self._receivers(grid, prev_holders | set(rlog.trained))
+        eval_msgs: list[Message] = []
+        if len(receivers) >= min_nodes(self.inner, "evaluate"):
+            eval_msgs = list(
+                self.inner.configure_evaluate(
+                    rnd, arrays, run.evaluate_config, EligibleGrid(grid, sorted(receivers))
+                )
+            )
+        spec = PhaseSpec("certify", rnd, digest, arrays, frozenset(receivers), sstate)
+        eval_replies, rlog.certify_s = courier.phase(
+            grid, eval_msgs, known, spec, timeout=run.timeout, log_=rlog
+        )
+        courier.certified(rnd)
+        rlog.holders = courier.holder_parties(rnd, digest)
+        size = state.serialized_size()
+        rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
+        if eval_msgs:
+            agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
+            if agg_eval is not None:
+                run.result.evaluate_metrics_clientapp[rnd] = agg_eval
+        if run.evaluate_fn:
+            res = run.evaluate_fn(rnd, arrays)
+            if res is not None:
+                run.result.evaluate_metrics_serverapp[rnd] = res
+        self._finish(rlog)
+        return _Held(rnd, arrays, digest)
+
+    def _train(
+        self, run: _Run, rnd: int, rlog: RoundLog, known: list[int], held: _Held
+    ) -> ArrayRecord:
+        """The train exchange on the eligible nodes; returns the aggregated arrays."""
+        eligible = self.courier.eligible(known, held.digest, held.server_round)
+        rlog.eligible = eligible
+        need = min_nodes(self.inner, "train")
+        train_msgs: list[Message] = []
+        if len(eligible) < need:
+            rlog.skipped = f"train: {len(eligible)} eligible nodes < {need} required"
+            log(WARNING, "Chaos: skipping training of round %d (%s)", rnd, rlog.skipped)
+        else:
+            train_msgs = list(
+                self.inner.configure_train(
+                    rnd, held.arrays, run.train_config, EligibleGrid(run.grid, eligible)
+                )
+            )
+        rlog.trained = [m.metadata.dst_node_id for m in train_msgs]
+        spec = PhaseSpec("relay", held.server_round, held.digest)
+        train_replies, rlog.train_s = self.courier.phase(
+            run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog
+        )
+        arrays = held.arrays
+        if train_msgs:
+            agg_arrays, agg_metrics = self.inner.aggregate_train(rnd, train_replies)
+            if agg_arrays is not None:
+                arrays = agg_arrays
+                run.result.arrays = agg_arrays
+            if agg_metrics is not None:
+                run.result.train_metrics_clientapp[rnd] = agg_metrics
+        return arrays
+
+    def _receivers(self, grid: Grid, candidates: set[int]) -> set[int]:
+        """Who gets the new state: live, non-suspect ``candidates``; if none, every live node
+        (nobody holds the previous state, e.g. every node missed the last deadline: there is
+        no party to pull from)."""
+        suspects = self.courier.suspects
+        nodes_now = set(grid.get_node_ids())
+        receivers = {n for n in candidates & nodes_now if n not in suspects}
+        return receivers or {n for n in nodes_now if n not in suspects} or set(nodes_now)
+
+    def _finish(self, rlog: RoundLog) -> None:
+        """Fill the round's membership fields from the server-side view and keep the log."""
+        if self.view is not None:
+            rlog.members = self.view.members()
+            rlog.events = [e for e in self.view.events if e.server_round == rlog.server_round]
+            rlog.leaves = [e.subject for e in rlog.events if e.kind == "leave"]
+            rlog.failures = [e.subject for e in rlog.events if e.kind == "fail"]
+        self.rounds.append(rlog)
