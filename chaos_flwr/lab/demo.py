@@ -245,6 +245,20 @@ def _common_config(scen: ChurnScenario, local_epochs: int | None) -> dict[str, o
     return common
 
 
+def _fresh_work(work: Path, scen: ChurnScenario, scenario_path: Path | None) -> Path:
+    """Empty ``work`` (created); return the scenario file, written there unless given."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    if scenario_path is not None:
+        return scenario_path
+    import yaml
+
+    path = work / "churn.yaml"
+    path.write_text(yaml.safe_dump(scen.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
 def run_demo(
     out_dir: Path | str,
     *,
@@ -282,14 +296,7 @@ def run_demo(
     scen, scenario_path = _scenario(scenario, rounds)
     out = Path(out_dir).resolve()
     work = out / "work"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    if scenario_path is None:
-        import yaml
-
-        scenario_path = work / "churn.yaml"
-        scenario_path.write_text(yaml.safe_dump(scen.model_dump(mode="json"), sort_keys=False))
+    scenario_path = _fresh_work(work, scen, scenario_path)
     keys = make_federation(
         work / "keys", scen.num_parties, founders=scen.institutions, seed="chaos-flwr-demo"
     )

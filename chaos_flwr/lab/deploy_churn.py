@@ -77,6 +77,21 @@ class _Plan:
     say: Callable[[str], None]
 
 
+def _run_config(
+    founders: int, rounds: int, keys: Path, phase_timeout_s: float, timeout_s: float
+) -> dict[str, object]:
+    return {
+        "mode": "chaos",
+        "num-server-rounds": rounds,
+        "min-nodes": max(1, founders - 1),
+        "local-epochs": 1,
+        "chaos-keys-dir": str(keys),
+        "phase-timeout-s": phase_timeout_s,
+        "round-timeout-s": timeout_s,
+        "poll-interval-s": _DEPLOY_POLL_INTERVAL_S,
+    }
+
+
 def _join(
     cluster: DeploymentCluster, plan: _Plan, run1: Any, node: dict[str, object]
 ) -> dict[str, Any]:
@@ -224,21 +239,11 @@ def measure_deploy_churn(
             "chaos-state-dir": str(work / "state" / f"party-{i}"),
         }
 
-    cfg: dict[str, object] = {
-        "mode": "chaos",
-        "num-server-rounds": rounds,
-        "min-nodes": max(1, founders - 1),
-        "local-epochs": 1,
-        "chaos-keys-dir": str(keys),
-        "phase-timeout-s": phase_timeout_s,
-        "round-timeout-s": timeout_s,
-        "poll-interval-s": _DEPLOY_POLL_INTERVAL_S,
-    }
     plan = _Plan(
         ids=ids,
         joiner=founders,
         victim=founders - 1,
-        cfg=cfg,
+        cfg=_run_config(founders, rounds, keys, phase_timeout_s, timeout_s),
         progress1=work / "progress-1.jsonl",
         progress2=work / "progress-2.jsonl",
         deadline=time.time() + timeout_s,
@@ -249,7 +254,7 @@ def measure_deploy_churn(
     with DeploymentCluster(app, work / "home") as cluster:
         for i in range(founders):
             cluster.start_supernode(f"party-{i}", node_config(i))
-        run1 = cluster.start_run({**cfg, "progress-path": str(plan.progress1)}, "run-1.log")
+        run1 = cluster.start_run({**plan.cfg, "progress-path": str(plan.progress1)}, "run-1.log")
         out.update(_join(cluster, plan, run1, node_config(plan.joiner)))
         say(f"join: trained in round {out['join_trained_in_round']}; crashing party-{plan.victim}")
         out.update(_crash(cluster, plan, run1))

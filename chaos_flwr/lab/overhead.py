@@ -79,14 +79,7 @@ def measure_overhead(
     runs: dict[str, list[float]] = {"fedavg": [], "chaos": []}
     means: dict[str, list[float]] = {"fedavg": [], "chaos": []}
     with tempfile.TemporaryDirectory(prefix="chaos-overhead-") as tmp:
-        extra: dict[str, object] = {"chaos-unsigned": True}
-        if signed:
-            from chaos_flwr.flower.keys import make_federation
-
-            keys = make_federation(
-                Path(tmp) / "keys", num_supernodes, founders=num_supernodes, seed="overhead"
-            )
-            extra = {"chaos-unsigned": False, "chaos-keys-dir": str(keys)}
+        extra = _identity_config(Path(tmp), num_supernodes, signed)
         for rep in range(repeats):
             for mode in ("fedavg", "chaos"):
                 cfg: dict[str, object] = {
@@ -97,14 +90,7 @@ def measure_overhead(
                 }
                 if signed:  # fresh replicas per run: every run starts at round 0
                     cfg["chaos-state-root"] = str(Path(tmp) / f"state-{rep}-{mode}")
-                run = run_simulation_app(
-                    app, run_config=cfg, num_supernodes=num_supernodes, timeout_s=timeout_s
-                )
-                if run.returncode != 0 or not run.results:
-                    raise TransportError(
-                        f"the {mode} run failed (exit {run.returncode}):\n{run.log[-2000:]}"
-                    )
-                fig = _run_figures(run.results)
+                fig = _one_run(app, cfg, num_supernodes, timeout_s)
                 runs[mode].append(fig["median_round_s"])
                 means[mode].append(fig["mean_round_s"])
                 out[mode] = fig
@@ -113,6 +99,30 @@ def measure_overhead(
     _summarise(out, runs, means, (ratios, mean_ratios))
     out["loadavg"]["after"] = os.getloadavg()[0]
     return out
+
+
+def _identity_config(tmp: Path, num_supernodes: int, signed: bool) -> dict[str, object]:
+    """Run config of the parties' identities: none, or keys with every SuperNode a founder."""
+    if not signed:
+        return {"chaos-unsigned": True}
+    from chaos_flwr.flower.keys import make_federation
+
+    keys = make_federation(tmp / "keys", num_supernodes, founders=num_supernodes, seed="overhead")
+    return {"chaos-unsigned": False, "chaos-keys-dir": str(keys)}
+
+
+def _one_run(
+    app: Path, cfg: dict[str, object], num_supernodes: int, timeout_s: float
+) -> dict[str, Any]:
+    """Run the example once with ``cfg``; return its figures (TransportError if it failed)."""
+    run = run_simulation_app(
+        app, run_config=cfg, num_supernodes=num_supernodes, timeout_s=timeout_s
+    )
+    if run.returncode != 0 or not run.results:
+        raise TransportError(
+            f"the {cfg['mode']} run failed (exit {run.returncode}):\n{run.log[-2000:]}"
+        )
+    return _run_figures(run.results)
 
 
 def _run_figures(results: Mapping[str, Any]) -> dict[str, Any]:

@@ -139,6 +139,21 @@ def _watch(proc: subprocess.Popen[Any], watch: _Watch) -> tuple[list[int], list[
     return pids, killed
 
 
+def _simulation_run_cmd(
+    app: Path, options: Mapping[str, object], config: Mapping[str, object]
+) -> list[str]:
+    return [
+        bin_path("flwr"),
+        "run",
+        str(app),
+        "--stream",
+        "--federation-config",
+        config_arg(options),
+        "--run-config",
+        config_arg(config),
+    ]
+
+
 def run_simulation_app(
     app_dir: Path | str,
     *,
@@ -188,16 +203,7 @@ def run_simulation_app(
     env = flower_env(home)
     config = dict(run_config or {})
     results = results_path(config, home)
-    cmd = [
-        bin_path("flwr"),
-        "run",
-        str(app),
-        "--stream",
-        "--federation-config",
-        config_arg(options),
-        "--run-config",
-        config_arg(config),
-    ]
+    cmd = _simulation_run_cmd(app, options, config)
     out_path = home / "flwr-run.log"
     try:
         with _local_superlink(home, env, startup_timeout_s) as link_pid:
