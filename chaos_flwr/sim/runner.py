@@ -40,7 +40,8 @@ from .engine import Engine, SimBoundError
 from .nemesis import Nemesis
 from .network import Faults, Network
 from .scenario import Event, Scenario, load_scenario, parse_scenario
-from .training import TRAIN_TAG, Trainer
+from .training import Trainer
+from .trainmodel import TRAIN_TAG
 
 __all__ = ["Simulation", "bench_sim", "random_scenario", "run_scenario", "soak"]
 
