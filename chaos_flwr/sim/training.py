@@ -61,6 +61,59 @@ from .world import World
 __all__ = ["RELAY", "TRAIN_TAG", "Trainer", "aggregate_state", "genesis_state"]
 
 
+def _new_stats() -> dict[str, int]:
+    """The trainer's counters, all zero."""
+    return {
+        "rounds_started": 0,
+        "rounds_certified": 0,
+        "rounds_failed": 0,
+        "pulls_started": 0,
+        "pulls_done": 0,
+        "pulls_failed": 0,
+        "donors_lost": 0,
+        "donor_kills_mid_transfer": 0,
+        "pulls_survived_donor_loss": 0,
+        "relay_restarts": 0,
+        "rollbacks": 0,
+        "bad_inputs": 0,
+    }
+
+
+def _unheld_round(
+    parties: dict[str, TrainParty],
+    accepted: dict[int, dict[bytes, set[str]]],
+    live: set[str],
+    wants: set[str],
+) -> int | None:
+    """The newest certified round if no live wanted party holds it (tentatively or not)."""
+    top = max(accepted, default=0)
+    if top == 0:
+        return None
+    for digest in accepted[top]:
+        for pid, tp in parties.items():
+            if pid not in live or pid not in wants:
+                continue
+            tent = tp.tentative.get(top)
+            if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
+                return None
+    return top
+
+
+def _equivocating_split(
+    members: tuple[str, ...],
+) -> tuple[list[str], list[str], tuple[str, ...], tuple[str, ...]]:
+    """Two halves of ``members`` and the contributor set an equivocating relay tells each."""
+    g1, g2 = list(members[0::2]), list(members[1::2])
+    c1 = tuple(p for p in members if p != g2[0])
+    c2 = tuple(p for p in members if p != g1[0])
+    return g1, g2, c1, c2
+
+
+def _seen(tp: TrainParty) -> int:
+    """Newest round ``tp`` knows of or signed."""
+    return max([*tp.known, *tp.signed, 0])
+
+
 class Trainer:
     """The training model of one :class:`~chaos_flwr.sim.runner.Simulation`."""
 
@@ -97,20 +150,7 @@ class Trainer:
         self.gap_rounds: list[tuple[float, int]] = []
         self.accepted_at: dict[tuple[int, bytes], float] = {}
         self.progress_marks: list[tuple[float, int]] = []
-        self.stats = {
-            "rounds_started": 0,
-            "rounds_certified": 0,
-            "rounds_failed": 0,
-            "pulls_started": 0,
-            "pulls_done": 0,
-            "pulls_failed": 0,
-            "donors_lost": 0,
-            "donor_kills_mid_transfer": 0,
-            "pulls_survived_donor_loss": 0,
-            "relay_restarts": 0,
-            "rollbacks": 0,
-            "bad_inputs": 0,
-        }
+        self.stats = _new_stats()
         self.pulls = Puller(
             sim,
             self.parties,
@@ -148,7 +188,7 @@ class Trainer:
         tp = self.parties.get(pid)
         if tp is not None:
             tp.pull = None
-        self._note_holder_gap(f"crash {pid[:12]}")
+        self.note_holder_gap(f"crash {pid[:12]}")
 
     def on_restart(self, pid: str, *, disk: bool) -> None:
         """``pid`` runs again: with its replicas, certificates and ledger, or from nothing."""
@@ -157,7 +197,7 @@ class Trainer:
             self.add_party(pid, keep=old)
         else:
             self.add_party(pid, fresh=True)
-            self._note_holder_gap(f"restart without disk {pid[:12]}")
+            self.note_holder_gap(f"restart without disk {pid[:12]}")
 
     def arm_donor_kill(self, down_s: float, disk: bool) -> None:
         """Crash the next donor asked for a shard, mid transfer (restarted ``down_s`` later)."""
@@ -188,22 +228,10 @@ class Trainer:
 
     def note_holder_gap(self, why: str) -> None:
         """Record it if no live member holds the newest certified state any more."""
-        self._note_holder_gap(why)
-
-    def _note_holder_gap(self, why: str) -> None:
-        top = max(self.accepted, default=0)
-        if top == 0:
-            return
-        live = set(self.sim.live())
-        for digest in self.accepted[top]:
-            for pid, tp in self.parties.items():
-                if pid not in live or pid not in self.sim.wants:
-                    continue
-                tent = tp.tentative.get(top)
-                if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
-                    return
-        self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
-        self.gap_rounds.append((self.sim.engine.now, top))
+        top = _unheld_round(self.parties, self.accepted, set(self.sim.live()), self.sim.wants)
+        if top is not None:
+            self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
+            self.gap_rounds.append((self.sim.engine.now, top))
 
     # --- traffic -----------------------------------------------------------------------------
 
@@ -371,9 +399,7 @@ class Trainer:
         self._relay_receipts = {}
         if self.equivocate_next and len(members) >= 4:
             self.equivocate_next = False
-            g1, g2 = list(members[0::2]), list(members[1::2])
-            c1 = tuple(p for p in members if p != g2[0])
-            c2 = tuple(p for p in members if p != g1[0])
+            g1, g2, c1, c2 = _equivocating_split(members)
             for p in g1:
                 cur.groups[p] = c1
             for p in g2:
@@ -454,9 +480,6 @@ class Trainer:
         elif kind in ("man", "shard", "nack"):
             self.pulls.on_reply(tp, src, kind, msg)
 
-    def _seen(self, tp: TrainParty) -> int:
-        return max([*tp.known, *tp.signed, 0])
-
     def _on_train(self, tp: TrainParty, msg: dict[str, Any]) -> None:
         c = Cert.of(msg.get("cert"))
         if c is not None:
@@ -476,7 +499,7 @@ class Trainer:
                 r=int(msg["r"]),
                 held=top,
                 hd=tp.digests[top],
-                seen=self._seen(tp),
+                seen=_seen(tp),
                 fresh=tp.fresh,
                 cert=mine.value() if mine is not None else None,
                 newest=tp.certs[newest].value() if newest else None,
