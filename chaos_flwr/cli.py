@@ -498,7 +498,7 @@ def demo(
     a leave, a link drop, a crash, the server killed and restarted, the crashed one back).
     """
     from chaos_flwr.defaults import FLOWER_DEMO_OUT_DIR, FLOWER_DEMO_RUN_TIMEOUT_S
-    from chaos_flwr.flower.demo import demo_cli
+    from chaos_flwr.lab.demo import demo_cli
 
     demo_cli(
         out or FLOWER_DEMO_OUT_DIR,
@@ -549,7 +549,7 @@ def bench_flower_overhead(
     repeats: int = typer.Option(1, help="FedAvg/Chaos run pairs; the ratio is their median."),
 ) -> None:
     """Per-round wall time of ChaosStrategy over plain FedAvg in simulation (JSON)."""
-    from chaos_flwr.flower.overhead import measure_overhead
+    from chaos_flwr.lab.overhead import measure_overhead
 
     _print_json(
         measure_overhead(
@@ -577,7 +577,7 @@ def bench_flower_churn(
     """
     import tempfile
 
-    from chaos_flwr.flower.demo import churn_figures
+    from chaos_flwr.lab.demo import churn_figures
 
     if engine not in ("deployment", "simulation"):
         raise typer.BadParameter("deployment or simulation", param_hint="--engine")

@@ -1,4 +1,4 @@
-"""Churn scenarios (chaos_flwr.flower.churn), the demo report, the scenario in simulation."""
+"""Churn scenarios (chaos_flwr.lab.scenario, .churn), the demo report, the scenario run."""
 
 from __future__ import annotations
 
@@ -8,21 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_grid import FakeGrid
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from chaos_flwr.errors import ConfigError
-from chaos_flwr.flower import churn
-from chaos_flwr.flower.churn import (
-    NodeCrashedError,
-    NodeNotJoinedError,
-    load_scenario,
-    message_round,
-    parse_scenario,
-)
-from chaos_flwr.flower.fake_grid import FakeGrid
-from chaos_flwr.flower.report import build_report, plot_report, read_progress, render_table
 from chaos_flwr.flower.schema import server_record
+from chaos_flwr.lab import churn
+from chaos_flwr.lab.churn import NodeCrashedError, NodeNotJoinedError, message_round
+from chaos_flwr.lab.render import plot_report, render_table
+from chaos_flwr.lab.report import build_report, read_progress
+from chaos_flwr.lab.scenario import load_scenario, parse_scenario
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
 
@@ -343,10 +339,10 @@ def test_read_progress_skips_a_line_torn_by_a_kill(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> None:
-    from chaos_flwr.flower import runner
-    from chaos_flwr.flower.demo import run_demo
+    from chaos_flwr.lab.demo import run_demo
+    from chaos_flwr.lab.processes import alive, descendants
 
-    before = set(runner.descendants(os.getpid()))  # e.g. workers of earlier tests
+    before = set(descendants(os.getpid()))  # e.g. workers of earlier tests
     result = run_demo(tmp_path / "out", timeout_s=180, plot=False)
     rep = result.report
     assert json.loads(result.report_path.read_text()) == json.loads(
@@ -374,6 +370,6 @@ def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> Non
     assert final["within_gap"], final
     # nothing left running: every pid the runs saw is gone, and no child of this process
     for run in result.runs:
-        assert not [p for p in run.pids if runner._alive(p)]
-    new = [p for p in runner.descendants(os.getpid()) if p not in before]
-    assert [p for p in new if runner._alive(p)] == []
+        assert not [p for p in run.pids if alive(p)]
+    new = [p for p in descendants(os.getpid()) if p not in before]
+    assert [p for p in new if alive(p)] == []

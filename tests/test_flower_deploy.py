@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from chaos_flwr.flower import runner
-from chaos_flwr.flower.overhead import measure_deploy_churn
+from chaos_flwr.lab.deploy_churn import measure_deploy_churn
+from chaos_flwr.lab.processes import alive, descendants
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
 
@@ -29,7 +29,7 @@ def _flower_env(flower_env: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(720)
 def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) -> None:
-    before = set(runner.descendants(os.getpid()))  # e.g. workers of earlier tests
+    before = set(descendants(os.getpid()))  # e.g. workers of earlier tests
     fig = measure_deploy_churn(tmp_path, app_dir=EXAMPLE, timeout_s=660)
     fig.pop("progress")
     print(json.dumps(fig, indent=1, default=str))  # the measured figures (pytest -s)
@@ -60,5 +60,5 @@ def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) 
     assert 0 < fig["restart_to_first_round_s"] < 660
     # nothing left behind
     assert fig["pids_alive"] == []
-    new = [p for p in runner.descendants(os.getpid()) if p not in before]
-    assert [p for p in new if runner._alive(p)] == []
+    new = [p for p in descendants(os.getpid()) if p not in before]
+    assert [p for p in new if alive(p)] == []

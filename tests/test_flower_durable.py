@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_grid import FakeGrid, FakeNode
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
@@ -26,7 +27,6 @@ from chaos_flwr.charter import load_charter
 from chaos_flwr.errors import StoreError
 from chaos_flwr.flower import durable
 from chaos_flwr.flower.client import Party, default_party_factory, enable, forget_party, party_for
-from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
 from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
 from chaos_flwr.store import ReplicaStore

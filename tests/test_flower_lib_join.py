@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_grid import FakeGrid, FakeNode
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
@@ -27,7 +28,6 @@ from chaos_flwr.flower.client import (
     forget_party,
     party_for,
 )
-from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
 from chaos_flwr.flower.server import (
     ChaosStrategy,

@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_grid import FakeGrid
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.flower.client import Party, enable
-from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings, keyring_verifier
 from chaos_flwr.identity import Identity
 from chaos_flwr.peer import Peer

@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from fake_grid import FakeGrid
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from chaos_flwr.errors import ConfigError, DecodeError
 from chaos_flwr.flower.client import Party, enable, party_settings
-from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.relay import BROADCAST, Relay, exchange
 from chaos_flwr.flower.schema import (
     CHAOS_MESSAGE_TYPE,

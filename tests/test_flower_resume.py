@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fake_grid import FakeGrid, FakeNode
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.charter import load_charter
 from chaos_flwr.flower.client import default_party_factory, enable, party_for
-from chaos_flwr.flower.fake_grid import FakeGrid, FakeNode
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
 from chaos_flwr.flower.server import (
     ChaosStrategy,

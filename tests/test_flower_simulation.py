@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from chaos_flwr.errors import ConfigError
-from chaos_flwr.flower import runner
+from chaos_flwr.lab.processes import alive, descendants
+from chaos_flwr.lab.simulation import run_simulation_app
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
 
@@ -48,15 +49,15 @@ def test_partitions_are_disjoint_cover_the_pool_and_are_skewed(task) -> None:  #
 
 def test_runner_refuses_a_folder_without_an_app(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="app_dir"):
-        runner.run_simulation_app(tmp_path)
+        run_simulation_app(tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_chaos_strategy_trains_on_the_simulation_engine_and_leaves_no_process() -> None:
     # processes of earlier tests (e.g. multiprocessing's resource tracker) are not this run's
-    before = set(runner.descendants(os.getpid()))
-    run = runner.run_simulation_app(
+    before = set(descendants(os.getpid()))
+    run = run_simulation_app(
         EXAMPLE,
         run_config={"num-server-rounds": 3, "mode": "chaos", "chaos-unsigned": True},
         timeout_s=120,
@@ -73,6 +74,6 @@ def test_chaos_strategy_trains_on_the_simulation_engine_and_leaves_no_process() 
     assert all(r["trained"] == 5 for r in rounds[1:])
     assert all(r["unsigned_receipts"] == 5 for r in rounds)  # and the report says they are
     assert run.pids, "the runner saw no SuperLink process"
-    assert not [p for p in run.pids if runner._alive(p)]
-    leftover = [p for p in runner.descendants(os.getpid()) if p not in before and runner._alive(p)]
+    assert not [p for p in run.pids if alive(p)]
+    leftover = [p for p in descendants(os.getpid()) if p not in before and alive(p)]
     assert leftover == []

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from fake_grid import FakeGrid
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam, FedAvg, FedProx, Krum
 
 from chaos_flwr.errors import ProfileError
 from chaos_flwr.flower.client import Party, enable
-from chaos_flwr.flower.fake_grid import FakeGrid
 from chaos_flwr.flower.profiles import available_profiles, load_profile
 from chaos_flwr.flower.server import (
     ChaosStrategy,

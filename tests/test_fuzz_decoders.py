@@ -30,7 +30,7 @@ from chaos_flwr.planner import Donor, plan_transfer
 from chaos_flwr.receipts import Equivocation, Receipt, ReceiptLedger
 from chaos_flwr.sim.runner import Simulation
 from chaos_flwr.sim.scenario import parse_scenario, scenario_from_yaml
-from chaos_flwr.sim.training import TRAIN_TAG
+from chaos_flwr.sim.trainmodel import TRAIN_TAG
 from chaos_flwr.state import Manifest, TrainingState
 from chaos_flwr.transfer import PullSession
 

@@ -1,7 +1,7 @@
 """Direct grpc links for joiner pulls: a donor's replica server and the joiner's fetcher.
 
 Flower carries no node-to-node traffic, so a joiner pulls through the relay
-(:mod:`chaos_flwr.flower.joinpull`). When a donor is configured with a direct address
+(:mod:`chaos_flwr.flower.client.joiner`). When a donor is configured with a direct address
 (``node_config`` key ``chaos-direct-addr``, ``"127.0.0.1:PORT"``), it names that address in its
 relayed size/manifest reply, and the joiner fetches that donor's shards straight over grpc
 (:class:`~chaos_flwr.transport.grpc_carrier.GrpcCarrier`), from every reachable donor at once.

@@ -19,15 +19,13 @@ random choice draws from the simulation engine's single RNG.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..identity import Identity
 from ..membership import Record, link_body
 from ..wire import seal
 from .network import Faults
-
-if TYPE_CHECKING:
-    from .runner import Simulation
+from .world import NemesisWorld
 
 __all__ = ["FORGE_KINDS", "ForgeCheck", "Nemesis"]
 
@@ -49,7 +47,7 @@ class ForgeCheck:
 class Nemesis:
     """Fault injector bound to one simulation."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: NemesisWorld) -> None:
         self.sim = sim
         self._forged: dict[bytes, str] = {}
         self.checks: list[ForgeCheck] = []

@@ -40,7 +40,8 @@ from .engine import Engine, SimBoundError
 from .nemesis import Nemesis
 from .network import Faults, Network
 from .scenario import Event, Scenario, load_scenario, parse_scenario
-from .training import TRAIN_TAG, Trainer
+from .training import Trainer
+from .trainmodel import TRAIN_TAG
 
 __all__ = ["Simulation", "bench_sim", "random_scenario", "run_scenario", "soak"]
 
@@ -430,6 +431,122 @@ def _party_count(rng: random.Random, max_parties: int) -> int:
     return rng.randint(5, 12)
 
 
+#: Event kinds of a soak schedule and their weights.
+_SOAK_KINDS = [
+    ("crash", 6),
+    ("join", 2),
+    ("leave", 2),
+    ("partition", 3),
+    ("flap", 4),
+    ("link", 2),
+    ("faults", 3),
+    ("forge", 2),
+    ("relay_restart", 2),
+    ("equivocate", 1),
+    ("crash_donor", 2),
+]
+
+
+class _Schedule:
+    """The events of a soak schedule so far, and who is pending, crashed or left."""
+
+    def __init__(self, rng: random.Random, n: int, pending: list[int]) -> None:
+        self.rng = rng
+        self.n = n
+        self.pending = pending
+        self.crashed_until: dict[int, float] = {}
+        self.left: set[int] = set()
+        self.evs: list[dict[str, Any]] = []
+
+    def add(self, choice: str, t: float, up: list[int]) -> None:
+        """Add the events of one drawn ``choice`` at ``t`` (none if it does not apply)."""
+        rng, n, evs = self.rng, self.n, self.evs
+        if choice == "join" and (self.pending or self.left):
+            self._join(t)
+        elif choice == "crash" and len(self.crashed_until) < (n - 1) // 2 and up:
+            p = rng.choice(up)
+            back = t + rng.uniform(0.5, 5.0)
+            self.crashed_until[p] = back
+            evs.append({"at": t, "action": "crash", "party": p})
+            disk = rng.random() >= SIM_SOAK_DISK_LOSS
+            evs.append({"at": back, "action": "restart", "party": p, "disk": disk})
+        elif choice == "leave":
+            cand = [i for i in up if i >= SIM_FOUNDERS and i not in self.left]
+            if cand:
+                p = rng.choice(cand)
+                self.left.add(p)
+                evs.append({"at": t, "action": "leave", "party": p})
+        elif choice == "partition":
+            group = sorted(rng.sample(range(n), rng.randint(1, max(1, n // 2))))
+            evs.append({"at": t, "action": "partition", "group": group})
+            evs.append({"at": t + rng.uniform(0.5, 4.0), "action": "heal"})
+        elif choice == "flap" and len(up) >= 2:
+            a, b = rng.sample(up, 2)
+            evs.append({"at": t, "action": "flap", "a": a, "b": b, "down_s": rng.uniform(0.1, 1.5)})
+        elif choice == "link" and len(up) >= 2:
+            a, b = rng.sample(up, 2)
+            evs.append({"at": t, "action": "link_up", "a": a, "b": b})
+            if rng.random() < 0.5:
+                evs.append({"at": t + rng.uniform(0.5, 3.0), "action": "link_down", "a": b, "b": a})
+        elif choice == "faults":
+            evs.append(self._faults(t))
+        elif choice == "forge" and up:
+            evs.append(
+                {"at": t, "action": "forge", "party": rng.choice(up), "count": rng.randint(1, 4)}
+            )
+        elif choice == "relay_restart":
+            evs.append({"at": t, "action": "relay_restart", "down_s": rng.uniform(0.2, 2.0)})
+        elif choice == "equivocate":
+            evs.append({"at": t, "action": "equivocate"})
+        elif choice == "crash_donor":
+            self._crash_donor(t, up)
+
+    def _join(self, t: float) -> None:
+        k = self.rng.randint(1, 3)  # concurrent joins at one instant
+        for _ in range(k):
+            if self.pending:
+                j = self.pending.pop(0)
+            elif self.left:
+                j = min(self.left)
+                self.left.discard(j)
+            else:
+                break
+            self.evs.append({"at": t, "action": "join", "party": j})
+
+    def _faults(self, t: float) -> dict[str, Any]:
+        rng = self.rng
+        if rng.random() < 0.3:
+            return {"at": t, "action": "faults"}
+        return {
+            "at": t,
+            "action": "faults",
+            "drop": round(rng.uniform(0, 0.15), 3),
+            "duplicate": round(rng.uniform(0, 0.15), 3),
+            "reorder": round(rng.uniform(0, 0.5), 3),
+            "reorder_max_s": round(rng.uniform(0, 0.5), 3),
+            "delay_s": round(rng.uniform(0, 0.05), 3),
+        }
+
+    def _crash_donor(self, t: float, up: list[int]) -> None:
+        # a party that lost its disk pulls at its next invitation: kill one of its donors
+        rng = self.rng
+        cand = [i for i in up if i not in self.crashed_until]
+        if len(cand) >= 2 and len(self.crashed_until) < (self.n - 1) // 2:
+            p = rng.choice(cand)
+            back = t + rng.uniform(0.3, 1.5)
+            self.crashed_until[p] = back
+            self.evs.append({"at": t, "action": "crash", "party": p})
+            self.evs.append({"at": back, "action": "restart", "party": p, "disk": False})
+        self.evs.append(
+            {
+                "at": t,
+                "action": "crash_donor",
+                "down_s": rng.uniform(0.5, 3.0),
+                "disk": rng.random() < 0.5,
+            }
+        )
+
+
 def random_scenario(
     seed: int, max_parties: int = SIM_SOAK_MAX_PARTIES, events: int = SIM_SOAK_EVENTS
 ) -> Scenario:
@@ -447,110 +564,18 @@ def random_scenario(
     rng = random.Random(seed)
     n = _party_count(rng, max_parties)
     initial = n - rng.randint(0, min(5, n // 4))
-    evs: list[dict[str, Any]] = []
-    pending = list(range(initial, n))
-    crashed_until: dict[int, float] = {}
-    left: set[int] = set()
+    sched = _Schedule(rng, n, pending=list(range(initial, n)))
+    evs = sched.evs
     t = 3.0
-    kinds = [
-        ("crash", 6),
-        ("join", 2),
-        ("leave", 2),
-        ("partition", 3),
-        ("flap", 4),
-        ("link", 2),
-        ("faults", 3),
-        ("forge", 2),
-        ("relay_restart", 2),
-        ("equivocate", 1),
-        ("crash_donor", 2),
-    ]
-    names = [k for k, _ in kinds]
-    weights = [w for _, w in kinds]
-    last = t
+    names = [k for k, _ in _SOAK_KINDS]
+    weights = [w for _, w in _SOAK_KINDS]
     while len(evs) < events:
         t += rng.uniform(SIM_SOAK_GAP_MIN_S, SIM_SOAK_GAP_MAX_S)
-        for i in [i for i, until in crashed_until.items() if until <= t]:
-            del crashed_until[i]
+        for i in [i for i, until in sched.crashed_until.items() if until <= t]:
+            del sched.crashed_until[i]
         choice = rng.choices(names, weights)[0]
-        up = [i for i in range(n) if i not in crashed_until and i not in pending]
-        if choice == "join" and (pending or left):
-            k = rng.randint(1, 3)  # concurrent joins at one instant
-            for _ in range(k):
-                if pending:
-                    j = pending.pop(0)
-                elif left:
-                    j = min(left)
-                    left.discard(j)
-                else:
-                    break
-                evs.append({"at": t, "action": "join", "party": j})
-        elif choice == "crash" and len(crashed_until) < (n - 1) // 2 and up:
-            p = rng.choice(up)
-            back = t + rng.uniform(0.5, 5.0)
-            crashed_until[p] = back
-            evs.append({"at": t, "action": "crash", "party": p})
-            disk = rng.random() >= SIM_SOAK_DISK_LOSS
-            evs.append({"at": back, "action": "restart", "party": p, "disk": disk})
-        elif choice == "leave":
-            cand = [i for i in up if i >= SIM_FOUNDERS and i not in left]
-            if cand:
-                p = rng.choice(cand)
-                left.add(p)
-                evs.append({"at": t, "action": "leave", "party": p})
-        elif choice == "partition":
-            group = sorted(rng.sample(range(n), rng.randint(1, max(1, n // 2))))
-            evs.append({"at": t, "action": "partition", "group": group})
-            evs.append({"at": t + rng.uniform(0.5, 4.0), "action": "heal"})
-        elif choice == "flap" and len(up) >= 2:
-            a, b = rng.sample(up, 2)
-            evs.append({"at": t, "action": "flap", "a": a, "b": b, "down_s": rng.uniform(0.1, 1.5)})
-        elif choice == "link" and len(up) >= 2:
-            a, b = rng.sample(up, 2)
-            evs.append({"at": t, "action": "link_up", "a": a, "b": b})
-            if rng.random() < 0.5:
-                evs.append({"at": t + rng.uniform(0.5, 3.0), "action": "link_down", "a": b, "b": a})
-        elif choice == "faults":
-            if rng.random() < 0.3:
-                evs.append({"at": t, "action": "faults"})
-            else:
-                evs.append(
-                    {
-                        "at": t,
-                        "action": "faults",
-                        "drop": round(rng.uniform(0, 0.15), 3),
-                        "duplicate": round(rng.uniform(0, 0.15), 3),
-                        "reorder": round(rng.uniform(0, 0.5), 3),
-                        "reorder_max_s": round(rng.uniform(0, 0.5), 3),
-                        "delay_s": round(rng.uniform(0, 0.05), 3),
-                    }
-                )
-        elif choice == "forge" and up:
-            evs.append(
-                {"at": t, "action": "forge", "party": rng.choice(up), "count": rng.randint(1, 4)}
-            )
-        elif choice == "relay_restart":
-            evs.append({"at": t, "action": "relay_restart", "down_s": rng.uniform(0.2, 2.0)})
-        elif choice == "equivocate":
-            evs.append({"at": t, "action": "equivocate"})
-        elif choice == "crash_donor":
-            # a party that lost its disk pulls at its next invitation: kill one of its donors
-            cand = [i for i in up if i not in crashed_until]
-            if len(cand) >= 2 and len(crashed_until) < (n - 1) // 2:
-                p = rng.choice(cand)
-                back = t + rng.uniform(0.3, 1.5)
-                crashed_until[p] = back
-                evs.append({"at": t, "action": "crash", "party": p})
-                evs.append({"at": back, "action": "restart", "party": p, "disk": False})
-            evs.append(
-                {
-                    "at": t,
-                    "action": "crash_donor",
-                    "down_s": rng.uniform(0.5, 3.0),
-                    "disk": rng.random() < 0.5,
-                }
-            )
-        last = max(last, max(e["at"] for e in evs[-2:]) if evs else t)
+        up = [i for i in range(n) if i not in sched.crashed_until and i not in sched.pending]
+        sched.add(choice, t, up)
     end = max(e["at"] for e in evs) + 0.5
     evs.append({"at": end, "action": "faults"})
     evs.append({"at": end, "action": "heal"})

@@ -30,137 +30,94 @@ Model (deterministic, every random choice from the engine's RNG):
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
+from typing import Any
 
 from .. import codec
 from ..defaults import (
     SIM_TRAIN_COLLECT_S,
     SIM_TRAIN_MAX_CONTRIBUTORS,
     SIM_TRAIN_MAX_INVITED,
-    SIM_TRAIN_MAX_SHARDS,
-    SIM_TRAIN_MIN_SHARD_BYTES,
-    SIM_TRAIN_PULL_TIMEOUT_S,
     SIM_TRAIN_ROUND_GAP_S,
     SIM_TRAIN_ROUND_TIMEOUT_S,
-    SIM_TRAIN_STATE_BYTES,
 )
 from ..errors import ChaosError, SignatureError
-from ..planner import Donor, plan_transfer
 from ..receipts import Equivocation, Receipt, ReceiptLedger
-from ..state import Manifest, TrainingState
-from ..transfer import CancelRequest, PullSession
-
-if TYPE_CHECKING:
-    from .runner import Simulation
+from .invariants import check_training
+from .pulls import Puller
+from .trainmodel import (
+    GENESIS_PREV,
+    RELAY,
+    TRAIN_TAG,
+    Cert,
+    Round,
+    TrainParty,
+    aggregate_state,
+    genesis_state,
+    train_msg,
+)
+from .world import World
 
 __all__ = ["RELAY", "TRAIN_TAG", "Trainer", "aggregate_state", "genesis_state"]
 
-#: Prefix of every training message (peer envelopes never start with it).
-TRAIN_TAG = b"chaos-sim/train\x00"
-#: Network id of the relay.
-RELAY = "relay"
-_GENESIS_PREV = bytes(32)
+
+def _new_stats() -> dict[str, int]:
+    """The trainer's counters, all zero."""
+    return {
+        "rounds_started": 0,
+        "rounds_certified": 0,
+        "rounds_failed": 0,
+        "pulls_started": 0,
+        "pulls_done": 0,
+        "pulls_failed": 0,
+        "donors_lost": 0,
+        "donor_kills_mid_transfer": 0,
+        "pulls_survived_donor_loss": 0,
+        "relay_restarts": 0,
+        "rollbacks": 0,
+        "bad_inputs": 0,
+    }
 
 
-def aggregate_state(prev: bytes, round: int, contributors: Sequence[str]) -> TrainingState:
-    """The deterministic aggregate of round ``round`` over ``prev`` and ``contributors``."""
-    members = sorted(contributors)
-    mdigest = hashlib.sha256(codec.encode(members)).digest()
-    seed = hashlib.sha256(
-        b"chaos-sim/aggregate\x00" + codec.encode({"prev": prev, "round": round, "m": mdigest})
-    ).digest()
-    rng = np.random.default_rng(int.from_bytes(seed[:8], "big"))
-    w = rng.integers(0, 256, SIM_TRAIN_STATE_BYTES, dtype=np.uint8)
-    return TrainingState({"w": w}, round=round, meta={"prev": prev, "members": mdigest})
+def _unheld_round(
+    parties: dict[str, TrainParty],
+    accepted: dict[int, dict[bytes, set[str]]],
+    live: set[str],
+    wants: set[str],
+) -> int | None:
+    """The newest certified round if no live wanted party holds it (tentatively or not)."""
+    top = max(accepted, default=0)
+    if top == 0:
+        return None
+    for digest in accepted[top]:
+        for pid, tp in parties.items():
+            if pid not in live or pid not in wants:
+                continue
+            tent = tp.tentative.get(top)
+            if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
+                return None
+    return top
 
 
-def genesis_state(founders: Sequence[str]) -> TrainingState:
-    """Round 0: derived from the charter's founders, known to every party without a transfer."""
-    return aggregate_state(_GENESIS_PREV, 0, founders)
+def _equivocating_split(
+    members: tuple[str, ...],
+) -> tuple[list[str], list[str], tuple[str, ...], tuple[str, ...]]:
+    """Two halves of ``members`` and the contributor set an equivocating relay tells each."""
+    g1, g2 = list(members[0::2]), list(members[1::2])
+    c1 = tuple(p for p in members if p != g2[0])
+    c2 = tuple(p for p in members if p != g1[0])
+    return g1, g2, c1, c2
 
 
-def _msg(kind: str, **fields: Any) -> bytes:
-    return TRAIN_TAG + codec.encode({"k": kind, **fields})
-
-
-@dataclass
-class _Cert:
-    round: int
-    digest: bytes
-    members: tuple[str, ...]
-    receipts: tuple[bytes, ...]
-
-    def value(self) -> dict[str, Any]:
-        return {
-            "r": self.round,
-            "d": self.digest,
-            "c": list(self.members),
-            "x": list(self.receipts),
-        }
-
-    @classmethod
-    def of(cls, v: Any) -> _Cert | None:
-        if not isinstance(v, dict):
-            return None
-        return cls(int(v["r"]), bytes(v["d"]), tuple(v["c"]), tuple(v["x"]))
-
-
-@dataclass
-class _Pull:
-    round: int
-    digest: bytes
-    donors: list[str]
-    started: float
-    session: PullSession | None = None
-    manifest_from: str | None = None
-    token: int = 0
-    lost: int = 0
-
-
-@dataclass
-class TrainParty:
-    """One party's training side (its replicas, ledger, receipts and current pull)."""
-
-    pid: str
-    ledger: ReceiptLedger
-    held: dict[int, bytes] = field(default_factory=dict)
-    digests: dict[int, bytes] = field(default_factory=dict)
-    certs: dict[int, _Cert] = field(default_factory=dict)
-    known: dict[int, bytes] = field(default_factory=dict)
-    signed: dict[int, bytes] = field(default_factory=dict)
-    tentative: dict[int, tuple[bytes, bytes, tuple[str, ...]]] = field(default_factory=dict)
-    pull: _Pull | None = None
-    fresh: bool = False
-    receipts: dict[int, bytes] = field(default_factory=dict)
-    manifests: dict[tuple[int, int, int], bytes] = field(default_factory=dict)
-
-    def top(self) -> int:
-        """Newest certified round held."""
-        return max(self.held)
-
-
-@dataclass
-class _Round:
-    round: int
-    invited: list[str]
-    ready: dict[str, tuple[int, bytes]] = field(default_factory=dict)
-    certs: dict[int, _Cert] = field(default_factory=dict)
-    members: tuple[str, ...] = ()
-    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    fresh: set[str] = field(default_factory=set)
-    agg_round: int = -1
-    done: bool = False
+def _seen(tp: TrainParty) -> int:
+    """Newest round ``tp`` knows of or signed."""
+    return max([*tp.known, *tp.signed, 0])
 
 
 class Trainer:
     """The training model of one :class:`~chaos_flwr.sim.runner.Simulation`."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: World) -> None:
         self.sim = sim
         self.keyring = sim.charter.keyring()
         self.founders = list(sim.founders)
@@ -175,40 +132,34 @@ class Trainer:
         self.relay_gen = 0
         self.relay_up = True
         self.next_round = 1
-        self.cur: _Round | None = None
-        self.latest: _Cert | None = None
-        self.newest: _Cert | None = None
+        self.cur: Round | None = None
+        self.latest: Cert | None = None
+        self.newest: Cert | None = None
         self.equivocate_next = False
         self.census = False
         self.stop_at = float("inf")
         self._relay_receipts: dict[bytes, dict[str, Receipt]] = {}
-        self.kill_armed: tuple[float, bool] | None = None
-        self.pull_failures: dict[str, int] = {}
         self.history: list[tuple[float, int, str, tuple[str, ...]]] = []
         self.holder_receipts: dict[tuple[int, bytes], dict[str, bytes]] = {}
         # global observations (the checker's, not any party's)
         self.accepted: dict[int, dict[bytes, set[str]]] = {}
-        self.chain: dict[bytes, bytes] = {self.genesis_digest: _GENESIS_PREV}
+        self.chain: dict[bytes, bytes] = {self.genesis_digest: GENESIS_PREV}
         self.equivocated: dict[int, dict[str, Any]] = {}
         self.detected: dict[int, set[str]] = {}
         self.holder_gaps: list[str] = []
         self.gap_rounds: list[tuple[float, int]] = []
         self.accepted_at: dict[tuple[int, bytes], float] = {}
         self.progress_marks: list[tuple[float, int]] = []
-        self.stats = {
-            "rounds_started": 0,
-            "rounds_certified": 0,
-            "rounds_failed": 0,
-            "pulls_started": 0,
-            "pulls_done": 0,
-            "pulls_failed": 0,
-            "donors_lost": 0,
-            "donor_kills_mid_transfer": 0,
-            "pulls_survived_donor_loss": 0,
-            "relay_restarts": 0,
-            "rollbacks": 0,
-            "bad_inputs": 0,
-        }
+        self.stats = _new_stats()
+        self.pulls = Puller(
+            sim,
+            self.parties,
+            self.stats,
+            send=self._send,
+            hold=self._hold,
+            publish=self._publish,
+            state_bytes=len(self.genesis),
+        )
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -237,7 +188,7 @@ class Trainer:
         tp = self.parties.get(pid)
         if tp is not None:
             tp.pull = None
-        self._note_holder_gap(f"crash {pid[:12]}")
+        self.note_holder_gap(f"crash {pid[:12]}")
 
     def on_restart(self, pid: str, *, disk: bool) -> None:
         """``pid`` runs again: with its replicas, certificates and ledger, or from nothing."""
@@ -246,11 +197,11 @@ class Trainer:
             self.add_party(pid, keep=old)
         else:
             self.add_party(pid, fresh=True)
-            self._note_holder_gap(f"restart without disk {pid[:12]}")
+            self.note_holder_gap(f"restart without disk {pid[:12]}")
 
     def arm_donor_kill(self, down_s: float, disk: bool) -> None:
         """Crash the next donor asked for a shard, mid transfer (restarted ``down_s`` later)."""
-        self.kill_armed = (down_s, disk)
+        self.pulls.kill_armed = (down_s, disk)
 
     def restart_relay(self, down_s: float) -> None:
         """The relay process dies (in-flight messages lost) and comes back after ``down_s``."""
@@ -277,22 +228,10 @@ class Trainer:
 
     def note_holder_gap(self, why: str) -> None:
         """Record it if no live member holds the newest certified state any more."""
-        self._note_holder_gap(why)
-
-    def _note_holder_gap(self, why: str) -> None:
-        top = max(self.accepted, default=0)
-        if top == 0:
-            return
-        live = set(self.sim.live())
-        for digest in self.accepted[top]:
-            for pid, tp in self.parties.items():
-                if pid not in live or pid not in self.sim.wants:
-                    continue
-                tent = tp.tentative.get(top)
-                if tp.digests.get(top) == digest or (tent is not None and tent[0] == digest):
-                    return
-        self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
-        self.gap_rounds.append((self.sim.engine.now, top))
+        top = _unheld_round(self.parties, self.accepted, set(self.sim.live()), self.sim.wants)
+        if top is not None:
+            self.holder_gaps.append(f"{self.sim.engine.now:g} round {top}: no live holder ({why})")
+            self.gap_rounds.append((self.sim.engine.now, top))
 
     # --- traffic -----------------------------------------------------------------------------
 
@@ -341,7 +280,7 @@ class Trainer:
         elif len(others) > room:
             others = sorted(eng.rng.sample(others, room))
         invited = founders + others
-        self.cur = _Round(r, invited)
+        self.cur = Round(r, invited)
         cert = self.latest.value() if self.latest is not None else None
         newest = self.newest.value() if self.newest is not None else None
         hx: list[bytes] = []
@@ -350,7 +289,7 @@ class Trainer:
                 by = self.holder_receipts.get((c.round, c.digest), {})
                 hx.extend(by[p] for p in sorted(by)[:SIM_TRAIN_MAX_CONTRIBUTORS])
         for p in invited:
-            self._send(RELAY, p, _msg("train", r=r, cert=cert, newest=newest, hx=hx))
+            self._send(RELAY, p, train_msg("train", r=r, cert=cert, newest=newest, hx=hx))
         gen = self.relay_gen
         eng.after(SIM_TRAIN_COLLECT_S, lambda: self._collected(gen, r))
         eng.after(SIM_TRAIN_ROUND_TIMEOUT_S, lambda: self._timeout(gen, r))
@@ -367,7 +306,7 @@ class Trainer:
         cert = self.latest.value()
         for p in sorted(self.sim.wants):
             if p in self.parties:
-                self._send(RELAY, p, _msg("sync", cert=cert))
+                self._send(RELAY, p, train_msg("sync", cert=cert))
 
     def _relay_handle(self, src: str, msg: dict[str, Any]) -> None:
         if not self.relay_up:
@@ -384,10 +323,10 @@ class Trainer:
                 self._note_holder(Receipt.decode(bytes(msg["rx"])))
             if msg["fresh"]:
                 cur.fresh.add(src)
-            c = _Cert.of(msg.get("cert"))
+            c = Cert.of(msg.get("cert"))
             if c is not None:
                 cur.certs.setdefault(c.round, c)
-            n = _Cert.of(msg.get("newest"))
+            n = Cert.of(msg.get("newest"))
             if n is not None and (self.newest is None or n.round > self.newest.round):
                 self.newest = n
         elif kind == "rcpt":
@@ -423,7 +362,7 @@ class Trainer:
         top = max(h for h, _ in cur.ready.values())
         base = cur.certs.get(top)
         if top == 0:
-            base = _Cert(0, self.genesis_digest, (), ())
+            base = Cert(0, self.genesis_digest, (), ())
         if base is None:
             self.stats["rounds_failed"] += 1
             return
@@ -460,9 +399,7 @@ class Trainer:
         self._relay_receipts = {}
         if self.equivocate_next and len(members) >= 4:
             self.equivocate_next = False
-            g1, g2 = list(members[0::2]), list(members[1::2])
-            c1 = tuple(p for p in members if p != g2[0])
-            c2 = tuple(p for p in members if p != g1[0])
+            g1, g2, c1, c2 = _equivocating_split(members)
             for p in g1:
                 cur.groups[p] = c1
             for p in g2:
@@ -476,7 +413,9 @@ class Trainer:
             for p in members:
                 cur.groups[p] = members
         for p in members:
-            self._send(RELAY, p, _msg("agg", r=r, pr=top, pd=base.digest, c=list(cur.groups[p])))
+            self._send(
+                RELAY, p, train_msg("agg", r=r, pr=top, pd=base.digest, c=list(cur.groups[p]))
+            )
 
     def _maybe_certify(self) -> None:
         cur = self.cur
@@ -484,7 +423,7 @@ class Trainer:
         for digest, by_party in sorted(self._relay_receipts.items()):
             for members in sorted(set(cur.groups.values())):
                 if all(p in by_party for p in members):
-                    cert = _Cert(
+                    cert = Cert(
                         cur.agg_round, digest, members, tuple(by_party[p].encode() for p in members)
                     )
                     cur.done = True
@@ -494,7 +433,7 @@ class Trainer:
                     self.latest = cert
                     self.newest = cert
                     for p in sorted(set(cur.invited) | set(members)):
-                        self._send(RELAY, p, _msg("cert", cert=cert.value()))
+                        self._send(RELAY, p, train_msg("cert", cert=cert.value()))
                     gen = self.relay_gen
                     self.sim.engine.after(SIM_TRAIN_ROUND_GAP_S, self._round_timer(gen))
                     return
@@ -516,15 +455,15 @@ class Trainer:
         elif kind == "agg":
             self._on_agg(tp, msg)
         elif kind == "sync":
-            c = _Cert.of(msg["cert"])
+            c = Cert.of(msg["cert"])
             if c is not None:
                 self._accept_cert(tp, c)
             if c is not None and c.round > tp.top() and c.round in tp.certs and tp.pull is None:
-                self._start_pull(tp, tp.certs[c.round])
+                self.pulls.start(tp, tp.certs[c.round])
         elif kind == "rcpt":
             self._add_receipts(tp, [bytes(msg["x"])])
         elif kind == "cert":
-            c = _Cert.of(msg["cert"])
+            c = Cert.of(msg["cert"])
             if c is not None:
                 self._accept_cert(tp, c)
         elif kind == "evid":
@@ -537,18 +476,15 @@ class Trainer:
             tp.tentative.pop(ev.round, None)
             self.detected.setdefault(ev.round, set()).add(tp.pid)
         elif kind in ("man?", "shard?"):
-            self._serve(tp, src, kind, msg)
+            self.pulls.serve(tp, src, kind, msg)
         elif kind in ("man", "shard", "nack"):
-            self._on_pull_reply(tp, src, kind, msg)
-
-    def _seen(self, tp: TrainParty) -> int:
-        return max([*tp.known, *tp.signed, 0])
+            self.pulls.on_reply(tp, src, kind, msg)
 
     def _on_train(self, tp: TrainParty, msg: dict[str, Any]) -> None:
-        c = _Cert.of(msg.get("cert"))
+        c = Cert.of(msg.get("cert"))
         if c is not None:
             self._accept_cert(tp, c)
-        n = _Cert.of(msg.get("newest"))
+        n = Cert.of(msg.get("newest"))
         if n is not None:
             self._accept_cert(tp, n)
         self._add_receipts(tp, [bytes(x) for x in msg["hx"]])
@@ -558,12 +494,12 @@ class Trainer:
         self._send(
             tp.pid,
             RELAY,
-            _msg(
+            train_msg(
                 "ready",
                 r=int(msg["r"]),
                 held=top,
                 hd=tp.digests[top],
-                seen=self._seen(tp),
+                seen=_seen(tp),
                 fresh=tp.fresh,
                 cert=mine.value() if mine is not None else None,
                 newest=tp.certs[newest].value() if newest else None,
@@ -572,9 +508,9 @@ class Trainer:
         )
         if tp.pull is None:
             if c is not None and c.round > top and c.round in tp.certs:
-                self._start_pull(tp, tp.certs[c.round])
+                self.pulls.start(tp, tp.certs[c.round])
             elif newest > top:
-                self._start_pull(tp, tp.certs[newest])
+                self.pulls.start(tp, tp.certs[newest])
 
     def _valid_members(self, members: Sequence[str]) -> bool:
         return (
@@ -610,10 +546,10 @@ class Trainer:
     def _publish(self, tp: TrainParty, receipt: Receipt) -> None:
         raw = receipt.encode()
         tp.receipts[receipt.round] = raw
-        self._send(tp.pid, RELAY, _msg("rcpt", x=raw))
+        self._send(tp.pid, RELAY, train_msg("rcpt", x=raw))
         for f in self.founders:
             if f != tp.pid:
-                self._send(tp.pid, f, _msg("rcpt", x=raw))
+                self._send(tp.pid, f, train_msg("rcpt", x=raw))
 
     def _add_receipts(self, tp: TrainParty, raws: Sequence[bytes]) -> None:
         for raw in raws:
@@ -631,10 +567,10 @@ class Trainer:
         raw = ev.encode()
         for p in sorted(self.sim.wants):
             if p != tp.pid:
-                self._send(tp.pid, p, _msg("evid", x=raw))
-        self._send(tp.pid, RELAY, _msg("evid", x=raw))
+                self._send(tp.pid, p, train_msg("evid", x=raw))
+        self._send(tp.pid, RELAY, train_msg("evid", x=raw))
 
-    def _accept_cert(self, tp: TrainParty, c: _Cert) -> None:
+    def _accept_cert(self, tp: TrainParty, c: Cert) -> None:
         if c.round in tp.certs or c.round <= 0:
             return
         self._add_receipts(tp, c.receipts)
@@ -667,160 +603,6 @@ class Trainer:
                 del tp.held[old]
                 del tp.digests[old]
 
-    # --- pulls -------------------------------------------------------------------------------
-
-    def _start_pull(self, tp: TrainParty, c: _Cert) -> None:
-        known = set(c.members) | set(tp.ledger.holders(c.round, c.digest))
-        donors = sorted(p for p in known if p != tp.pid)
-        if len(donors) > 1:
-            self.sim.engine.rng.shuffle(donors)
-        if not donors:
-            return
-        self.stats["pulls_started"] += 1
-        tp.pull = _Pull(c.round, c.digest, donors, self.sim.engine.now)
-        self._ask_manifest(tp)
-
-    def _ask_manifest(self, tp: TrainParty) -> None:
-        pull = tp.pull
-        assert pull is not None
-        if not pull.donors:
-            self._fail_pull(tp, "no donor answered")
-            return
-        donor = pull.donors[0]
-        pull.manifest_from = donor
-        pull.token += 1
-        token = pull.token
-        total = len(self.genesis)
-        plan, _ = self._plan(tp, pull.donors, total)
-        self._send(tp.pid, donor, _msg("man?", r=pull.round, s=plan.shard_bytes, n=plan.num_shards))
-        gen = self.sim.generation.get(tp.pid)
-        self.sim.engine.after(
-            SIM_TRAIN_PULL_TIMEOUT_S, lambda: self._manifest_timeout(tp, gen, token)
-        )
-
-    def _plan(self, tp: TrainParty, donors: Sequence[str], total: int) -> tuple[Any, list[Donor]]:
-        net = self.sim.net
-        ds = [Donor(d, net.bandwidth(d), net.latency(d, tp.pid)) for d in donors]
-        return plan_transfer(
-            total, ds, max_shards=SIM_TRAIN_MAX_SHARDS, min_shard_bytes=SIM_TRAIN_MIN_SHARD_BYTES
-        ), ds
-
-    def _manifest_timeout(self, tp: TrainParty, gen: int | None, token: int) -> None:
-        pull = tp.pull
-        if (
-            self.parties.get(tp.pid) is not tp
-            or self.sim.generation.get(tp.pid) != gen
-            or pull is None
-            or pull.session is not None
-            or pull.token != token
-        ):
-            return
-        pull.donors.pop(0)
-        self._ask_manifest(tp)
-
-    def _fail_pull(self, tp: TrainParty, why: str) -> None:
-        tp.pull = None
-        self.stats["pulls_failed"] += 1
-        self.pull_failures[why] = self.pull_failures.get(why, 0) + 1
-
-    def _serve(self, tp: TrainParty, src: str, kind: str, msg: dict[str, Any]) -> None:
-        r = int(msg["r"])
-        data = tp.held.get(r)
-        if data is None or r == 0:
-            self._send(tp.pid, src, _msg("nack", r=r))
-            return
-        if kind == "man?":
-            key = (r, int(msg["s"]), int(msg["n"]))
-            m = tp.manifests.get(key)
-            if m is None:
-                m = Manifest.build(data, key[1], num_shards=key[2]).to_bytes()
-                tp.manifests = {key: m}
-            self._send(tp.pid, src, _msg("man", r=r, m=m))
-        else:
-            if self.kill_armed is not None:
-                down_s, disk = self.kill_armed
-                self.kill_armed = None
-                self.stats["donor_kills_mid_transfer"] += 1
-                self.sim.kill(tp.pid, down_s, disk=disk)
-                return
-            i, s, e = int(msg["i"]), int(msg["s"]), int(msg["e"])
-            self._send(tp.pid, src, _msg("shard", r=r, i=i, x=data[s:e]))
-
-    def _on_pull_reply(self, tp: TrainParty, src: str, kind: str, msg: dict[str, Any]) -> None:
-        pull = tp.pull
-        if pull is None or int(msg["r"]) != pull.round:
-            return
-        now = self.sim.engine.now
-        try:
-            if pull.session is None:
-                if src != pull.manifest_from:
-                    return
-                if kind != "man":
-                    pull.donors.remove(src)
-                    self._ask_manifest(tp)
-                    return
-                manifest = Manifest.from_bytes(bytes(msg["m"]))
-                (plan, ds) = self._plan(tp, pull.donors, manifest.total_bytes)
-                pull.session = PullSession(manifest, plan, ds, now=now, expected_digest=pull.digest)
-                self._actions(tp, pull.session.poll(now))
-            elif kind == "nack":
-                self.stats["donors_lost"] += 1
-                pull.lost += 1
-                self._actions(tp, pull.session.on_donor_lost(src, now))
-            elif kind == "shard":
-                self._actions(tp, pull.session.on_shard(src, int(msg["i"]), bytes(msg["x"]), now))
-        except ChaosError as exc:
-            self._fail_pull(tp, type(exc).__name__)
-
-    def _actions(self, tp: TrainParty, actions: Sequence[Any]) -> None:
-        pull = tp.pull
-        assert pull is not None and pull.session is not None
-        for a in actions:
-            if isinstance(a, CancelRequest):
-                continue
-            self._send(tp.pid, a.donor, _msg("shard?", r=pull.round, i=a.index, s=a.start, e=a.end))
-        session = pull.session
-        if session.done:
-            data = bytes(session.assemble())
-            self._hold(tp, pull.round, pull.digest, data)
-            tp.fresh = False
-            tp.pull = None
-            if tp.signed.get(pull.round, pull.digest) == pull.digest:
-                tp.signed[pull.round] = pull.digest
-                receipt = Receipt.sign(self.sim.identities[tp.pid], pull.round, pull.digest)
-                tp.ledger.add(receipt)
-                self._publish(tp, receipt)
-            self.stats["pulls_done"] += 1
-            if pull.lost:
-                self.stats["pulls_survived_donor_loss"] += 1
-            return
-        deadline = session.next_deadline()
-        if deadline is not None:
-            pull.token += 1
-            token = pull.token
-            gen = self.sim.generation.get(tp.pid)
-            self.sim.engine.at(deadline + 1e-6, lambda: self._pull_tick(tp, gen, token))
-
-    def _pull_tick(self, tp: TrainParty, gen: int | None, token: int) -> None:
-        pull = tp.pull
-        if (
-            self.parties.get(tp.pid) is not tp
-            or self.sim.generation.get(tp.pid) != gen
-            or pull is None
-            or pull.session is None
-            or pull.token != token
-        ):
-            return
-        try:
-            before = len(pull.session.live_donors())
-            actions = pull.session.tick(self.sim.engine.now)
-            lost = before - len(pull.session.live_donors())
-            self.stats["donors_lost"] += lost
-            pull.lost += lost
-            self._actions(tp, actions)
-        except ChaosError as exc:
-            self._fail_pull(tp, type(exc).__name__)
-
     # --- invariants --------------------------------------------------------------------------
 
     def accepted_digest(self, round: int) -> bytes:
@@ -830,93 +612,4 @@ class Trainer:
 
     def check(self, live: Sequence[str], wanted: set[str], settle_from: float) -> dict[str, Any]:
         """Invariants 3-5 and equivocation (see the module docstring of the runner)."""
-        out: dict[str, Any] = {}
-        # (3) every party's state for round r has the certified digest for r
-        bad3: list[str] = []
-        for r, by_digest in sorted(self.accepted.items()):
-            if len(by_digest) > 1:
-                second = sorted(self.accepted_at[(r, d)] for d in by_digest)[1]
-                # a round number is reused only after the state (and who signed it) was lost
-                if not any(t < second for t, _ in self.gap_rounds):
-                    bad3.append(f"round {r} certified with {len(by_digest)} digests")
-        for pid, tp in sorted(self.parties.items()):
-            for r, digest in tp.digests.items():
-                if hashlib.sha256(tp.held[r]).digest() != digest:
-                    bad3.append(f"{pid[:12]} round {r}: held bytes do not hash to their digest")
-                if r and self.accepted.get(r, {}).get(digest) is None:
-                    bad3.append(f"{pid[:12]} holds uncertified state for round {r}")
-                if r and tp.known.get(r) != digest:
-                    bad3.append(f"{pid[:12]} round {r}: held digest is not the one it certified")
-        out["certified_states"] = {
-            "ok": not bad3,
-            "detail": bad3
-            or f"{sum(len(tp.held) for tp in self.parties.values())} replicas match their "
-            f"certified digests over {len(self.accepted)} rounds",
-        }
-        # (4) the latest certified state is recovered while a holder is alive
-        final_top = max(self.accepted, default=0)
-        bad4: list[str] = []
-        latest = {tp.top() for p, tp in self.parties.items() if p in live and p in wanted}
-        holders = [p for p in live if final_top in self.parties[p].held]
-        lost = not holders and any(r == final_top for _, r in self.gap_rounds)
-        if final_top and not lost:
-            d = max(self.accepted[final_top], key=lambda x: self.accepted_at[(final_top, x)])
-            for p in live:
-                if p not in wanted:
-                    continue
-                tp = self.parties[p]
-                if tp.digests.get(final_top) != d:
-                    bad4.append(f"{p[:12]} holds round {tp.top()}, not the latest {final_top}")
-        out["recovered"] = {
-            "ok": not bad4,
-            "detail": bad4
-            or (
-                f"all live parties hold round {final_top} (from {len(holders)} holders)"
-                if not lost
-                else f"round {final_top} was lost with every live holder (excused): "
-                f"{[g for g in self.holder_gaps if f'round {final_top}:' in g][:2]}"
-            ),
-            "latest": final_top,
-            "held_rounds": sorted(latest),
-        }
-        # (5) progress whenever the founders' quorum is connected
-        live_founders = [p for p in self.founders if p in live and p in wanted]
-        progressed = any(t >= settle_from for t, _ in self.progress_marks)
-        # Waived when the newest certified state had no live holder at some point (a holder
-        # gap): the simulator's recovery after such a loss is best effort (docs/threat-model.md).
-        gap_final = any(r == final_top for _, r in self.gap_rounds)
-        quorum_up = len(live_founders) >= self.quorum
-        ok5 = progressed or not quorum_up or gap_final
-        self.stats["progress_waived"] = int(not progressed and quorum_up and gap_final)
-        out["progress"] = {
-            "ok": ok5,
-            "detail": (
-                f"{self.stats['rounds_certified']} rounds certified, newest {final_top}"
-                if ok5
-                else f"no round certified after heal at {settle_from:g} s although "
-                f"{len(live_founders)} founders are live"
-            ),
-        }
-        # equivocation: never certified; reported by the parties
-        bad_e: list[str] = []
-        for r, info in sorted(self.equivocated.items()):
-            hit = [d for d in info["digests"] if d in self.accepted.get(r, {})]
-            if hit:
-                who = sorted(p[:12] for d in hit for p in self.accepted[r][d])
-                bad_e.append(f"an equivocated digest of round {r} was certified by {who}")
-            info["detected_by"] = len(self.detected.get(r, set()))
-        self.stats["equivocated_rounds"] = len(self.equivocated)
-        self.stats["equivocations_detected"] = sum(
-            1 for r in self.equivocated if self.detected.get(r)
-        )
-        self.stats["holder_gaps"] = len(self.holder_gaps)
-        self.stats["latest_lost"] = int(lost)
-        out["equivocation"] = {
-            "ok": not bad_e,
-            "detail": bad_e
-            or f"{len(self.equivocated)} equivocated rounds, none certified, "
-            f"{sum(1 for r in self.equivocated if self.detected.get(r))} detected",
-            "rounds": len(self.equivocated),
-            "detected": sum(1 for r in self.equivocated if self.detected.get(r)),
-        }
-        return out
+        return check_training(self, live, wanted, settle_from)

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from chaos_flwr.flower.runner import run_deployment_app
+from chaos_flwr.lab.deployment import run_deployment_app
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The join relay: live parties that lack the certified state pull it from its holders.
 
-The joiner plans and verifies (:mod:`chaos_flwr.flower.joinpull`); the ServerApp only carries
+The joiner plans and verifies (:mod:`chaos_flwr.flower.client.joiner`); the ServerApp only carries
 its requests to the donors and the donors' shard replies back (it never assembles the state).
 Every joiner still pulling shares the same two exchanges per relay step (one with the
 joiners, one with the donors), so two joiners take as many exchanges as one.

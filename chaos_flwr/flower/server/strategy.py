@@ -108,7 +108,7 @@ class ChaosStrategy(Strategy):
         Deadline of each exchange (capped by ``start(timeout=...)``) and the pause between
         pulls while a phase waits; default :class:`PhaseSettings()`.
     joins:
-        A joiner's pull (:mod:`chaos_flwr.flower.joinpull`): smallest shard, most donors, most
+        A joiner's pull (:mod:`chaos_flwr.flower.client.joiner`): smallest shard, most donors, most
         relay steps; default :class:`JoinSettings()`.
     resume:
         On start, rebuild the newest state that at least ``resume.min_receipts`` parties

@@ -8,7 +8,7 @@ passes every message through unchanged; with a path to a scenario YAML (``churn.
 
 from __future__ import annotations
 
-from chaos_flwr.flower import churn
+from chaos_flwr.lab import churn
 from multi_institution.client_app import app
 
 churn.apply(app)

@@ -1,7 +1,7 @@
 """``chaos-flwr demo``: the multi-institution example under its churn scenario, in simulation.
 
 Three simulation runs of the same app, data, seed and rounds (``flwr run`` through
-:func:`chaos_flwr.flower.runner.run_simulation_app`, each with its own SuperLink, stopped by
+:func:`chaos_flwr.lab.simulation.run_simulation_app`, each with its own SuperLink, stopped by
 pid):
 
 1. **baseline**: plain Flower FedAvg, no churn, every party there from round 1;
@@ -17,7 +17,7 @@ pid):
    newest certified state from the parties' replicas (verified receipts, shards from several
    holders) and finishes the rounds.
 
-The report (:mod:`chaos_flwr.flower.report`) is written as ``report.json`` and ``report.png``.
+The report (:mod:`chaos_flwr.lab.report`) is written as ``report.json`` and ``report.png``.
 """
 
 from __future__ import annotations
@@ -38,12 +38,20 @@ from chaos_flwr.defaults import (
     FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
 from chaos_flwr.errors import ConfigError, TransportError
-from chaos_flwr.flower.churn import ChurnScenario, load_scenario
-from chaos_flwr.flower.overhead import example_dir
-from chaos_flwr.flower.report import build_report, plot_report, read_progress, write_report
-from chaos_flwr.flower.runner import run_simulation_app
+from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.render import plot_report
+from chaos_flwr.lab.report import build_report, read_progress, write_report
+from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
+from chaos_flwr.lab.simulation import run_simulation_app
 
-__all__ = ["DemoResult", "default_scenario", "run_demo"]
+__all__ = [
+    "DemoResult",
+    "DemoSettings",
+    "churn_figures",
+    "default_scenario",
+    "demo_cli",
+    "run_demo",
+]
 
 #: Called with (run label, newest progress line) whenever a run finishes a round.
 ProgressFn = Callable[[str, dict[str, Any]], None]
@@ -101,91 +109,74 @@ def _check_run(run: Any, label: str, *, killed_ok: bool = False) -> None:
         raise TransportError(f"the {label} run failed (exit {run.returncode}):\n{run.log[-3000:]}")
 
 
-def run_demo(
-    out_dir: Path | str,
-    *,
-    scenario: ChurnScenario | Path | str | None = None,
-    rounds: int | None = None,
-    local_epochs: int | None = None,
-    app_dir: Path | None = None,
-    timeout_s: float = FLOWER_DEMO_RUN_TIMEOUT_S,
-    max_gap: float = FLOWER_DEMO_MAX_ACCURACY_GAP,
-    plot: bool = True,
-    on_progress: ProgressFn | None = None,
-    keep_work: bool = True,
-) -> DemoResult:
-    """Run the baseline, the churn run and (after a server kill) the resumed run; report.
+@dataclass(frozen=True)
+class DemoSettings:
+    """What a demo run may change besides the scenario, its rounds and the time bound.
 
-    Parameters
+    Attributes
     ----------
-    out_dir:
-        Where ``report.json``, ``report.png`` and the ``work/`` folder go (created).
-    scenario:
-        The churn scenario (default :func:`default_scenario`).
-    rounds:
-        Override the scenario's rounds (events past it are refused by validation).
     local_epochs:
         Override the example's local epochs (fewer: a faster, rougher demo).
     app_dir:
         The Flower app (default: the multi-institution example).
-    timeout_s:
-        Wall-time bound of each simulation run.
     max_gap:
         Largest accuracy gap (churn vs churn-free FedAvg) called a match.
-    plot:
-        Write ``report.png`` (needs matplotlib).
-    on_progress:
-        Called per finished round of each run (label ``fedavg``, ``chaos``, ``resume``).
     keep_work:
         Keep ``work/`` (keys, replicas, progress) after the run.
     """
-    from chaos_flwr.flower.keys import load_federation, make_federation
 
-    app = app_dir or example_dir()
+    local_epochs: int | None = None
+    app_dir: Path | None = None
+    max_gap: float = FLOWER_DEMO_MAX_ACCURACY_GAP
+    keep_work: bool = True
+
+
+def _scenario(
+    scenario: ChurnScenario | Path | str | None, rounds: int | None
+) -> tuple[ChurnScenario, Path | None]:
+    """The scenario to run, and its file when it is one unchanged (else ``None``)."""
     if scenario is None:
         scenario = default_scenario()
     if isinstance(scenario, str | Path):
-        scenario_path = Path(scenario).resolve()
-        scen = load_scenario(scenario_path)
+        scenario_path: Path | None = Path(scenario).resolve()
+        scen = load_scenario(Path(scenario).resolve())
     else:
         scen = scenario
         scenario_path = None
     if rounds is not None:
-        from chaos_flwr.flower.churn import parse_scenario
-
         scen = parse_scenario({**scen.model_dump(), "rounds": rounds}, "scenario (rounds)")
-    out = Path(out_dir).resolve()
-    work = out / "work"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    if scenario_path is None or rounds is not None:
-        import yaml
+        scenario_path = None
+    return scen, scenario_path
 
-        scenario_path = work / "churn.yaml"
-        scenario_path.write_text(yaml.safe_dump(scen.model_dump(mode="json"), sort_keys=False))
-    keys = make_federation(
-        work / "keys", scen.num_parties, founders=scen.institutions, seed="chaos-flwr-demo"
-    )
-    party_ids = load_federation(keys).party_ids
-    n = scen.num_parties
-    common: dict[str, object] = {
-        "num-server-rounds": scen.rounds,
-        # fewest parties a round trains with: the scenario takes several away at once
-        "min-nodes": max(1, scen.institutions - 2),
-        # the first exchange of a run waits for Ray to start its workers (tens of seconds on a
-        # loaded machine); a node that misses it stays a suspect. Churned nodes answer at once
-        # (with an error), so a long deadline costs nothing when nothing is slow.
-        "phase-timeout-s": FLOWER_DEMO_PHASE_TIMEOUT_S,
-    }
-    if local_epochs is not None:
-        common["local-epochs"] = local_epochs
-    runs: list[Any] = []
-    info: list[dict[str, Any]] = []
 
-    def launch(label: str, extra: dict[str, object], kill_round: int | None) -> tuple[Any, Path]:
-        progress = work / f"progress-{label}.jsonl"
-        tail = _Tail(progress, label, on_progress)
+class _Launcher:
+    """Starts the demo's simulation runs, each with its progress file, and keeps their facts."""
+
+    def __init__(
+        self,
+        app: Path,
+        work: Path,
+        common: dict[str, object],
+        *,
+        num_supernodes: int,
+        timeout_s: float,
+        on_progress: ProgressFn | None,
+    ) -> None:
+        self.app = app
+        self.work = work
+        self.common = common
+        self.num_supernodes = num_supernodes
+        self.timeout_s = timeout_s
+        self.on_progress = on_progress
+        self.runs: list[Any] = []
+        self.info: list[dict[str, Any]] = []
+
+    def launch(
+        self, label: str, extra: dict[str, object], kill_round: int | None
+    ) -> tuple[Any, Path]:
+        """Run one simulation (its ServerApp killed in ``kill_round``); return it, its progress."""
+        progress = self.work / f"progress-{label}.jsonl"
+        tail = _Tail(progress, label, self.on_progress)
 
         def kill_when() -> bool:
             tail.poll()
@@ -193,16 +184,16 @@ def run_demo(
 
         t0 = time.time()
         run = run_simulation_app(
-            app,
-            run_config={**common, **extra, FLOWER_PROGRESS_RUN_CONFIG_KEY: str(progress)},
-            num_supernodes=n,
-            timeout_s=timeout_s,
+            self.app,
+            run_config={**self.common, **extra, FLOWER_PROGRESS_RUN_CONFIG_KEY: str(progress)},
+            num_supernodes=self.num_supernodes,
+            timeout_s=self.timeout_s,
             kill_when=kill_when,
         )
         tail.poll()
-        (work / f"{label}.log").write_text(run.log, encoding="utf-8")
-        runs.append(run)
-        info.append(
+        (self.work / f"{label}.log").write_text(run.log, encoding="utf-8")
+        self.runs.append(run)
+        self.info.append(
             {
                 "label": label,
                 "started": t0,
@@ -214,16 +205,13 @@ def run_demo(
         )
         return run, progress
 
-    base_run, base_progress = launch("fedavg", {"mode": "fedavg"}, None)
-    _check_run(base_run, "FedAvg baseline")
-    chaos_cfg: dict[str, object] = {
-        "mode": "chaos",
-        "chaos-keys-dir": str(keys),
-        "chaos-state-root": str(work / "state"),
-        FLOWER_CHURN_RUN_CONFIG_KEY: str(scenario_path),
-    }
+
+def _chaos_runs(
+    launcher: _Launcher, scen: ChurnScenario, chaos_cfg: dict[str, object]
+) -> tuple[list[list[dict[str, Any]]], float | None]:
+    """The churn run and, after its server kill, the resumed run: their progress lines."""
     kill_round = scen.server_kill_round()
-    chaos_run, chaos_progress = launch("chaos", chaos_cfg, kill_round)
+    chaos_run, chaos_progress = launcher.launch("chaos", chaos_cfg, kill_round)
     _check_run(chaos_run, "churn", killed_ok=True)
     chaos_lines = [read_progress(chaos_progress)]
     resumed_start: float | None = None
@@ -234,27 +222,117 @@ def run_demo(
                 f"(exit {chaos_run.returncode}):\n{chaos_run.log[-3000:]}"
             )
         resumed_start = time.time()
-        resumed, resumed_progress = launch(
+        resumed, resumed_progress = launcher.launch(
             "resume", {**chaos_cfg, FLOWER_CHURN_START_ROUND_KEY: kill_round}, None
         )
         _check_run(resumed, "resumed")
         chaos_lines.append(read_progress(resumed_progress))
+    return chaos_lines, resumed_start
+
+
+def _common_config(scen: ChurnScenario, local_epochs: int | None) -> dict[str, object]:
+    common: dict[str, object] = {
+        "num-server-rounds": scen.rounds,
+        # fewest parties a round trains with: the scenario takes several away at once
+        "min-nodes": max(1, scen.institutions - 2),
+        # the first exchange of a run waits for Ray to start its workers (tens of seconds on a
+        # loaded machine); a node that misses it stays a suspect. Churned nodes answer at once
+        # (with an error), so a long deadline costs nothing when nothing is slow.
+        "phase-timeout-s": FLOWER_DEMO_PHASE_TIMEOUT_S,
+    }
+    if local_epochs is not None:
+        common["local-epochs"] = local_epochs
+    return common
+
+
+def _fresh_work(work: Path, scen: ChurnScenario, scenario_path: Path | None) -> Path:
+    """Empty ``work`` (created); return the scenario file, written there unless given."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    if scenario_path is not None:
+        return scenario_path
+    import yaml
+
+    path = work / "churn.yaml"
+    path.write_text(yaml.safe_dump(scen.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+def run_demo(
+    out_dir: Path | str,
+    *,
+    scenario: ChurnScenario | Path | str | None = None,
+    rounds: int | None = None,
+    timeout_s: float = FLOWER_DEMO_RUN_TIMEOUT_S,
+    plot: bool = True,
+    on_progress: ProgressFn | None = None,
+    settings: DemoSettings | None = None,
+) -> DemoResult:
+    """Run the baseline, the churn run and (after a server kill) the resumed run; report.
+
+    Parameters
+    ----------
+    out_dir:
+        Where ``report.json``, ``report.png`` and the ``work/`` folder go (created).
+    scenario:
+        The churn scenario (default :func:`default_scenario`).
+    rounds:
+        Override the scenario's rounds (events past it are refused by validation).
+    timeout_s:
+        Wall-time bound of each simulation run.
+    plot:
+        Write ``report.png`` (needs matplotlib).
+    on_progress:
+        Called per finished round of each run (label ``fedavg``, ``chaos``, ``resume``).
+    settings:
+        Local epochs, app, allowed accuracy gap, whether to keep ``work/`` (default
+        :class:`DemoSettings`).
+    """
+    from chaos_flwr.flower.keys import load_federation, make_federation
+
+    settings = settings or DemoSettings()
+    app = settings.app_dir or example_dir()
+    scen, scenario_path = _scenario(scenario, rounds)
+    out = Path(out_dir).resolve()
+    work = out / "work"
+    scenario_path = _fresh_work(work, scen, scenario_path)
+    keys = make_federation(
+        work / "keys", scen.num_parties, founders=scen.institutions, seed="chaos-flwr-demo"
+    )
+    launcher = _Launcher(
+        app,
+        work,
+        _common_config(scen, settings.local_epochs),
+        num_supernodes=scen.num_parties,
+        timeout_s=timeout_s,
+        on_progress=on_progress,
+    )
+    base_run, base_progress = launcher.launch("fedavg", {"mode": "fedavg"}, None)
+    _check_run(base_run, "FedAvg baseline")
+    chaos_cfg: dict[str, object] = {
+        "mode": "chaos",
+        "chaos-keys-dir": str(keys),
+        "chaos-state-root": str(work / "state"),
+        FLOWER_CHURN_RUN_CONFIG_KEY: str(scenario_path),
+    }
+    chaos_lines, resumed_start = _chaos_runs(launcher, scen, chaos_cfg)
     report = build_report(
         scen,
         baseline=read_progress(base_progress),
         chaos_runs=chaos_lines,
-        party_ids=party_ids,
-        run_info=info,
+        party_ids=load_federation(keys).party_ids,
+        run_info=launcher.info,
         resumed_run_start=resumed_start,
-        max_gap=max_gap,
+        max_gap=settings.max_gap,
     )
     report_path = write_report(report, out)
     plot_path = plot_report(report, out) if plot else None
-    if not keep_work:
+    if not settings.keep_work:
         shutil.rmtree(work, ignore_errors=True)
     if not report["accuracy"]["chaos"]:
         raise ConfigError(f"the churn run reported no accuracy; see {report_path}")
-    return DemoResult(report, report_path, plot_path, work, runs)
+    return DemoResult(report, report_path, plot_path, work, launcher.runs)
 
 
 def demo_cli(
@@ -268,7 +346,7 @@ def demo_cli(
     """``chaos-flwr demo``: :func:`run_demo` with rich progress and the summary tables."""
     from rich.console import Console
 
-    from chaos_flwr.flower.report import render_table
+    from chaos_flwr.lab.render import render_table
 
     console = Console()
     titles = {
@@ -319,10 +397,10 @@ def demo_cli(
 
 def churn_figures(engine: str, work_dir: Path) -> dict[str, Any]:
     """The figures of ``chaos-flwr bench flower-churn``: join-to-training and restart-to-resume
-    times on the ``deployment`` engine (:func:`~chaos_flwr.flower.overhead.measure_deploy_churn`)
+    times on the ``deployment`` engine (:func:`~chaos_flwr.lab.deploy_churn.measure_deploy_churn`)
     or in ``simulation`` (the demo's scenario, from its report)."""
     if engine == "deployment":
-        from chaos_flwr.flower.overhead import measure_deploy_churn
+        from chaos_flwr.lab.deploy_churn import measure_deploy_churn
 
         fig = measure_deploy_churn(work_dir)
         fig.pop("progress", None)
