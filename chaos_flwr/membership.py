@@ -505,7 +505,11 @@ def validate_record(
             checker.verify(key, sig, data)
         else:
             _check_proof(record, signer, key, sig, checker, envelope)
-    signers = set(record.signatures)
+    _check_signers(body, set(record.signatures), policy)
+
+
+def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> None:
+    """Check that a (verified) record's signers are the ones its kind and the charter demand."""
     kind = body["kind"]
     if kind in _MEMBER_KINDS:
         subject = body["subject"]

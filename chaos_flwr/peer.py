@@ -68,61 +68,48 @@ Driving a peer (simulators, carriers)
   (``tick`` returns only retries) but still accepts records sent to it.
 - Convergence check: two active members hold the same records iff
   ``peer.records.digest()`` is equal; equal records give equal ``peer.view().digest``.
+
+Structure
+---------
+:class:`Peer` dispatches: it opens each envelope, hands it to the handler for its kind, and runs
+the timers. The state and the sending primitives are :class:`~chaos_flwr.peer_core.PeerCore`'s;
+the negotiations are delegated to :class:`~chaos_flwr.peer_joins.JoinNegotiation` (joins and
+sponsorship), :class:`~chaos_flwr.peer_links.LinkNegotiation` (connect/disconnect),
+:class:`~chaos_flwr.peer_votes.FailureVotes` (failure votes) and
+:class:`~chaos_flwr.peer_sync.AntiEntropy` (heartbeats, inventories, fetches).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from .defaults import (
-    MEMBERSHIP_PROOF_MAX_BYTES,
-    PEER_ANTI_ENTROPY_INTERVAL_S,
-    PEER_MAX_RECORDS_PER_MESSAGE,
-    PEER_MAX_REJECTIONS_LOGGED,
-    PEER_PROBE_EVERY_HEARTBEATS,
-    PEER_RETRY_INTERVAL_S,
-    WIRE_MAX_ENVELOPE_BYTES,
-)
-from .errors import (
-    ChaosError,
-    CharterError,
-    DecodeError,
-    PolicyError,
-    StaleIncarnationError,
-)
-from .identity import SIGNATURE_BYTES
+from .defaults import PEER_PROBE_EVERY_HEARTBEATS, WIRE_MAX_ENVELOPE_BYTES
+from .errors import ChaosError, CharterError, DecodeError, PolicyError, StaleIncarnationError
 from .membership import (
-    ACTIVE,
     PROOF_KIND,
-    UP,
     Policy,
     Record,
     RecordSet,
     SignatureCache,
     View,
-    fail_body,
     join_body,
     leave_body,
-    link_body,
-    record_id_of,
-    signing_bytes,
     validate_record,
 )
 from .monitor import Monitor, Resources
-from .wire import DOMAIN as _ENVELOPE_DOMAIN
-from .wire import Envelope, ReplayGuard, open_sealed, seal
+from .peer_core import AppliedChange, Outgoing, PeerCore, Rejection
+from .peer_joins import JoinNegotiation, PendingJoin
+from .peer_links import LinkNegotiation, PendingLink
+from .peer_sync import AntiEntropy
+from .peer_votes import FailureVotes, Vote
+from .wire import Envelope, ReplayGuard, open_sealed
 
 __all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
 
+_Handler = Callable[[Envelope, float], list[Outgoing]]
 _FEDERATION_NAME_DOMAIN = b"chaos-flwr/federation-name/v1\x00"
-# Upper bounds of an own envelope's size: frame, fixed fields and a record body (a federation
-# name up to 256 bytes), plus one entry per other signature (key, party id, 64-byte value).
-_OWN_BASE_BYTES = 1024
-_OWN_PER_SIG_BYTES = 96
 
 
 def _federation_tag(charter: Any) -> bytes:
@@ -132,92 +119,7 @@ def _federation_tag(charter: Any) -> bytes:
     return hashlib.sha256(_FEDERATION_NAME_DOMAIN + str(charter.federation).encode()).digest()
 
 
-class Outgoing(NamedTuple):
-    """One envelope to deliver (immutable; a named tuple: cheap to make once per destination).
-
-    Attributes
-    ----------
-    to : str
-        Party id of the destination.
-    data : bytes
-        A sealed envelope (the same bytes object may be shared by several ``Outgoing``).
-    """
-
-    to: str
-    data: bytes
-
-
-@dataclass(frozen=True)
-class AppliedChange:
-    """A record this peer newly holds (its view reflects it from now on).
-
-    Attributes
-    ----------
-    record_id : str
-        The record's id.
-    kind : str
-        ``join``, ``leave``, ``fail``, ``link_up`` or ``link_down``.
-    subject : str
-        The party the record is about, or ``"a|b"`` (sorted ends) for a link record.
-    at : float
-        The ``now`` of the call that applied it.
-    """
-
-    record_id: str
-    kind: str
-    subject: str
-    at: float
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """An input :meth:`Peer.handle` refused.
-
-    Attributes
-    ----------
-    at : float
-        The ``now`` of the refused call.
-    error : ChaosError
-        The typed error (its message says what was wrong).
-    sender : str or None
-        The verified sender, or ``None`` if the envelope did not open.
-    kind : str or None
-        The envelope kind, or ``None`` if the envelope did not open.
-    """
-
-    at: float
-    error: ChaosError
-    sender: str | None = None
-    kind: str | None = None
-
-
-@dataclass
-class _PendingJoin:
-    body: dict[str, Any]
-    sigs: dict[str, bytes]
-    sponsors: tuple[str, ...]
-    sent_at: float
-    done: Record | None = None
-    synced: bool = False
-
-
-@dataclass
-class _PendingLink:
-    body: dict[str, Any]
-    sig: bytes
-    other: str
-    sent_at: float
-
-
-@dataclass
-class _Vote:
-    body: dict[str, Any]
-    sigs: dict[str, bytes]
-    mine: bool
-    sent_at: float
-
-
-class Peer:
+class Peer(PeerCore):
     """One party's protocol state machine (sans-I/O).
 
     Parameters
@@ -294,12 +196,10 @@ class Peer:
             )
         self.identity = identity
         self.charter = charter
-        self.party_id: str = str(identity.party_id)
+        self.party_id = str(identity.party_id)
         self.incarnation = incarnation
         self.policy = Policy.from_charter(charter, keyring)
-        #: What every envelope of this peer is sealed for and checked against: the charter
-        #: digest (a charter-like object without one: a digest of the federation name).
-        self.federation_tag: bytes = _federation_tag(charter)
+        self.federation_tag = _federation_tag(charter)
         self._keyring = dict(self.policy.keyring)
         if self.party_id not in self._keyring:
             self._keyring[self.party_id] = bytes(identity.public_key)
@@ -310,10 +210,9 @@ class Peer:
             heartbeat_interval_s=float(charter.heartbeat_interval_s),
             probe_interval_s=float(charter.heartbeat_interval_s) * PEER_PROBE_EVERY_HEARTBEATS,
         )
-        self.applied: list[AppliedChange] = []
-        self.rejections: list[Rejection] = []
+        self.applied = []
+        self.rejections = []
         self.on_apply = on_apply
-        self._accept_link = accept_link
         self._resources = resources
         if resources is not None:
             self.monitor.declare(self.party_id, resources)
@@ -322,26 +221,37 @@ class Peer:
         )
         self._max_envelope = max_envelope_bytes
         self._seq = seq
-        self._joins: dict[str, _PendingJoin] = {}
-        self._links: dict[str, _PendingLink] = {}
-        self._votes: dict[str, _Vote] = {}
-        self._ae_sent: dict[str, float] = {}
-        self._rr = 0
         self._dirty = True
+        self._joins: dict[str, PendingJoin] = {}
+        self._links: dict[str, PendingLink] = {}
+        self._votes: dict[str, Vote] = {}
         self._hb_targets: tuple[str, ...] = ()
         self._founders = tuple(sorted(self.policy.founders))
+        self._joining = JoinNegotiation(self, self._joins)
+        self._linking = LinkNegotiation(self, self._links, accept_link)
+        self._voting = FailureVotes(self, self._votes)
+        self._sync = AntiEntropy(self)
+        #: Envelope kind -> handler: the peer's own, and its collaborators' (bound once).
+        self._handlers: dict[str, _Handler] = {
+            "rec": self._on_rec,
+            PROOF_KIND: self._on_own,
+            "hb": self._sync.on_hb,
+            "inv": self._sync.on_inv,
+            "fetch": self._sync.on_fetch,
+            "join_req": self._joining.on_join_req,
+            "join_sig": self._joining.on_join_sig,
+            "join_done": self._joining.on_join_done,
+            "link_req": self._linking.on_link_req,
+            "vote": self._voting.on_vote,
+            "probe": self._on_probe,
+            "probe_ack": self._on_probe_ack,
+        }
 
     # --- observation -------------------------------------------------------------------------
 
     def view(self) -> View:
         """The current view (a pure function of :attr:`records`)."""
         return self.records.view()
-
-    @property
-    def is_member(self) -> bool:
-        """Whether this party is an active member at its current incarnation."""
-        m = self.records.member(self.party_id)
-        return m is not None and m.status == ACTIVE and m.incarnation == self.incarnation
 
     def replay_state(self) -> dict[str, list[int]]:
         """The replay guard's state, codec-encodable, for the caller to persist.
@@ -414,23 +324,7 @@ class Peer:
         PolicyError
             If ``sponsors`` is empty, names this party, or this party is already active.
         """
-        asked = tuple(sorted(set(sponsors)))
-        if not asked or self.party_id in asked:
-            raise PolicyError("'sponsors' must name at least one other party")
-        if self.is_member:
-            raise PolicyError(f"party {self.party_id} is already an active member")
-        self._bump_incarnation()
-        self._joins.clear()  # a new request supersedes any earlier one
-        body = join_body(self.policy.federation, self.party_id, self.incarnation, now)
-        rid = record_id_of(body)
-        sig = self._sign(signing_bytes(body))
-        pending = _PendingJoin(body=body, sigs={self.party_id: sig}, sponsors=asked, sent_at=now)
-        self._joins[rid] = pending
-        if self.policy.sponsors_required == 0:
-            pending.done = Record(body=body, signatures=dict(pending.sigs))
-            self._apply([pending.done], now)
-            return self._broadcast(asked, "join_done", {"record": pending.done.to_wire()}, now)
-        return self._broadcast(asked, "join_req", {"body": body, "sig": sig}, now)
+        return self._joining.request(now, sponsors)
 
     def leave(self, now: float) -> list[Outgoing]:
         """Leave the federation (scale-in): sign a leave record and broadcast it.
@@ -456,19 +350,7 @@ class Peer:
         PolicyError
             If either end is not an active member, or ``other`` is this party.
         """
-        other_m = self._active_other(other, "connect")
-        link = self.records.link(self.party_id, other)
-        epoch = link.epoch + 1 if link is not None else 1
-        body = link_body(
-            "link_up",
-            self.policy.federation,
-            (self.party_id, self.incarnation),
-            (other, other_m.incarnation),
-            epoch,
-        )
-        sig = self._sign(signing_bytes(body))
-        self._links[record_id_of(body)] = _PendingLink(body, sig, other, now)
-        return [self._send(other, "link_req", {"body": body, "sig": sig}, now)]
+        return self._linking.connect(other, now)
 
     def disconnect(self, other: str, now: float) -> list[Outgoing]:
         """Take the link to ``other`` down (disconnect-link) and broadcast the record.
@@ -478,16 +360,7 @@ class Peer:
         PolicyError
             If there is no up link between this party and ``other``.
         """
-        link = self.records.link(self.party_id, other)
-        if link is None or link.state != UP or other == self.party_id:
-            raise PolicyError(f"there is no up link between {self.party_id} and {other!r}")
-        end_self = (self.party_id, link.inc_a if link.a == self.party_id else link.inc_b)
-        end_other = (other, link.inc_b if link.a == self.party_id else link.inc_a)
-        body = link_body("link_down", self.policy.federation, end_self, end_other, link.epoch)
-        targets = self.records.active()
-        record, out = self._broadcast_own(targets, body, {}, now, first=other)
-        self._apply([record], now, validated=True)
-        return out
+        return self._linking.disconnect(other, now)
 
     # --- driving -----------------------------------------------------------------------------
 
@@ -531,7 +404,7 @@ class Peer:
             handler = self._handlers.get(env.kind)
             if handler is None:
                 raise DecodeError(f"envelope field 'kind' {env.kind!r} is not a peer message")
-            out = handler(self, env, now)
+            out = handler(env, now)
             self._guard.accept(env)
             if env.kind != PROOF_KIND:
                 self.monitor.heard_from(env.sender, now)
@@ -558,203 +431,24 @@ class Peer:
         out: list[Outgoing] = []
         if self._dirty:
             self._recompute(now)
-        out.extend(self._retries(now))
+        out.extend(self._joining.retries(now))
+        out.extend(self._linking.retries(now))
+        out.extend(self._voting.retries(now))
         if not self.is_member:
             return out
         view = self.records.view()
-        for suspect in self.monitor.check(now):
-            m = view.members.get(suspect)
-            if m is None or m.status != ACTIVE:
-                continue
-            out.extend(self._vote(fail_body(self.policy.federation, suspect, m.incarnation), now))
+        out.extend(self._voting.suspect(self.monitor.check(now), view, now))
         if self.monitor.heartbeat_due(now):
-            targets = set(self._hb_targets)
-            pool = sorted((set(view.active()) | set(self._founders)) - {self.party_id})
-            if pool:
-                self._rr = (self._rr + 1) % len(pool)
-                targets.add(pool[self._rr])
-            res = self._resources
-            payload: dict[str, Any] = {
-                "rd": self.records.digest(),
-                "res": None
-                if res is None
-                else [float(res.compute_speed), int(res.free_memory_bytes), float(res.at)],
-            }
-            out.extend(self._broadcast(targets, "hb", payload, now))
+            out.extend(self._sync.heartbeat(self._hb_targets, view, now))
         for pid, nonce in self.monitor.probes_due(now):
             out.append(self._send(pid, "probe", {"nonce": nonce}, now))
         return out
 
-    # --- internals: sending ------------------------------------------------------------------
+    # --- internals ---------------------------------------------------------------------------
 
-    def _seal(self, kind: str, payload: Mapping[str, Any], now: float, to: str | None) -> bytes:
-        self._seq += 1
-        return seal(
-            self.identity,
-            incarnation=self.incarnation,
-            seq=self._seq,
-            timestamp=float(now),
-            kind=kind,
-            payload=payload,
-            to=to,
-            federation=self.federation_tag,
-        )
-
-    def _send(self, to: str, kind: str, payload: Mapping[str, Any], now: float) -> Outgoing:
-        return Outgoing(to, self._seal(kind, payload, now, to))
-
-    def _broadcast(
-        self,
-        targets: Iterable[str],
-        kind: str,
-        payload: Mapping[str, Any],
-        now: float,
-        *,
-        first: str | None = None,
-    ) -> list[Outgoing]:
-        """One envelope to every target, sorted by id; ``first`` (if a target) goes first."""
-        dests = sorted(set(targets) - {self.party_id})
-        if not dests:
-            return []
-        if first is not None and first in dests:
-            dests.remove(first)
-            dests.insert(0, first)
-        data = self._seal(kind, payload, now, None)
-        return [Outgoing(d, data) for d in dests]
-
-    def _broadcast_own(
-        self,
-        targets: Iterable[str],
-        body: Mapping[str, Any],
-        others: Mapping[str, bytes],
-        now: float,
-        *,
-        first: str | None = None,
-    ) -> tuple[Record, list[Outgoing]]:
-        """Sign ``body`` by broadcasting it in an ``own`` envelope (its signature is the proof).
-
-        ``others`` are the other signers' plain signatures. Returns the record as this party
-        holds it (the envelope's bytes as its own signature) and the envelopes to deliver.
-        """
-        dests = sorted(set(targets) - {self.party_id})
-        if first is not None and first in dests:
-            dests.remove(first)
-            dests.insert(0, first)
-        wire = {"body": dict(body), "sigs": dict(others)}
-        payload = {"record": wire}
-        data = self._seal(PROOF_KIND, payload, now, None)
-        # Self-made (never received): this party does not re-verify its own proof.
-        self.records.cache.trust(
-            self._keyring[self.party_id],
-            data[-SIGNATURE_BYTES:],
-            _ENVELOPE_DOMAIN + data[:-SIGNATURE_BYTES],
-        )
-        record = Record(body=wire["body"], signatures={**others, self.party_id: data})
-        # Checked like any record (the charter's rules), without decoding our own envelope.
-        mine = Envelope(
-            self.party_id,
-            self.incarnation,
-            self._seq,
-            float(now),
-            PROOF_KIND,
-            None,
-            payload,
-            data,
-            self.federation_tag,
-        )
-        validate_record(record, self.policy, self.records.cache, envelope=mine)
-        return record, [Outgoing(d, data) for d in dests]
-
-    def _share(
-        self, targets: Iterable[str], record: Record, now: float, *, first: str | None = None
-    ) -> list[Outgoing]:
-        """Broadcast a record this party has signed (plainly): as ``own`` when it can.
-
-        It cannot when another signature is itself a proof, or when the other signatures would
-        make the envelope larger than a proof may be (a large failure quorum or sponsor count):
-        the record then goes out as ``rec`` with every signature plain.
-        """
-        others = {k: v for k, v in record.signatures.items() if k != self.party_id}
-        fits = _OWN_BASE_BYTES + _OWN_PER_SIG_BYTES * len(others) <= MEMBERSHIP_PROOF_MAX_BYTES
-        if (
-            fits
-            and self.party_id in record.signatures
-            and all(len(v) == SIGNATURE_BYTES for v in others.values())
-        ):
-            return self._broadcast_own(targets, record.body, others, now, first=first)[1]
-        return self._broadcast(targets, "rec", {"records": [record.to_wire()]}, now, first=first)
-
-    def _records_to(self, to: str, records: Sequence[Record], now: float) -> list[Outgoing]:
-        out = []
-        for i in range(0, len(records), PEER_MAX_RECORDS_PER_MESSAGE):
-            chunk = records[i : i + PEER_MAX_RECORDS_PER_MESSAGE]
-            out.append(self._send(to, "rec", {"records": [r.to_wire() for r in chunk]}, now))
-        return out
-
-    # --- internals: state --------------------------------------------------------------------
-
-    def _reject(self, exc: ChaosError, now: float, env: Envelope | None) -> None:
-        self.rejections.append(
-            Rejection(
-                at=now,
-                error=exc,
-                sender=env.sender if env is not None else None,
-                kind=env.kind if env is not None else None,
-            )
-        )
-        if len(self.rejections) > PEER_MAX_REJECTIONS_LOGGED:
-            del self.rejections[: len(self.rejections) - PEER_MAX_REJECTIONS_LOGGED]
-
-    def _bump_incarnation(self) -> None:
-        mine = self.records.member(self.party_id)
-        if mine is not None and mine.status != ACTIVE and mine.incarnation >= self.incarnation:
-            self.incarnation = mine.incarnation + 1
-
-    def _sign(self, data: bytes) -> bytes:
-        """Sign record bytes; the signature goes in this peer's cache (no self re-verify)."""
-        sig: bytes = self.identity.sign(data)
-        self.records.cache.trust(self._keyring[self.party_id], sig, data)
-        return sig
-
-    def _active_other(self, other: str, action: str) -> Any:
-        if other == self.party_id:
-            raise PolicyError(f"cannot {action} to this party itself")
-        if not self.is_member:
-            raise PolicyError(f"party {self.party_id} is not an active member; cannot {action}")
-        m = self.records.member(other)
-        if m is None or m.status != ACTIVE:
-            raise PolicyError(f"party {other!r} is not an active member; cannot {action}")
-        return m
-
-    def _check_records(self, values: Any) -> list[Record]:
-        """Parse and validate every record not yet held; raises before anything is applied."""
-        if not isinstance(values, list):
-            raise DecodeError("message field 'records' must be a list")
-        fresh: dict[str, Record] = {}
-        for value in values:
-            record = Record.from_wire(value)
-            if record.record_id in self.records or record.record_id in fresh:
-                continue
-            validate_record(record, self.policy, self.records.cache)
-            fresh[record.record_id] = record
-        return list(fresh.values())
-
-    def _apply(
-        self, records: Iterable[Record], now: float, *, validated: bool = False
-    ) -> list[Record]:
-        new = []
-        for record in records:
-            if self.records.add(record, validated=validated):
-                new.append(record)
-                change = AppliedChange(record.record_id, record.kind, record.subject, now)
-                self.applied.append(change)
-                if self.on_apply is not None:
-                    self.on_apply(change)
-                self._links.pop(record.record_id, None)
-                self._votes.pop(record.record_id, None)
-        if new:
-            self._dirty = True
-        return new
+    def _settled(self, record_id: str) -> None:
+        self._links.pop(record_id, None)
+        self._votes.pop(record_id, None)
 
     def _recompute(self, now: float) -> None:
         """Refresh who this party watches and heartbeats to, after the view changed."""
@@ -777,116 +471,12 @@ class Peer:
         self.monitor.watch(watched, now)
         self._hb_targets = tuple(sorted(set(view.watchers(self.party_id, k, ring=ring)) | watched))
 
-    def _vote_targets(self, subject: str) -> set[str]:
-        """Where votes about ``subject`` go: its watchers (they assemble the fail record)."""
-        view = self.records.view()
-        return set(view.watchers(subject, self.policy.failure_quorum)) - {subject}
-
-    def _vote(self, body: dict[str, Any], now: float) -> list[Outgoing]:
-        rid = record_id_of(body)
-        if rid in self.records:
-            return []
-        vote = self._votes.get(rid)
-        if vote is None:
-            vote = self._votes[rid] = _Vote(body=body, sigs={}, mine=True, sent_at=now)
-        vote.mine = True
-        vote.sent_at = now
-        sig = vote.sigs.get(self.party_id)
-        if sig is None:
-            sig = vote.sigs[self.party_id] = self._sign(signing_bytes(body))
-        out = self._broadcast(
-            self._vote_targets(body["subject"]), "vote", {"body": body, "sig": sig}, now
-        )
-        out.extend(self._maybe_assemble(rid, now))
-        return out
-
-    def _maybe_assemble(self, rid: str, now: float) -> list[Outgoing]:
-        """Assemble the fail record once a quorum of votes is held.
-
-        Every party holding the quorum applies the record; the lowest-id signer of the record it
-        assembled also broadcasts it to all active members (one broadcast in the common case;
-        anti-entropy covers the rare case where that signer is gone).
-        """
-        vote = self._votes.get(rid)
-        if vote is None:
-            return []
-        voters = set(vote.sigs) - {vote.body["subject"]}
-        if len(voters) < self.policy.failure_quorum:
-            return []
-        record = Record(body=vote.body, signatures=dict(vote.sigs))
-        targets = set(self.records.active()) - {vote.body["subject"]}
-        if not self._apply([record], now) or min(voters) != self.party_id:
-            return []
-        # The broadcast carries the quorum: this party's envelope and k - 1 other votes.
-        others = sorted(voters - {self.party_id})[: self.policy.failure_quorum - 1]
-        quorum = Record(
-            body=vote.body,
-            signatures={self.party_id: vote.sigs[self.party_id]}
-            | {v: vote.sigs[v] for v in others},
-        )
-        return self._share(targets, quorum, now)
-
-    def _retries(self, now: float) -> list[Outgoing]:
-        out: list[Outgoing] = []
-        for rid, join in list(self._joins.items()):
-            if join.synced:
-                del self._joins[rid]
-                continue
-            if now - join.sent_at < PEER_RETRY_INTERVAL_S:
-                continue
-            join.sent_at = now
-            if join.done is not None:
-                out.extend(
-                    self._broadcast(
-                        join.sponsors, "join_done", {"record": join.done.to_wire()}, now
-                    )
-                )
-            else:
-                missing = [s for s in join.sponsors if s not in join.sigs]
-                sig = join.sigs[self.party_id]
-                out.extend(
-                    self._broadcast(missing, "join_req", {"body": join.body, "sig": sig}, now)
-                )
-        for rid, link in list(self._links.items()):
-            other = self.records.member(link.other)
-            if not self.is_member or other is None or other.status != ACTIVE:
-                del self._links[rid]  # an end is gone: the request is moot
-                continue
-            if now - link.sent_at < PEER_RETRY_INTERVAL_S:
-                continue
-            link.sent_at = now
-            out.append(
-                self._send(link.other, "link_req", {"body": link.body, "sig": link.sig}, now)
-            )
-        for rid, vote in list(self._votes.items()):
-            subject = self.records.member(vote.body["subject"])
-            if (
-                subject is None
-                or subject.status != ACTIVE
-                or subject.incarnation != vote.body["incarnation"]
-            ):
-                del self._votes[rid]  # that incarnation is over (or unknown): nothing to vote on
-                continue
-            if self.is_member and vote.mine and now - vote.sent_at >= PEER_RETRY_INTERVAL_S:
-                vote.sent_at = now
-                out.extend(
-                    self._broadcast(
-                        self._vote_targets(vote.body["subject"]),
-                        "vote",
-                        {"body": vote.body, "sig": vote.sigs[self.party_id]},
-                        now,
-                    )
-                )
-        return out
-
-    # --- internals: message handlers ---------------------------------------------------------
+    # --- internals: the handlers of records and probes ---------------------------------------
 
     def _on_rec(self, env: Envelope, now: float) -> list[Outgoing]:
         self._apply(self._check_records(env.payload.get("records")), now, validated=True)
-        for rid, join in self._joins.items():
-            # A sponsor's sync after our join record exists: the join has landed.
-            if env.sender in join.sponsors and rid in self.records:
-                join.synced = True
+        # A sponsor's sync after our join record exists: the join has landed.
+        self._joining.synced_by(env.sender)
         return []
 
     def _on_own(self, env: Envelope, now: float) -> list[Outgoing]:
@@ -896,156 +486,6 @@ class Peer:
         validate_record(record, self.policy, self.records.cache, envelope=env)
         self._apply([record], now, validated=True)
         return []
-
-    def _on_hb(self, env: Envelope, now: float) -> list[Outgoing]:
-        rd = env.payload.get("rd")
-        res = env.payload.get("res")
-        if not isinstance(rd, bytes):
-            raise DecodeError("heartbeat field 'rd' must be bytes")
-        declared: Resources | None = None
-        if res is not None:
-            if (
-                not isinstance(res, list)
-                or len(res) != 3
-                or not isinstance(res[0], float)
-                or not isinstance(res[1], int)
-                or not isinstance(res[2], float)
-            ):
-                raise DecodeError("heartbeat field 'res' must be [compute, memory, at]")
-            declared = Resources(res[0], res[1], res[2])
-            self.monitor.declare(env.sender, declared)
-        if rd == self.records.digest():
-            return []
-        last = self._ae_sent.get(env.sender, -math.inf)
-        if now - last < PEER_ANTI_ENTROPY_INTERVAL_S:
-            return []
-        self._ae_sent[env.sender] = now
-        return [self._send(env.sender, "inv", {"ids": sorted(self.records.ids())}, now)]
-
-    def _on_inv(self, env: Envelope, now: float) -> list[Outgoing]:
-        ids = env.payload.get("ids")
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise DecodeError("inventory field 'ids' must be a list of record ids")
-        theirs = set(ids)
-        mine = self.records.ids()
-        out: list[Outgoing] = []
-        give = [r for rid in sorted(mine - theirs) if (r := self.records.get(rid)) is not None]
-        if give:
-            out.extend(self._records_to(env.sender, give, now))
-        want = sorted(theirs - mine)
-        if want:
-            out.append(self._send(env.sender, "fetch", {"ids": want}, now))
-        return out
-
-    def _on_fetch(self, env: Envelope, now: float) -> list[Outgoing]:
-        ids = env.payload.get("ids")
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise DecodeError("fetch field 'ids' must be a list of record ids")
-        give = [r for rid in ids if (r := self.records.get(rid)) is not None]
-        return self._records_to(env.sender, give, now) if give else []
-
-    def _on_join_req(self, env: Envelope, now: float) -> list[Outgoing]:
-        body, sig = self._body_and_sig(env, "join")
-        if body["subject"] != env.sender or body["incarnation"] != env.incarnation:
-            raise PolicyError("join request field 'subject'/'incarnation' is not the sender's")
-        if not self.is_member:
-            raise PolicyError(f"party {self.party_id} is not an active member; cannot sponsor")
-        known = self.records.member(env.sender)
-        if known is not None and known.incarnation >= env.incarnation:
-            if known.status == ACTIVE:
-                # Already joined: just sync the joiner again.
-                return self._records_to(env.sender, list(self.records), now)
-            raise PolicyError(
-                f"incarnation {known.incarnation} of {env.sender} has {known.status}; rejoin "
-                "with a higher 'incarnation'"
-            )
-        rid = record_id_of(body)
-        self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        mine = self._sign(signing_bytes(body))
-        record = Record(body=body, signatures={env.sender: sig, self.party_id: mine})
-        try:
-            validate_record(record, self.policy, self.records.cache)
-        except PolicyError:
-            return [self._send(env.sender, "join_sig", {"id": rid, "sig": mine}, now)]
-        return self._sponsor_apply(record, env.sender, now)
-
-    def _sponsor_apply(self, record: Record, joiner: str, now: float) -> list[Outgoing]:
-        targets = set(self.records.active()) - {joiner}
-        new = self._apply([record], now)
-        out: list[Outgoing] = []
-        if new:
-            out.extend(self._share(targets, record, now))
-        out.extend(self._records_to(joiner, list(self.records), now))
-        return out
-
-    def _on_join_sig(self, env: Envelope, now: float) -> list[Outgoing]:
-        rid = env.payload.get("id")
-        sig = env.payload.get("sig")
-        if not isinstance(rid, str) or not isinstance(sig, bytes):
-            raise DecodeError("join signature fields 'id' (str) and 'sig' (bytes) are required")
-        join = self._joins.get(rid)
-        if join is None or join.done is not None:
-            return []
-        if env.sender not in join.sponsors:
-            raise PolicyError(f"party {env.sender} was not asked to sponsor this join")
-        self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(join.body))
-        join.sigs[env.sender] = sig
-        if len(join.sigs) - 1 < self.policy.sponsors_required:
-            return []
-        join.done = Record(body=join.body, signatures=dict(join.sigs))
-        self._apply([join.done], now)
-        signed = [s for s in join.sponsors if s in join.sigs]
-        return self._broadcast(signed, "join_done", {"record": join.done.to_wire()}, now)
-
-    def _on_join_done(self, env: Envelope, now: float) -> list[Outgoing]:
-        records = self._check_records([env.payload.get("record")])
-        record = records[0] if records else None
-        if record is None:
-            value = env.payload.get("record")
-            existing = Record.from_wire(value)
-            if existing.kind != "join" or existing.subject != env.sender:
-                raise PolicyError("join_done must carry the sender's own join record")
-            return self._records_to(env.sender, list(self.records), now)
-        if record.kind != "join" or record.subject != env.sender:
-            raise PolicyError("join_done must carry the sender's own join record")
-        if not self.is_member:
-            raise PolicyError(f"party {self.party_id} is not an active member; cannot sponsor")
-        return self._sponsor_apply(record, env.sender, now)
-
-    def _on_link_req(self, env: Envelope, now: float) -> list[Outgoing]:
-        body, sig = self._body_and_sig(env, "link_up")
-        if {body["a"], body["b"]} != {self.party_id, env.sender}:
-            raise PolicyError("link request fields 'a'/'b' are not the sender and this party")
-        inc_self = body["inc_a"] if body["a"] == self.party_id else body["inc_b"]
-        inc_other = body["inc_b"] if body["a"] == self.party_id else body["inc_a"]
-        if inc_self != self.incarnation or inc_other != env.incarnation:
-            raise StaleIncarnationError("link request names incarnations that are not current")
-        rid = record_id_of(body)
-        if rid in self.records:
-            record = self.records.get(rid)
-            return self._records_to(env.sender, [record], now) if record is not None else []
-        self._active_other(env.sender, "accept a link")
-        if self._accept_link is not None and not self._accept_link(env.sender):
-            raise PolicyError(f"this party does not accept a link with {env.sender}")
-        self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        targets = self.records.active()
-        record, out = self._broadcast_own(targets, body, {env.sender: sig}, now, first=env.sender)
-        self._apply([record], now, validated=True)
-        return out
-
-    def _on_vote(self, env: Envelope, now: float) -> list[Outgoing]:
-        body, sig = self._body_and_sig(env, "fail")
-        if body["subject"] == env.sender:
-            raise PolicyError("a party cannot vote for its own failure")
-        rid = record_id_of(body)
-        if rid in self.records:
-            return []
-        self.records.cache.verify(self._keyring[env.sender], sig, signing_bytes(body))
-        vote = self._votes.get(rid)
-        if vote is None:
-            vote = self._votes[rid] = _Vote(body=body, sigs={}, mine=False, sent_at=now)
-        vote.sigs[env.sender] = sig
-        return self._maybe_assemble(rid, now)
 
     def _on_probe(self, env: Envelope, now: float) -> list[Outgoing]:
         nonce = env.payload.get("nonce")
@@ -1059,33 +499,3 @@ class Peer:
             raise DecodeError("probe_ack field 'nonce' must be an integer")
         self.monitor.probe_answered(env.sender, nonce, now)
         return []
-
-    def _body_and_sig(self, env: Envelope, kind: str) -> tuple[dict[str, Any], bytes]:
-        body = env.payload.get("body")
-        sig = env.payload.get("sig")
-        if not isinstance(sig, bytes):
-            raise DecodeError(f"{env.kind} field 'sig' must be bytes")
-        checked = Record.from_wire({"body": body, "sigs": {env.sender: sig}}).body
-        if checked["kind"] != kind:
-            raise PolicyError(f"{env.kind} must carry a {kind} body, got {checked['kind']!r}")
-        if checked["federation"] != self.policy.federation:
-            raise PolicyError(
-                f"{env.kind} field 'federation' is {checked['federation']!r}, this federation "
-                f"is {self.policy.federation!r}"
-            )
-        return checked, sig
-
-    _handlers: ClassVar[dict[str, Callable[[Peer, Envelope, float], list[Outgoing]]]] = {
-        "rec": _on_rec,
-        PROOF_KIND: _on_own,
-        "hb": _on_hb,
-        "inv": _on_inv,
-        "fetch": _on_fetch,
-        "join_req": _on_join_req,
-        "join_sig": _on_join_sig,
-        "join_done": _on_join_done,
-        "link_req": _on_link_req,
-        "vote": _on_vote,
-        "probe": _on_probe,
-        "probe_ack": _on_probe_ack,
-    }

@@ -518,6 +518,16 @@ def plan_transfer(
         if best is None or choice.makespan < best.makespan:
             best = choice
     assert best is not None
+    return _plan_of(best, info, w, cap)
+
+
+def _plan_of(
+    best: _Choice,
+    info: list[tuple[str, float, float, float, float]],
+    total_bytes: int,
+    cap: float | None,
+) -> TransferPlan:
+    """The plan of the chosen shard count: consecutive shard ranges in priority order."""
     assignment: dict[str, tuple[int, ...]] = {}
     finish: dict[str, float] = {}
     rates: dict[str, float] = {}
@@ -538,7 +548,7 @@ def plan_transfer(
         assignment=assignment,
         makespan=max(finish.values()),
         finish_times=finish,
-        total_bytes=w,
+        total_bytes=total_bytes,
         rates=rates,
         ingress=cap,
     )

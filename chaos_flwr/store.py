@@ -58,6 +58,37 @@ def _file_name(round_: int) -> str:
     return f"round-{round_:012d}.replica"
 
 
+def _write_replica(fd: int, tmp: Path, state: TrainingState, fields: dict[str, Any]) -> bytes:
+    """Write a replica file to ``fd``: header, state bytes, then the header with its digest.
+
+    The header is written first with a zero digest (the same length), the state streamed and
+    hashed, then the header rewritten in place with the digest and its checksum, and synced.
+    Returns the state digest.
+    """
+    total = fields["state_bytes"]
+    header = codec.encode(fields)
+    prefix = REPLICA_MAGIC + _U32.pack(len(header))
+    _write_chunk(fd, prefix + header + bytes(32))
+    h = hashlib.sha256()
+    written = 0
+    for chunk in state.iter_chunks():
+        view = memoryview(chunk).cast("B")
+        for pos in range(0, len(view), STORE_IO_CHUNK_BYTES):
+            piece = view[pos : pos + STORE_IO_CHUNK_BYTES]
+            h.update(piece)
+            _write_chunk(fd, piece)
+            written += len(piece)
+    if written != total:
+        raise StoreError(f"{tmp}: wrote {written} bytes, expected {total}")
+    digest = h.digest()
+    fields["state_digest"] = digest
+    header = codec.encode(fields)
+    check = hashlib.sha256(prefix + header).digest()
+    os.pwrite(fd, prefix + header + check, 0)
+    os.fsync(fd)
+    return digest
+
+
 def _write_chunk(fd: int, data: bytes | memoryview) -> None:
     """Write all of ``data`` to ``fd`` (a module-level hook so tests can slow writes down)."""
     view = memoryview(data).cast("B")
@@ -348,15 +379,12 @@ class ReplicaStore:
                 f"certificate: {len(certificate)} bytes exceeds STORE_MAX_CERTIFICATE_BYTES"
             )
         final = self.path_of(state.round)
-        total = state.serialized_size()
         fields: dict[str, Any] = {
             "certificate": bytes(certificate),
             "round": state.round,
-            "state_bytes": total,
+            "state_bytes": state.serialized_size(),
             "state_digest": bytes(32),
         }
-        header = codec.encode(fields)
-        prefix = REPLICA_MAGIC + _U32.pack(len(header))
         tmp = self.directory / f"{_TMP_PREFIX}{state.round}-{os.getpid()}-{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -364,24 +392,7 @@ class ReplicaStore:
             raise StoreError(f"{tmp}: cannot create ({exc.strerror})") from exc
         try:
             try:
-                _write_chunk(fd, prefix + header + bytes(32))
-                h = hashlib.sha256()
-                written = 0
-                for chunk in state.iter_chunks():
-                    view = memoryview(chunk).cast("B")
-                    for pos in range(0, len(view), STORE_IO_CHUNK_BYTES):
-                        piece = view[pos : pos + STORE_IO_CHUNK_BYTES]
-                        h.update(piece)
-                        _write_chunk(fd, piece)
-                        written += len(piece)
-                if written != total:
-                    raise StoreError(f"{tmp}: wrote {written} bytes, expected {total}")
-                digest = h.digest()
-                fields["state_digest"] = digest
-                header = codec.encode(fields)
-                check = hashlib.sha256(prefix + header).digest()
-                os.pwrite(fd, prefix + header + check, 0)
-                os.fsync(fd)
+                digest = _write_replica(fd, tmp, state, fields)
             finally:
                 os.close(fd)
             if final.exists():

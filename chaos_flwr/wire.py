@@ -39,7 +39,7 @@ import math
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from . import codec
 from .defaults import (
@@ -68,6 +68,7 @@ __all__ = [
     "VERSION",
     "Envelope",
     "ReplayGuard",
+    "SealOptions",
     "open_sealed",
     "peek_sender",
     "seal",
@@ -135,6 +136,17 @@ class Envelope:
         return self.raw[-SIGNATURE_BYTES:]
 
 
+class SealOptions(TypedDict, total=False):
+    """The optional keywords of :func:`seal` (see there): ``to``, ``federation``, ``max_bytes``."""
+
+    to: str | None
+    federation: bytes
+    max_bytes: int
+
+
+_SEAL_OPTIONS = frozenset(SealOptions.__annotations__)
+
+
 def seal(
     identity: Identity,
     *,
@@ -143,9 +155,7 @@ def seal(
     timestamp: float,
     kind: str,
     payload: Mapping[str, Any],
-    to: str | None = None,
-    federation: bytes = b"",
-    max_bytes: int = WIRE_MAX_ENVELOPE_BYTES,
+    **options: Unpack[SealOptions],
 ) -> bytes:
     """Build and sign an envelope.
 
@@ -180,24 +190,13 @@ def seal(
     OversizeError
         If the envelope would exceed ``max_bytes``.
     """
-    if type(incarnation) is not int or not 0 <= incarnation <= _INT_MAX:
-        raise EncodeError(
-            f"envelope field 'incarnation' must be an int in [0, 2**63), got {incarnation!r}"
-        )
-    if type(seq) is not int or not 0 <= seq <= _INT_MAX:
-        raise EncodeError(f"envelope field 'seq' must be an int in [0, 2**63), got {seq!r}")
-    ts = float(timestamp)
-    if not math.isfinite(ts):
-        raise EncodeError(f"envelope field 'timestamp' must be finite, got {timestamp!r}")
-    if not isinstance(kind, str) or not kind:
-        raise EncodeError(f"envelope field 'kind' must be a non-empty string, got {kind!r}")
-    if to is not None and not is_party_id(to):
-        raise EncodeError(f"envelope field 'to' must be a party id or None, got {to!r}")
-    if type(federation) is not bytes or len(federation) > _MAX_FED_BYTES:
-        raise EncodeError(
-            f"envelope field 'federation' must be at most {_MAX_FED_BYTES} bytes, "
-            f"got {federation!r:.40}"
-        )
+    if not options.keys() <= _SEAL_OPTIONS:
+        unknown = sorted(options.keys() - _SEAL_OPTIONS)
+        raise TypeError(f"seal() got unexpected keyword arguments {unknown}")
+    to = options.get("to")
+    federation = options.get("federation", b"")
+    max_bytes = options.get("max_bytes", WIRE_MAX_ENVELOPE_BYTES)
+    ts = _checked_header(incarnation, seq, timestamp, kind, to, federation)
     if not isinstance(payload, Mapping):
         raise EncodeError(
             f"envelope field 'payload' must be a mapping, got {type(payload).__name__}"
@@ -224,6 +223,31 @@ def seal(
         )
     head = _PREFIX + identity.party_id.encode("ascii") + _U32.pack(len(body)) + body
     return head + identity.sign(DOMAIN + head)
+
+
+def _checked_header(
+    incarnation: int, seq: int, timestamp: float, kind: str, to: str | None, federation: bytes
+) -> float:
+    """Check the fields :func:`seal` puts beside the payload; returns the timestamp as float."""
+    if type(incarnation) is not int or not 0 <= incarnation <= _INT_MAX:
+        raise EncodeError(
+            f"envelope field 'incarnation' must be an int in [0, 2**63), got {incarnation!r}"
+        )
+    if type(seq) is not int or not 0 <= seq <= _INT_MAX:
+        raise EncodeError(f"envelope field 'seq' must be an int in [0, 2**63), got {seq!r}")
+    ts = float(timestamp)
+    if not math.isfinite(ts):
+        raise EncodeError(f"envelope field 'timestamp' must be finite, got {timestamp!r}")
+    if not isinstance(kind, str) or not kind:
+        raise EncodeError(f"envelope field 'kind' must be a non-empty string, got {kind!r}")
+    if to is not None and not is_party_id(to):
+        raise EncodeError(f"envelope field 'to' must be a party id or None, got {to!r}")
+    if type(federation) is not bytes or len(federation) > _MAX_FED_BYTES:
+        raise EncodeError(
+            f"envelope field 'federation' must be at most {_MAX_FED_BYTES} bytes, "
+            f"got {federation!r:.40}"
+        )
+    return ts
 
 
 def peek_sender(data: bytes | bytearray | memoryview) -> str:
@@ -295,6 +319,24 @@ def open_sealed(
             f"envelope is {size} bytes, the limit is {max_bytes}; it was refused unread"
         )
     raw = data if type(data) is bytes else bytes(data)
+    sender, key, end = _frame_of(raw, size, keyring)
+    head = raw[:end]
+    try:
+        (verify or verify_signature)(key, raw[end:], DOMAIN + head)
+    except SignatureError as exc:
+        raise SignatureError(f"envelope from {sender} refused: {exc}") from None
+    env = _body_of(raw, head[HEADER_BYTES:], sender)
+    if federation is not None and env.federation != federation:
+        theirs = env.federation.hex()[:16] or "(none)"
+        raise FederationMismatchError(
+            f"envelope from {sender} was sealed for federation {theirs}, this receiver's "
+            f"charter digest is {federation.hex()[:16]}: it belongs to another federation"
+        )
+    return env
+
+
+def _frame_of(raw: bytes, size: int, keyring: Mapping[str, bytes]) -> tuple[str, bytes, int]:
+    """Check the frame around the body; returns the sender, its key and where the body ends."""
     if size < OVERHEAD_BYTES or raw[:_SENDER_AT] != _PREFIX:
         _check_prefix(raw, size)  # raises, naming what is wrong
     # A sender id the keyring knows is a well-formed party id: the full check (and its error
@@ -319,19 +361,7 @@ def open_sealed(
             f"envelope from {sender}, a party this receiver has no key for; add it to the "
             "charter's allowlist (or the receiver's keyring)"
         )
-    head = raw[:end]
-    try:
-        (verify or verify_signature)(key, raw[end:], DOMAIN + head)
-    except SignatureError as exc:
-        raise SignatureError(f"envelope from {sender} refused: {exc}") from None
-    env = _body_of(raw, head[HEADER_BYTES:], sender)
-    if federation is not None and env.federation != federation:
-        theirs = env.federation.hex()[:16] or "(none)"
-        raise FederationMismatchError(
-            f"envelope from {sender} was sealed for federation {theirs}, this receiver's "
-            f"charter digest is {federation.hex()[:16]}: it belongs to another federation"
-        )
-    return env
+    return sender, key, end
 
 
 def _check_prefix(raw: bytes, size: int) -> None:

@@ -959,7 +959,7 @@ def test_a_fail_record_too_large_for_a_proof_goes_out_with_plain_signatures(
     monkeypatch: pytest.MonkeyPatch, limit: int | None
 ) -> None:
     """The fail broadcast is an own envelope unless its other votes would not fit a proof."""
-    import chaos_flwr.peer as peer_mod
+    import chaos_flwr.peer_core as peer_mod
 
     if limit is not None:  # as if the quorum were large: one other vote no longer fits
         monkeypatch.setattr(peer_mod, "MEMBERSHIP_PROOF_MAX_BYTES", limit)

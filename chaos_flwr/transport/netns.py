@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -180,22 +180,8 @@ def veth_pair(
             pair.shape("b", rate_b_bit_s)
         yield pair
     finally:
-        errors: list[str] = []
-        for ns in (pair.ns_a, pair.ns_b):
-            if ns in _namespaces():
-                try:
-                    run_cmd(["ip", "netns", "del", ns])
-                except NetnsError as err:
-                    errors.append(str(err))
         # a veth left in the root namespace (failure before the move) is removed too
-        for dev in (pair.dev_a, pair.dev_b):
-            probe = subprocess.run(
-                ["ip", "link", "show", dev], capture_output=True, check=False, timeout=10
-            )
-            if probe.returncode == 0:
-                subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
-        if errors:
-            raise NetnsError("cleanup failed: " + "; ".join(errors))
+        _remove_netns((pair.ns_a, pair.ns_b), (pair.dev_a, pair.dev_b))
 
 
 _RECEIVER = r"""
@@ -384,6 +370,27 @@ def star(
         Not root, tools missing, a bad rate, or a command failed (cleanup still runs).
     """
     check_netns_available()
+    topo, base = _star_topology(donor_rates_bit_s, joiner_down_bit_s, joiner_up_bit_s, name, mtu)
+    made_ns: list[str] = []
+    root_devs = [topo.joiner_device, f"{base}jb", *(f"{dv}b" for dv in topo.devices.values())]
+    try:
+        _build_star(topo, base, made_ns)
+        yield topo
+    finally:
+        _remove_netns(reversed(made_ns), root_devs)
+
+
+def _star_topology(
+    donor_rates_bit_s: Mapping[str, int],
+    joiner_down_bit_s: int | None,
+    joiner_up_bit_s: int | None,
+    name: str | None,
+    mtu: int,
+) -> tuple[NetnsStar, str]:
+    """Check :func:`star`'s arguments and name its namespaces, devices and addresses.
+
+    Returns the topology and the prefix of its names.
+    """
     if not 576 <= mtu <= 65535:
         raise NetnsError(f"mtu: give 576 to 65535, got {mtu}")
     if not 1 <= len(donor_rates_bit_s) <= 200:
@@ -406,58 +413,65 @@ def star(
         joiner_up_bit_s=joiner_up_bit_s,
         mtu=mtu,
     )
-    made_ns: list[str] = []
-    root_devs = [topo.joiner_device, f"{base}jb", *(f"{dv}b" for dv in topo.devices.values())]
-    try:
-        hub = topo.hub
-        run_cmd(["ip", "netns", "add", hub])
-        made_ns.append(hub)
-        run_cmd(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
-        run_cmd(["ip", "-n", hub, "link", "set", "br0", "mtu", str(mtu), "up"])
-        # the joiner's end: root namespace <-> bridge
-        run_cmd(["ip", "link", "add", topo.joiner_device, "type", "veth", "peer", "name",
-                 f"{base}jb"])  # fmt: skip
-        run_cmd(["ip", "link", "set", f"{base}jb", "netns", hub])
-        run_cmd(["ip", "-n", hub, "link", "set", f"{base}jb", "mtu", str(mtu), "master", "br0",
+    return topo, base
+
+
+def _build_star(topo: NetnsStar, base: str, made_ns: list[str]) -> None:
+    """Create the hub, the joiner's veth and each donor's namespace, appending to ``made_ns``."""
+    hub, mtu = topo.hub, topo.mtu
+    run_cmd(["ip", "netns", "add", hub])
+    made_ns.append(hub)
+    run_cmd(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
+    run_cmd(["ip", "-n", hub, "link", "set", "br0", "mtu", str(mtu), "up"])
+    # the joiner's end: root namespace <-> bridge
+    run_cmd(["ip", "link", "add", topo.joiner_device, "type", "veth", "peer", "name",
+             f"{base}jb"])  # fmt: skip
+    run_cmd(["ip", "link", "set", f"{base}jb", "netns", hub])
+    run_cmd(["ip", "-n", hub, "link", "set", f"{base}jb", "mtu", str(mtu), "master", "br0",
+             "up"])  # fmt: skip
+    run_cmd(["ip", "addr", "add", f"{topo.joiner_address}/24", "dev", topo.joiner_device])
+    run_cmd(["ip", "link", "set", topo.joiner_device, "mtu", str(mtu), "up"])
+    if topo.joiner_down_bit_s is not None:
+        _tbf(hub, f"{base}jb", topo.joiner_down_bit_s, mtu)
+    if topo.joiner_up_bit_s is not None:
+        _tbf(None, topo.joiner_device, topo.joiner_up_bit_s, mtu)
+    for d in topo.namespaces:
+        ns, dev, addr = topo.namespaces[d], topo.devices[d], topo.addresses[d]
+        run_cmd(["ip", "netns", "add", ns])
+        made_ns.append(ns)
+        run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", f"{dev}b"])
+        run_cmd(["ip", "link", "set", dev, "netns", ns])
+        run_cmd(["ip", "link", "set", f"{dev}b", "netns", hub])
+        run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "mtu", str(mtu), "master", "br0",
                  "up"])  # fmt: skip
-        run_cmd(["ip", "addr", "add", f"{topo.joiner_address}/24", "dev", topo.joiner_device])
-        run_cmd(["ip", "link", "set", topo.joiner_device, "mtu", str(mtu), "up"])
-        if joiner_down_bit_s is not None:
-            _tbf(hub, f"{base}jb", joiner_down_bit_s, mtu)
-        if joiner_up_bit_s is not None:
-            _tbf(None, topo.joiner_device, joiner_up_bit_s, mtu)
-        for d in donors:
-            ns, dev, addr = topo.namespaces[d], topo.devices[d], topo.addresses[d]
-            run_cmd(["ip", "netns", "add", ns])
-            made_ns.append(ns)
-            run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", f"{dev}b"])
-            run_cmd(["ip", "link", "set", dev, "netns", ns])
-            run_cmd(["ip", "link", "set", f"{dev}b", "netns", hub])
-            run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "mtu", str(mtu), "master", "br0",
-                     "up"])  # fmt: skip
-            run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
-            run_cmd(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"])
-            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
-            # a donor's socket holds at most this much unsent data (else seconds of replies
-            # sit in its send buffer ahead of the link, past any cancel or re-plan)
-            run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                     f"net.ipv4.tcp_notsent_lowat={NETNS_NOTSENT_LOWAT_BYTES}"])  # fmt: skip
-            _tbf(ns, dev, topo.rates_bit_s[d], mtu)
-        yield topo
-    finally:
-        errors: list[str] = []
-        present = _namespaces()
-        for ns in reversed(made_ns):
-            if ns in present:
-                try:
-                    run_cmd(["ip", "netns", "del", ns])
-                except NetnsError as err:
-                    errors.append(str(err))
-        for dev in root_devs:
-            probe = subprocess.run(
-                ["ip", "link", "show", dev], capture_output=True, check=False, timeout=10
-            )
-            if probe.returncode == 0:
-                subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
-        if errors:
-            raise NetnsError("cleanup failed: " + "; ".join(errors))
+        run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
+        run_cmd(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"])
+        run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+        # a donor's socket holds at most this much unsent data (else seconds of replies
+        # sit in its send buffer ahead of the link, past any cancel or re-plan)
+        run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                 f"net.ipv4.tcp_notsent_lowat={NETNS_NOTSENT_LOWAT_BYTES}"])  # fmt: skip
+        _tbf(ns, dev, topo.rates_bit_s[d], mtu)
+
+
+def _remove_netns(namespaces: Iterable[str], root_devs: Iterable[str]) -> None:
+    """Delete ``namespaces`` (in order, those that exist) and ``root_devs`` left in the root.
+
+    Every deletion is tried; a failed namespace deletion raises once all have been tried.
+    """
+    errors: list[str] = []
+    present = _namespaces()
+    for ns in namespaces:
+        if ns in present:
+            try:
+                run_cmd(["ip", "netns", "del", ns])
+            except NetnsError as err:
+                errors.append(str(err))
+    for dev in root_devs:
+        probe = subprocess.run(
+            ["ip", "link", "show", dev], capture_output=True, check=False, timeout=10
+        )
+        if probe.returncode == 0:
+            subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
+    if errors:
+        raise NetnsError("cleanup failed: " + "; ".join(errors))
