@@ -70,6 +70,7 @@ from .identity import (
     public_key_to_b64,
     verify_signature,
 )
+from .localfile import read_local_file
 
 __all__ = [
     "CHARTER_DOMAIN",
@@ -326,6 +327,10 @@ class Charter(BaseModel):
         """
         try:
             data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+        except RecursionError:
+            raise CharterError(
+                f"{source}: nested too deeply to be a charter (a charter is a few levels deep)"
+            ) from None
         except yaml.YAMLError as exc:
             raise CharterError(f"{source}: not valid YAML: {exc}") from None
         if data is None:
@@ -519,8 +524,9 @@ def load_charter(path: Path | str, *, verify: bool = True) -> Charter:
     """
     file = Path(path)
     try:
-        with file.open("rb") as handle:
-            raw = handle.read(CHARTER_MAX_FILE_BYTES + 1)
+        raw = read_local_file(
+            file, what="charter", error=CharterError, max_bytes=CHARTER_MAX_FILE_BYTES
+        )
     except FileNotFoundError:
         raise CharterError(
             f"no charter file at {file}; create one with 'chaos-flwr charter init'"

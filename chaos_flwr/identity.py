@@ -51,6 +51,7 @@ from .defaults import (
     IDENTITY_PUB_SUFFIX,
 )
 from .errors import ConfigError, KeyFileError, SignatureError
+from .localfile import check_local_file
 
 __all__ = [
     "PARTY_ID_LENGTH",
@@ -415,6 +416,13 @@ def load_public_key(path: Path | str) -> bytes:
 
 def _read_key_file(file: Path, what: str) -> bytes:
     try:
+        check_local_file(
+            file,
+            what=what,
+            error=KeyFileError,
+            max_bytes=IDENTITY_MAX_KEY_FILE_BYTES,
+            private=what == "private key",
+        )
         with file.open("rb") as handle:
             data = handle.read(IDENTITY_MAX_KEY_FILE_BYTES + 1)
     except FileNotFoundError as exc:
@@ -427,6 +435,8 @@ def _read_key_file(file: Path, what: str) -> bytes:
         raise KeyFileError(
             f"cannot read the {what} file {file}: permission denied (check its owner and mode)"
         ) from exc
+    except KeyFileError:
+        raise
     except OSError as exc:
         raise KeyFileError(f"cannot read the {what} file {file}: {exc}") from exc
     if len(data) > IDENTITY_MAX_KEY_FILE_BYTES:

@@ -632,10 +632,19 @@ def from_array_record(
 
     Raises
     ------
+    DecodeError
+        If an array cannot be read without unpickling (an object array).
     TypeError
-        If an array is not numpy-serialised or has a refused dtype.
+        If an array has a refused dtype.
     """
-    arrays = {name: arr.numpy() for name, arr in record.items()}
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    for name, arr in record.items():
+        try:
+            arrays[name] = arr.numpy()
+        except ValueError as exc:  # e.g. an object array, which would need unpickling
+            raise DecodeError(
+                f"arrays[{name!r}]: not a plain numpy array ({exc}); object arrays are refused"
+            ) from exc
     return TrainingState(
         arrays=arrays, round=round, strategy_state=strategy_state, meta=dict(meta or {})
     )

@@ -72,6 +72,7 @@ from chaos_flwr.defaults import (
     FLOWER_DURABLE_MAX_BYTES,
 )
 from chaos_flwr.errors import ChaosError, StoreError
+from chaos_flwr.localfile import read_local_file
 
 __all__ = [
     "SAVED_FORMAT",
@@ -91,6 +92,8 @@ STATE_FILE = "party.state"
 STATE_MAGIC = b"CHAOSPS\x01"
 #: Magic of a *sealed* file: the hash is followed by the party's 64-byte seal of it.
 SEALED_MAGIC = b"CHAOSPS\x02"
+#: Largest state file read: the body's bound plus magic, hash and seal.
+_FILE_MAX_BYTES = FLOWER_DURABLE_MAX_BYTES + len(SEALED_MAGIC) + 32 + 64
 #: Format of the saved body (2: the join pull as explicit values; 1: pickled, migrated).
 SAVED_FORMAT = 2
 #: Domain of a seal: ``seal(SEAL_DOMAIN || sha256(body))``.
@@ -331,7 +334,9 @@ def load(
                 stale.unlink()
     path = state_dir / STATE_FILE
     try:
-        raw = path.read_bytes()
+        raw = read_local_file(
+            path, what="saved party state", error=StoreError, max_bytes=_FILE_MAX_BYTES
+        )
     except FileNotFoundError:
         return None
     except OSError as exc:

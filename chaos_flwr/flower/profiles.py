@@ -26,8 +26,12 @@ from typing import Any
 import yaml
 
 from chaos_flwr.errors import ConfigError, ProfileError
+from chaos_flwr.localfile import read_local_file
 
 __all__ = ["Profile", "available_profiles", "load_profile", "profile_dirs"]
+
+#: Largest strategy profile file read (a profile is a few hundred bytes).
+PROFILE_MAX_FILE_BYTES: int = 64 * 1024
 
 _TOP_KEYS = {"name", "description", "inner", "chaos"}
 _INNER_KEYS = {"strategy", "args"}
@@ -95,7 +99,7 @@ class Profile:
 def _resolve(name_or_path: str | Path) -> Path:
     p = Path(name_or_path)
     if p.suffix in {".yaml", ".yml"} or p.parent != Path("."):
-        if not p.is_file():
+        if not p.exists():
             raise ProfileError(f"profile: no file at {p}")
         return p
     for d in profile_dirs():
@@ -134,8 +138,13 @@ def load_profile(name_or_path: str | Path) -> Profile:
     path = _resolve(name_or_path)
     where = f"{path}: "
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+        raw = read_local_file(
+            path, what="strategy profile", error=ProfileError, max_bytes=PROFILE_MAX_FILE_BYTES
+        )
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except RecursionError:
+        raise ProfileError(f"{where}nested too deeply to be a profile") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ProfileError(f"{where}cannot be read as YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ProfileError(f"{where}a profile must be a mapping with keys {sorted(_TOP_KEYS)}")
