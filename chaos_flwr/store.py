@@ -1,6 +1,6 @@
 """The replica store: a party's certified training states on disk.
 
-One file per round, ``round-<12 digits>.replica``, laid out as (integers big-endian)::
+One file per round, ``round-<12 to 19 digits>.replica`` (zero-padded to 12), laid out as (integers big-endian)::
 
     magic     8 bytes   b"CHAOSRP" + format version byte
     hlen      4 bytes   length of the header
@@ -49,13 +49,24 @@ __all__ = ["REPLICA_MAGIC", "Replica", "ReplicaStore"]
 #: The first bytes of every replica file: ``b"CHAOSRP"`` and the format version.
 REPLICA_MAGIC: bytes = b"CHAOSRP\x01"
 _U32 = struct.Struct(">I")
-_NAME = re.compile(r"^round-(\d{12})\.replica$")
+# 12 digits at least (zero-padded so names sort), up to 19: every round in [0, 2**63)
+_NAME = re.compile(r"^round-(\d{12,19})\.replica$")
 _TMP_PREFIX = ".tmp-round-"
 _HEADER_KEYS = {"certificate", "round", "state_bytes", "state_digest"}
 
 
 def _file_name(round_: int) -> str:
     return f"round-{round_:012d}.replica"
+
+
+def _round_of(name: str) -> int | None:
+    """The round a replica file name holds; ``None`` unless it is the canonical name of a
+    round in ``[0, 2**63)`` (so two names never hold one round)."""
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    round_ = int(m.group(1))
+    return round_ if round_ < 2**63 and _file_name(round_) == name else None
 
 
 def _write_replica(fd: int, tmp: Path, state: TrainingState, fields: dict[str, Any]) -> bytes:
@@ -198,11 +209,9 @@ class Replica:
                 f"{path}: file is {size} bytes, the header promises "
                 f"{self._offset + self.total_bytes} (truncated or padded); remove it"
             )
-        m = _NAME.match(path.name)
-        if m is not None and int(m.group(1)) != self.round:
-            raise StoreError(
-                f"{path}: the header says round {self.round}, the name says {int(m.group(1))}"
-            )
+        named = _round_of(path.name)
+        if named is not None and named != self.round:
+            raise StoreError(f"{path}: the header says round {self.round}, the name says {named}")
 
     def _iter_ranges(self, start: int, end: int) -> Iterator[bytes]:
         pos = start
@@ -338,9 +347,9 @@ class ReplicaStore:
         """Return the stored round numbers, ascending (by file name; not verified)."""
         out = []
         for entry in self.directory.iterdir():
-            m = _NAME.match(entry.name)
-            if m is not None:
-                out.append(int(m.group(1)))
+            round_ = _round_of(entry.name)
+            if round_ is not None:
+                out.append(round_)
         return sorted(out)
 
     def put(

@@ -239,3 +239,19 @@ def test_sigkill_during_put_never_leaves_a_bad_replica(tmp_path: Path) -> None:
         assert present, "a crash must never remove the previous round"
         assert all(not p.name.startswith(".tmp") for p in directory.iterdir())  # dead writer
     assert interrupted >= 3, "the kills should land inside put most of the time"
+
+
+def test_every_round_the_protocol_admits_is_listed_loaded_and_pruned(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path / "replicas", keep_rounds=2)
+    big = [10**12 - 1, 10**12, 2**63 - 2, 2**63 - 1]  # past the 12 padded digits
+    for r in big:
+        store.put(_state(r, n=10))
+    assert store.rounds() == big[-2:]  # the two newest kept, the older ones pruned
+    latest = store.latest()
+    assert latest is not None and latest.round == 2**63 - 1
+    assert store.get(2**63 - 2).same_as(_state(2**63 - 2, n=10))
+    names = sorted(p.name for p in (tmp_path / "replicas").iterdir())
+    assert names == [f"round-{r}.replica" for r in big[-2:]]
+    # a non-canonical name (extra zero padding) never counts as a second copy of a round
+    os.link(store.path_of(2**63 - 1), tmp_path / "replicas" / "round-0000000000001.replica")
+    assert store.rounds() == big[-2:]
