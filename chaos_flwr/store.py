@@ -1,6 +1,7 @@
 """The replica store: a party's certified training states on disk.
 
-One file per round, ``round-<12 to 19 digits>.replica`` (zero-padded to 12), laid out as (integers big-endian)::
+One file per round, ``round-<12 to 19 digits>.replica`` (zero-padded to 12), laid out as
+(integers big-endian)::
 
     magic     8 bytes   b"CHAOSRP" + format version byte
     hlen      4 bytes   length of the header
