@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -249,8 +249,3 @@ def exchange(
         message_ids=ids,
         by_message=by_message,
     )
-
-
-def node_map(messages: Iterable[Message]) -> Mapping[int, Message]:
-    """Index messages by destination node id."""
-    return {m.metadata.dst_node_id: m for m in messages}
