@@ -144,6 +144,8 @@ class ExchangeResult:
         Node id -> reply with content (Chaos record still inside).
     errors:
         Node id -> error code of an error reply (e.g. ``ErrorCode.NODE_UNAVAILABLE``).
+    reasons:
+        Node id -> the reason string of that error reply.
     missing:
         Nodes that were sent a message and had not replied by the deadline.
     elapsed_s:
@@ -168,6 +170,7 @@ class ExchangeResult:
     late: dict[int, Message] = field(default_factory=dict)
     message_ids: list[str] = field(default_factory=list)
     by_message: dict[str, Message] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
 
 
 def exchange(
@@ -212,6 +215,7 @@ def exchange(
     replies: dict[int, Message] = {}
     by_message: dict[str, Message] = {}
     errors: dict[int, int] = {}
+    reasons: dict[int, str] = {}
     deadline = start + timeout_s
     late_out = dict(late or {})
     late_replies: dict[int, Message] = {}
@@ -230,6 +234,7 @@ def exchange(
             outstanding.discard(mid)
             if reply.has_error():
                 errors[node] = int(reply.error.code)
+                reasons[node] = str(reply.error.reason or "")
             else:
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
@@ -248,6 +253,7 @@ def exchange(
         late=late_replies,
         message_ids=ids,
         by_message=by_message,
+        reasons=reasons,
     )
 
 
