@@ -214,8 +214,7 @@ def exchange(
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
     replies: dict[int, Message] = {}
     by_message: dict[str, Message] = {}
-    errors: dict[int, int] = {}
-    reasons: dict[int, str] = {}
+    errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
     deadline = start + timeout_s
     late_out = dict(late or {})
     late_replies: dict[int, Message] = {}
@@ -238,8 +237,7 @@ def exchange(
             else:
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
-        pending = {node_of_msg[m] for m in outstanding}
-        answered = (set(replies) | set(errors)) - pending
+        answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
         if not outstanding or waiting <= answered or clock() >= deadline:
             break
         sleep(min(poll_interval_s, max(0.0, deadline - clock())))
