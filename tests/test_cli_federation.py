@@ -1,4 +1,4 @@
-"""``chaos-flwr federation new``: keys, a charter signed by every founder, and the settings to use."""
+"""``chaos-flwr federation new``: keys, a founder-signed charter and the settings to use."""
 
 from __future__ import annotations
 

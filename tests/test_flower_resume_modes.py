@@ -158,7 +158,7 @@ def test_the_mode_comes_from_the_run_config_or_the_environment(
     with pytest.raises(ConfigError, match=r"'chaos-resume'\) must be one of auto, fresh, require"):
         run_options(ctx({"chaos-keys-dir": str(keys), "chaos-resume": "maybe"}))
     monkeypatch.delenv("CHAOS_CHARTER")
-    with pytest.raises(ConfigError, match="'chaos-charter'.*'chaos-keys-dir'.*is missing"):
+    with pytest.raises(ConfigError, match=r"'chaos-charter'.*'chaos-keys-dir'.*is missing"):
         run_options(ctx({}))
     assert run_options(ctx({"chaos-unsigned": True}))["charter"] is None
     with pytest.raises(ConfigError, match="use an absolute path"):
