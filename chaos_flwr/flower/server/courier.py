@@ -59,31 +59,41 @@ __all__ = [
 #: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
 ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
 
-#: Misconfigured nodes whose reason a :class:`PartyConfigError` message spells out (the rest
-#: are counted).
+#: Distinct reasons (and nodes per reason) a :class:`PartyConfigError` message spells out; the
+#: rest are counted.
 CONFIG_ERRORS_SHOWN = 3
 
 
-def _config_reason(reason: str) -> str | None:
-    """The one-line ConfigError message in an error reply's reason, or ``None`` if it is not
-    one (the ClientApp wrapper's form, or Flower's ``<class '...ConfigError'>:<'...'>``)."""
+def _config_reason(node: int, reason: str) -> str | None:
+    """``"<who>: <what>"`` of an error reply that says the node's settings are wrong (the
+    ClientApp wrapper's ``<mark>: node N (partition-id P): ...`` or Flower's
+    ``<class '...ConfigError'>:<'...'>``), else ``None``."""
     if CONFIG_ERROR_MARK not in reason:
         return None
     text = reason.split(CONFIG_ERROR_MARK, 1)[1]
     text = text.removeprefix("'>").removeprefix(":").removeprefix("<'").strip()
-    return text.removesuffix("'>").strip().splitlines()[0] if text else CONFIG_ERROR_MARK
+    lines = text.removesuffix("'>").strip().splitlines()
+    line = lines[0] if lines else CONFIG_ERROR_MARK
+    return line if line.startswith(f"node {node}") else f"node {node}: {line}"
 
 
 def _misconfigured(reasons: Mapping[int, str], total: int, why: str) -> PartyConfigError:
-    """The error that stops the run: how many nodes, why it cannot go on, their reasons."""
-    nodes = sorted(reasons)
+    """The error that stops the run: how many nodes, why it cannot go on, each distinct
+    reason once with the nodes that gave it."""
+    groups: dict[str, list[str]] = {}
+    for node in sorted(reasons):
+        who, _, what = reasons[node].partition(": ")
+        groups.setdefault(what, []).append(who)
     lines = [
-        f"{len(nodes)} of {total} nodes cannot take part because of their configuration, "
+        f"{len(reasons)} of {total} nodes cannot take part because of their configuration, "
         f"so the ServerApp stops ({why}):"
     ]
-    lines += [f"  node {n}: {reasons[n]}" for n in nodes[:CONFIG_ERRORS_SHOWN]]
-    if len(nodes) > CONFIG_ERRORS_SHOWN:
-        lines.append(f"  ... and {len(nodes) - CONFIG_ERRORS_SHOWN} more nodes")
+    for what, whos in list(groups.items())[:CONFIG_ERRORS_SHOWN]:
+        more = len(whos) - CONFIG_ERRORS_SHOWN
+        named = ", ".join(whos[:CONFIG_ERRORS_SHOWN]) + (f" and {more} more" if more > 0 else "")
+        lines.append(f"  {named}: {what}")
+    if len(groups) > CONFIG_ERRORS_SHOWN:
+        lines.append(f"  ... and {len(groups) - CONFIG_ERRORS_SHOWN} more reasons")
     return PartyConfigError("\n".join(lines), dict(reasons))
 
 
@@ -353,7 +363,7 @@ class Courier:
             self.absorb(node, answer, {} if node in absorbed else taken, log_)
             absorbed.add(node)
         for node, code in res.errors.items():
-            reason = _config_reason(res.reasons.get(node, ""))
+            reason = _config_reason(node, res.reasons.get(node, ""))
             if reason is not None:
                 self.config_errors[node] = reason
             self.suspects.add(node)
