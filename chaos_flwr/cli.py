@@ -248,6 +248,155 @@ def charter_verify(
     )
 
 
+# --- federation new ----------------------------------------------------------------------------
+# (section owned by the Flower integration: a whole federation's keys and charter in one step)
+
+
+federation_app = typer.Typer(
+    help="Create a whole federation (keys + signed charter) in one step.", no_args_is_help=True
+)
+app.add_typer(federation_app, name="federation")
+
+
+def _split_names(names: str | None) -> list[str] | None:
+    if names is None:
+        return None
+    return [n.strip() for n in names.split(",") if n.strip()]
+
+
+def _remove_federation_files(folder: Path) -> None:
+    """Delete the keys and charter of an earlier federation in ``folder`` (``--force``), so
+    no stale ``party-<i>.key`` outlives it; state directories are left alone."""
+    from .defaults import FLOWER_FEDERATION_KEY_PREFIX, IDENTITY_KEY_SUFFIX, IDENTITY_PUB_SUFFIX
+    from .flower.keys import charter_path
+
+    for file in folder.glob(f"{FLOWER_FEDERATION_KEY_PREFIX}*"):
+        if file.is_file() and file.suffix in (IDENTITY_KEY_SUFFIX, IDENTITY_PUB_SUFFIX):
+            file.unlink()
+    charter_path(folder).unlink(missing_ok=True)
+
+
+def _check_new_federation(
+    parties: int, names: list[str] | None, allow: int, founders: int | None
+) -> None:
+    """Refuse counts ``federation new`` cannot make (ConfigError naming the option)."""
+    from .errors import ConfigError
+
+    if parties < 1:
+        raise ConfigError(f"--parties must be >= 1, got {parties}")
+    if allow < 0:
+        raise ConfigError(f"--allow must be >= 0, got {allow}")
+    if names is not None and len(names) != parties:
+        raise ConfigError(f"--names gives {len(names)} names for --parties {parties}")
+    if founders is not None and not 1 <= founders <= parties:
+        raise ConfigError(f"--founders must be 1..{parties} (the parties), got {founders}")
+
+
+def _federation_settings(folder: Path, state_root: Path) -> str:
+    """What each SuperNode's node config and a simulation's run config need (the printout)."""
+    from .charter import load_charter
+    from .flower.client.settings import (
+        NODE_CHARTER,
+        NODE_KEY,
+        NODE_STATE_DIR,
+        RUN_KEYS_DIR,
+        RUN_STATE_ROOT,
+        env_name,
+    )
+    from .flower.keys import charter_path, key_path, load_federation
+
+    fed = load_federation(folder)
+    charter = load_charter(charter_path(folder))
+    label = {m.party_id: m.name for m in [*charter.founders, *charter.allowlist]}
+    founders = set(fed.founders)
+    root, charter_file = state_root.resolve(), charter_path(folder).resolve()
+    lines = [
+        f"federation {charter.federation!r} in {folder.resolve()}: {len(fed.founders)} "
+        f"founders signed {charter_file.name} (verified), digest {charter.digest.hex()[:16]}",
+        "",
+        "Deployment: start each SuperNode with its node config (the state dir is its own):",
+    ]
+    for pid, party in fed.party_ids.items():
+        role = "founder" if party in founders else "allowlisted (joins later)"
+        lines.append(f"  # {label.get(party, party)} (party {party}, {role})")
+        lines.append(
+            f'  --node-config \'{NODE_KEY}="{key_path(folder, pid).resolve()}" '
+            f'{NODE_CHARTER}="{charter_file}" '
+            f'{NODE_STATE_DIR}="{root / key_path(folder, pid).stem}"\''
+        )
+    run_cfg = f'{RUN_KEYS_DIR}="{folder.resolve()}" {RUN_STATE_ROOT}="{root}"'
+    lines += [
+        "",
+        f'ServerApp (run config): {NODE_CHARTER}="{charter_file}"',
+        "",
+        "Simulation (partition i uses party-<i>.key and <state root>/party-<i>):",
+        f"  flwr run . --run-config '{run_cfg}'",
+        "  or, for a flwr.simulation.run_simulation() script:",
+        f"  {env_name(RUN_KEYS_DIR)}={folder.resolve()} {env_name(RUN_STATE_ROOT)}={root} "
+        "python your_script.py",
+    ]
+    return "\n".join(lines)
+
+
+@federation_app.command("new")
+def federation_new(
+    parties: Annotated[
+        int, typer.Option("--parties", help="Parties that are members from the start.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="Folder to write (keys + charter.yaml).")],
+    names: Annotated[
+        str | None,
+        typer.Option("--names", help="Comma-separated party names (one per party), e.g. a,b,c."),
+    ] = None,
+    allow: Annotated[
+        int, typer.Option("--allow", help="Extra allowlisted keys: parties that join later.")
+    ] = 0,
+    founders: Annotated[
+        int | None, typer.Option("--founders", help="How many parties found it (default: all).")
+    ] = None,
+    federation: Annotated[
+        str | None, typer.Option("--federation", help="The federation's name.")
+    ] = None,
+    state_root: Annotated[
+        Path | None,
+        typer.Option("--state-root", help="Root of the parties' state dirs (default OUT/state)."),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace the keys and charter in an existing OUT.")
+    ] = False,
+) -> None:
+    """Make every party's key and a charter signed by every founder; print the settings.
+
+    The folder holds party-<i>.key/.pub (i = the partition id in simulation) and charter.yaml;
+    the printout says what each SuperNode's node config and a simulation's run config need.
+    """
+    from .defaults import FLOWER_FEDERATION_NAME
+    from .errors import ChaosError, ConfigError
+    from .flower.keys import make_federation
+
+    name_list = _split_names(names)
+    try:
+        _check_new_federation(parties, name_list, allow, founders)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} exists and is not a folder")
+        if out.exists() and any(out.iterdir()) and not force:
+            raise ConfigError(f"--out {out} already exists; pass --force to replace its keys")
+        if force and out.is_dir():
+            _remove_federation_files(out)
+        folder = make_federation(
+            out,
+            name_list or parties,
+            founders=parties if founders is None else founders,
+            allowlist_extra=allow,
+            federation=federation or FLOWER_FEDERATION_NAME,
+            overwrite=force,
+        )
+        text = _federation_settings(folder, state_root or folder / "state")
+    except ChaosError as exc:
+        _fail(exc)
+    typer.echo(text)
+
+
 @bench_app.command("wire")
 def bench_wire(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,

@@ -18,10 +18,12 @@ __all__ = [
     "KeyFileError",
     "NetnsError",
     "OversizeError",
+    "PartyConfigError",
     "PlanError",
     "PolicyError",
     "ProfileError",
     "ReplayError",
+    "ResumeError",
     "ShardIntegrityError",
     "SignatureError",
     "StaleIncarnationError",
@@ -114,3 +116,21 @@ class NetnsError(TransportError):
 
 class FederationMismatchError(PolicyError):
     """A verified envelope was sealed for another federation (another charter digest)."""
+
+
+class PartyConfigError(ConfigError):
+    """Parties cannot take part because of their settings, so the ServerApp stops.
+
+    Attributes
+    ----------
+    reasons:
+        Node id -> the one-line reason its ClientApp gave (it names the setting).
+    """
+
+    def __init__(self, message: str, reasons: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.reasons: dict[int, str] = dict(reasons or {})
+
+
+class ResumeError(ChaosError):
+    """A run that must resume (``chaos-resume = require``) found no certified state to resume."""

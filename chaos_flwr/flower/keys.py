@@ -9,11 +9,15 @@ folder::
     <out_dir>/charter.yaml          signed by every founder
 
 Parties ``0 .. founders-1`` are the founders; the others (and ``allowlist_extra`` more, numbered
-after them) are on the allowlist and join with ``sponsors_required`` sponsors.
+after them) are on the allowlist and join with ``sponsors_required`` sponsors. Given names
+(``make_federation(dir, ["alice", "bob"])``) label the parties in the charter; the files keep
+the ``party-<partition-id>`` layout, so the same folder serves simulation and deployment.
+``chaos-flwr federation new`` is this function on the command line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +63,7 @@ class Federation:
 
 def make_federation(
     out_dir: Path | str,
-    n_parties: int,
+    n_parties: int | Sequence[str],
     *,
     founders: int = FLOWER_FEDERATION_FOUNDERS,
     allowlist_extra: int = 0,
@@ -75,7 +79,9 @@ def make_federation(
     out_dir:
         Folder to write (created if missing).
     n_parties:
-        Parties ``party-0 .. party-<n-1>`` (one per simulation partition).
+        Parties ``party-0 .. party-<n-1>`` (one per simulation partition), or their names in
+        the charter (one party per name, in partition order; the files are still
+        ``party-<i>.key``).
     founders:
         How many of them (the first ones) found the federation; capped at ``n_parties``.
     allowlist_extra:
@@ -99,38 +105,52 @@ def make_federation(
     Raises
     ------
     ConfigError
-        A count is out of range, a policy field is unknown, or the files cannot be written.
+        A count is out of range, a name is repeated or not a valid name, a policy field is
+        unknown, or the files cannot be written.
     """
-    from chaos_flwr.charter import Charter
+    from chaos_flwr.charter import Charter, Member
     from chaos_flwr.errors import ChaosError
 
+    names = _names(n_parties)
+    count = n_parties if isinstance(n_parties, int) else len(names or [])
     unknown = sorted(set(policy) - _POLICY_FIELDS)
     if unknown:
         raise ConfigError(
             f"unknown charter policy field(s) {unknown}; allowed: {sorted(_POLICY_FIELDS)}"
         )
-    if n_parties < 1:
-        raise ConfigError(f"n_parties must be >= 1, got {n_parties}")
+    if count < 1:
+        raise ConfigError(f"n_parties must be >= 1, got {count}")
     if founders < 1:
         raise ConfigError(f"founders must be >= 1, got {founders}")
     if allowlist_extra < 0:
         raise ConfigError(f"allowlist_extra must be >= 0, got {allowlist_extra}")
-    n_found = min(founders, n_parties)
+    n_found = min(founders, count)
     folder = Path(out_dir)
-    idents = _identities(n_parties + allowlist_extra, seed)
+    idents = _identities(count + allowlist_extra, seed)
+    labels = (names or []) + [ident.name for ident in idents[len(names or []) :]]
     try:
+        members = [Member.of(i, name=label) for i, label in zip(idents, labels, strict=True)]
+        charter = Charter.create(federation, members[:n_found], members[n_found:], **policy)
+        for founder in idents[:n_found]:
+            charter = charter.sign(founder)
+        charter.verify(source=str(charter_path(folder)))
         for ident in idents:
             ident.save(folder, overwrite=overwrite)
-        charter = Charter.create(
-            federation,
-            idents[:n_found],
-            idents[n_found:],
-            **policy,
-        )
         charter.save(charter_path(folder))
-    except ChaosError as exc:
+    except (ChaosError, ValueError) as exc:
         raise ConfigError(f"make_federation({folder}): {exc}") from exc
     return folder
+
+
+def _names(parties: int | Sequence[str]) -> list[str] | None:
+    """The party names given instead of a count (``None`` for a count); no repeats."""
+    if isinstance(parties, int):
+        return None
+    names = [str(n) for n in parties]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"party names must differ; repeated: {repeated}")
+    return names
 
 
 def _identities(count: int, seed: str | None) -> list[Identity]:

@@ -144,6 +144,8 @@ class ExchangeResult:
         Node id -> reply with content (Chaos record still inside).
     errors:
         Node id -> error code of an error reply (e.g. ``ErrorCode.NODE_UNAVAILABLE``).
+    reasons:
+        Node id -> the reason string of that error reply.
     missing:
         Nodes that were sent a message and had not replied by the deadline.
     elapsed_s:
@@ -168,6 +170,7 @@ class ExchangeResult:
     late: dict[int, Message] = field(default_factory=dict)
     message_ids: list[str] = field(default_factory=list)
     by_message: dict[str, Message] = field(default_factory=dict)
+    reasons: dict[int, str] = field(default_factory=dict)
 
 
 def exchange(
@@ -211,7 +214,7 @@ def exchange(
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
     replies: dict[int, Message] = {}
     by_message: dict[str, Message] = {}
-    errors: dict[int, int] = {}
+    errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
     deadline = start + timeout_s
     late_out = dict(late or {})
     late_replies: dict[int, Message] = {}
@@ -230,11 +233,11 @@ def exchange(
             outstanding.discard(mid)
             if reply.has_error():
                 errors[node] = int(reply.error.code)
+                reasons[node] = str(reply.error.reason or "")
             else:
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
-        pending = {node_of_msg[m] for m in outstanding}
-        answered = (set(replies) | set(errors)) - pending
+        answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
         if not outstanding or waiting <= answered or clock() >= deadline:
             break
         sleep(min(poll_interval_s, max(0.0, deadline - clock())))
@@ -248,4 +251,5 @@ def exchange(
         late=late_replies,
         message_ids=ids,
         by_message=by_message,
+        reasons=reasons,
     )

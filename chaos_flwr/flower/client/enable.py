@@ -13,10 +13,19 @@ The change to a plain Flower app is::
 internals; see docs/internals.md) so that Chaos records riding on those messages are taken off
 before the handler sees them and the party's outgoing envelopes and receipt are put on the
 reply.
+
+A party that cannot take part because of its settings (a
+:class:`~chaos_flwr.errors.ConfigError`, e.g. a missing ``chaos-key``) answers every message
+with an error reply whose one-line reason starts with
+:data:`~chaos_flwr.flower.client.settings.CONFIG_ERROR_MARK` and names the setting, the node
+and its partition, instead of raising: the engine then logs no traceback, and the ServerApp
+stops with that reason when no party can take part (see
+:class:`~chaos_flwr.errors.PartyConfigError`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
@@ -26,6 +35,7 @@ from flwr.common.constant import ErrorCode
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.flower.client.factory import default_party_factory
 from chaos_flwr.flower.client.registry import Parties, PartyFactory, register
+from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK, NODE_PARTITION_ID
 from chaos_flwr.flower.schema import (
     CHAOS_RECORD_KEY,
     PULL_DATA_KEY,
@@ -35,6 +45,35 @@ from chaos_flwr.flower.schema import (
 )
 
 __all__ = ["enable"]
+
+_LOG = logging.getLogger("chaos_flwr")
+
+Handler = Callable[[Message, Context], Message]
+
+
+def _config_error_reply(message: Message, context: Context, exc: ConfigError) -> Message:
+    """The error reply of a party whose settings are wrong: one line, no traceback."""
+    where = f"node {context.node_id}"
+    partition = context.node_config.get(NODE_PARTITION_ID)
+    if partition is not None:
+        where += f" ({NODE_PARTITION_ID} {partition})"
+    reason = f"{CONFIG_ERROR_MARK}: {where}: {exc}"
+    _LOG.error("chaos-flwr: %s cannot take part: %s", where, exc)
+    return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=message)
+
+
+def _answer_config_errors(fn: Handler) -> Handler:
+    """``fn``, with a :class:`ConfigError` turned into the error reply of a misconfigured party."""
+
+    def guarded(message: Message, context: Context) -> Message:
+        try:
+            return fn(message, context)
+        except ConfigError as exc:
+            return _config_error_reply(message, context, exc)
+
+    guarded.__name__ = getattr(fn, "__name__", "guarded")
+    guarded.__doc__ = getattr(fn, "__doc__", None)
+    return guarded
 
 
 def _wrap(
@@ -74,7 +113,7 @@ def _wrap(
 
     wrapped.__name__ = getattr(fn, "__name__", "wrapped")
     wrapped.__doc__ = getattr(fn, "__doc__", None)
-    return wrapped
+    return _answer_config_errors(wrapped)
 
 
 def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> ClientApp:
@@ -113,6 +152,7 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     register(parties)
 
     @app.query("chaos")
+    @_answer_config_errors
     def chaos_query(message: Message, context: Context) -> Message:
         record = split_chaos(message)
         first = next(iter(message.content.array_records.values()), None)

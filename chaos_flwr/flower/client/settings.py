@@ -16,10 +16,20 @@ run config may name a federation folder written by
 
 A ``node_config`` key (``chaos-key``, ``chaos-charter``, ``chaos-state-dir``) wins over the run
 config fallback when both are present.
+
+Scripts that call ``flwr.simulation.run_simulation()``
+---------------------------------------------------------
+``run_simulation()`` passes no run config at all. Each ``chaos-...`` run config key therefore
+falls back to an environment variable of the same name in upper case with ``_`` for ``-``
+(:func:`env_name`: ``CHAOS_KEYS_DIR``, ``CHAOS_STATE_ROOT``), read by the process that runs the
+ClientApp (set it before ``run_simulation()`` starts Ray: Ray's workers inherit it). The run
+config wins when both are set.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +38,7 @@ from flwr.app import Context
 from chaos_flwr.errors import ConfigError
 
 __all__ = [
+    "CONFIG_ERROR_MARK",
     "LEFT_MARKER",
     "NODE_CHARTER",
     "NODE_KEY",
@@ -37,7 +48,9 @@ __all__ = [
     "RUN_STATE_ROOT",
     "RUN_UNSIGNED",
     "PartySettings",
+    "env_name",
     "party_settings",
+    "run_setting",
 ]
 
 #: ``node_config`` key: path of the party's Ed25519 key file.
@@ -58,6 +71,9 @@ RUN_STATE_ROOT = "chaos-state-root"
 NODE_PARTITION_ID = "partition-id"
 #: File in a party's state directory that says it left the federation (it stays out).
 LEFT_MARKER = "left"
+#: How an error reply's reason starts when a party cannot take part because of its settings
+#: (the ServerApp looks for it; Flower's own reason for the same exception contains it too).
+CONFIG_ERROR_MARK = "chaos_flwr.errors.ConfigError"
 
 
 @dataclass(frozen=True)
@@ -93,9 +109,26 @@ def _path_setting(context: Context, key: str) -> Path | None:
     return Path(value).expanduser()
 
 
-def _run_path(context: Context, key: str) -> Path | None:
-    value = context.run_config.get(key)
+def env_name(key: str) -> str:
+    """The environment variable a run config key falls back to: ``chaos-keys-dir`` ->
+    ``CHAOS_KEYS_DIR``."""
+    return key.upper().replace("-", "_")
+
+
+def run_setting(run_config: Mapping[str, object], key: str) -> object | None:
+    """A run config value, else its environment variable (:func:`env_name`), else ``None``.
+
+    An empty string counts as not set (Flower app configs declare unset paths as ``""``).
+    """
+    value = run_config.get(key)
     if value is None or value == "":
+        value = os.environ.get(env_name(key)) or None
+    return value
+
+
+def _run_path(context: Context, key: str) -> Path | None:
+    value = run_setting(context.run_config, key)
+    if value is None:
         return None
     if not isinstance(value, str):
         raise ConfigError(f"run_config '{key}' must be a path string, got {value!r}")
@@ -168,7 +201,8 @@ def party_settings(context: Context) -> PartySettings:
             raise ConfigError(
                 f"node_config '{name}' is missing: start the SuperNode with --node-config "
                 f'\'{NODE_KEY}="..." {NODE_CHARTER}="..." {NODE_STATE_DIR}="..."\' '
-                f"(in simulation: run config '{RUN_KEYS_DIR}' and '{RUN_STATE_ROOT}'; or set "
+                f"(in simulation: run config '{RUN_KEYS_DIR}' and '{RUN_STATE_ROOT}', or "
+                f"${env_name(RUN_KEYS_DIR)} and ${env_name(RUN_STATE_ROOT)}; or set "
                 f"run config '{RUN_UNSIGNED}=true' for an identity-less test run)"
             )
     assert key is not None and charter is not None and state is not None

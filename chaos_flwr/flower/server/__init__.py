@@ -3,6 +3,7 @@
 - :mod:`.strategy`: :class:`ChaosStrategy`, delegation to the inner strategy and the round loop;
 - :mod:`.settings`: its grouped settings (:class:`PhaseSettings`, :class:`JoinSettings`,
   :class:`ResumeSettings`);
+- :mod:`.options`: :func:`run_options`, the strategy's settings from the run config;
 - :mod:`.courier`: messages with relay envelopes, deadline-bounded exchanges, receipts,
   suspects, eligibility;
 - :mod:`.joins`: the join relay (joiners pull the certified state from its holders);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from chaos_flwr.flower.server.courier import ReceiptVerifier, keyring_verifier
 from chaos_flwr.flower.server.logs import JoinLog, MembershipEvent, RoundLog
+from chaos_flwr.flower.server.options import run_options
 from chaos_flwr.flower.server.settings import JoinSettings, PhaseSettings, ResumeSettings
 from chaos_flwr.flower.server.state import (
     certified_digest,
@@ -38,5 +40,6 @@ __all__ = [
     "certified_digest",
     "keyring_verifier",
     "restore_strategy_state",
+    "run_options",
     "strategy_state_of",
 ]

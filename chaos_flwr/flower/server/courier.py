@@ -9,6 +9,11 @@ round: the inner strategy's messages plus a ``query.chaos`` message to every oth
 
 It also says which nodes are eligible for sampling (:meth:`Courier.eligible`) and gives the
 inner strategy a Grid that lists only those (:class:`EligibleGrid`).
+
+Misconfigured parties stop the run: a node whose error reply says its ClientApp raised a
+:class:`~chaos_flwr.errors.ConfigError` is kept in :attr:`Courier.config_errors`; when every node
+an exchange addressed answered so, or too few nodes are left to ever reach the inner
+strategy's minimum, a :class:`~chaos_flwr.errors.PartyConfigError` names them and the setting.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from flwr.supercore import log
 from flwr.supercore.run import Run
 
 from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
-from chaos_flwr.errors import ChaosError, DecodeError
+from chaos_flwr.errors import ChaosError, DecodeError, PartyConfigError
+from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK
 from chaos_flwr.flower.relay import ExchangeResult, Relay
 from chaos_flwr.flower.relay import exchange as relay_exchange
 from chaos_flwr.flower.schema import (
@@ -52,6 +58,43 @@ __all__ = [
 
 #: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
 ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
+
+#: Distinct reasons (and nodes per reason) a :class:`PartyConfigError` message spells out; the
+#: rest are counted.
+CONFIG_ERRORS_SHOWN = 3
+
+
+def _config_reason(node: int, reason: str) -> str | None:
+    """``"<who>: <what>"`` of an error reply that says the node's settings are wrong (the
+    ClientApp wrapper's ``<mark>: node N (partition-id P): ...`` or Flower's
+    ``<class '...ConfigError'>:<'...'>``), else ``None``."""
+    if CONFIG_ERROR_MARK not in reason:
+        return None
+    text = reason.split(CONFIG_ERROR_MARK, 1)[1]
+    text = text.removeprefix("'>").removeprefix(":").removeprefix("<'").strip()
+    lines = text.removesuffix("'>").strip().splitlines()
+    line = lines[0] if lines else CONFIG_ERROR_MARK
+    return line if line.startswith(f"node {node}") else f"node {node}: {line}"
+
+
+def _misconfigured(reasons: Mapping[int, str], total: int, why: str) -> PartyConfigError:
+    """The error that stops the run: how many nodes, why it cannot go on, each distinct
+    reason once with the nodes that gave it."""
+    groups: dict[str, list[str]] = {}
+    for node in sorted(reasons):
+        who, _, what = reasons[node].partition(": ")
+        groups.setdefault(what, []).append(who)
+    lines = [
+        f"{len(reasons)} of {total} nodes cannot take part because of their configuration, "
+        f"so the ServerApp stops ({why}):"
+    ]
+    for what, whos in list(groups.items())[:CONFIG_ERRORS_SHOWN]:
+        more = len(whos) - CONFIG_ERRORS_SHOWN
+        named = ", ".join(whos[:CONFIG_ERRORS_SHOWN]) + (f" and {more} more" if more > 0 else "")
+        lines.append(f"  {named}: {what}")
+    if len(groups) > CONFIG_ERRORS_SHOWN:
+        lines.append(f"  ... and {len(groups) - CONFIG_ERRORS_SHOWN} more reasons")
+    return PartyConfigError("\n".join(lines), dict(reasons))
 
 
 def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
@@ -171,6 +214,8 @@ class Courier:
         Node -> ``(party, round, digest)`` of its newest accepted receipt.
     receipts:
         Node -> that receipt's blob.
+    config_errors:
+        Node -> the reason of its last error reply, while that says its settings are wrong.
     forward_round:
         The round whose receipts go out with the next train messages.
     """
@@ -185,6 +230,7 @@ class Courier:
     suspects: set[int] = field(default_factory=set)
     holders: dict[int, tuple[str, int, bytes]] = field(default_factory=dict)
     receipts: dict[int, bytes] = field(default_factory=dict)
+    config_errors: dict[int, str] = field(default_factory=dict)
     forward_round: int = -1
     _synced: set[int] = field(default_factory=set)
     _round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = field(default_factory=dict)
@@ -317,6 +363,9 @@ class Courier:
             self.absorb(node, answer, {} if node in absorbed else taken, log_)
             absorbed.add(node)
         for node, code in res.errors.items():
+            reason = _config_reason(node, res.reasons.get(node, ""))
+            if reason is not None:
+                self.config_errors[node] = reason
             self.suspects.add(node)
             log_.errors[node] = code
             self.relay.give_back(node, taken.get(node, []))
@@ -328,7 +377,26 @@ class Courier:
         if self.view is not None:
             live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
             self.view.settle(live)
+        if addressed and addressed <= set(self.config_errors) & set(res.errors):
+            raise _misconfigured(
+                {n: self.config_errors[n] for n in addressed},
+                len(addressed),
+                "no node could answer",
+            )
         return res
+
+    def check_enough(self, known: list[int], need: int) -> None:
+        """Stop the run when misconfigured nodes leave fewer than ``need`` nodes that could
+        ever train (the inner strategy's minimum): every round would be skipped.
+
+        Raises
+        ------
+        PartyConfigError
+            Names the misconfigured nodes and their reasons.
+        """
+        bad = {n: self.config_errors[n] for n in known if n in self.config_errors}
+        if bad and len(known) - len(bad) < need:
+            raise _misconfigured(bad, len(known), f"the inner strategy needs {need} nodes to train")
 
     def _take_late(self, res: ExchangeResult, addressed: set[int], log_: RoundLog) -> None:
         """Absorb replies to earlier messages that missed their deadline; remember this
@@ -356,6 +424,7 @@ class Courier:
         """Take a party's Chaos record off its reply: route, fold, note its receipt."""
         if in_time:
             self.suspects.discard(node)
+            self.config_errors.pop(node, None)
         record = split_chaos(reply)
         if record is None:
             return

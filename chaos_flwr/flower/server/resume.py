@@ -42,12 +42,15 @@ class Resumed:
         ``(round, arrays, digest, strategy state)`` of the resumed state, or ``None``.
     report:
         The pull of that state.
+    why:
+        Why that state was resumed, or why none was (for the log).
     """
 
     hello: RoundLog | None = None
     round_floor: int = -1
     state: tuple[int, ArrayRecord, bytes, bytes] | None = None
     report: PullReport | None = None
+    why: str = "resume disabled"
 
 
 class Resumer:
@@ -83,7 +86,7 @@ class Resumer:
             self.sleep(phases.poll_interval_s)
         return nodes
 
-    def resume(self, grid: Grid, known: list[int], timeout: float) -> Resumed:
+    def resume(self, grid: Grid, known: list[int], timeout: float, *, pull: bool = True) -> Resumed:
         """Ask every party for its receipt; pull the newest state enough of them certified.
 
         Candidates are the ``(round, digest)`` pairs named by *verified* receipts, newest
@@ -96,12 +99,13 @@ class Resumer:
         moments) is part of the certified state and comes back with it.
 
         :attr:`Resumed.round_floor` is the newest round any verified receipt names. Without a
-        receipt verifier nothing is resumed: unsigned claims are not proof.
+        receipt verifier nothing is resumed: unsigned claims are not proof. With ``pull``
+        false (``chaos-resume = fresh``) only the floor is learnt.
         """
         courier = self.courier
         if courier.receipt_verifier is None:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
-            return Resumed()
+            return Resumed(why="no receipt verifier (no charter): unsigned receipts are no proof")
         hello = RoundLog(-1)
         courier.phase(grid, [], known, PhaseSpec("hello", -1, b""), timeout=timeout, log_=hello)
         out = Resumed(hello=hello)
@@ -113,6 +117,16 @@ class Resumer:
             digests.setdefault(rnd, set()).add(dig)
             if node not in courier.suspects:
                 tally.setdefault((rnd, dig), []).append(node)
+        if not tally:
+            out.why = "no party answered with a verified receipt (nothing certified yet)"
+            return out
+        if not pull:
+            out.why = "the parties' replicas are ignored"
+            return out
+        out.why = (
+            f"no certified state with at least {self.settings.min_receipts} verified holder(s) "
+            "could be pulled"
+        )
         conflicted = {rnd for rnd, digs in digests.items() if len(digs) > 1}
         for rnd in sorted(conflicted):
             log(WARNING, "Chaos: round %d has receipts for two digests; not resumed from", rnd)
@@ -146,6 +160,7 @@ class Resumer:
         hello.holders = sorted(p for _, p in holders)
         out.report = report
         out.state = (rnd, arrays, dig, report.strategy_state)
+        out.why = f"{len(holders)} verified holder(s) of round {rnd}"
         log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
         if out.round_floor > rnd:
             log(

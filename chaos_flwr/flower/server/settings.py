@@ -26,6 +26,12 @@ from chaos_flwr.errors import ConfigError
 
 __all__ = [
     "FLAT_KEYS",
+    "RESUME_AUTO",
+    "RESUME_DEFAULT_MODE",
+    "RESUME_FRESH",
+    "RESUME_MODES",
+    "RESUME_REQUIRE",
+    "RUN_RESUME",
     "JoinSettings",
     "PhaseSettings",
     "ResumeSettings",
@@ -102,14 +108,35 @@ class JoinSettings:
             _positive_int("JoinSettings", name, getattr(self, name))
 
 
+#: Run config key (and ``$CHAOS_RESUME``) of :attr:`ResumeSettings.mode`.
+RUN_RESUME = "chaos-resume"
+#: Resume from the newest certified state the parties hold, else start at round 0 (today's).
+RESUME_AUTO = "auto"
+#: Ignore the parties' replicas: certify the initial state above every round a party signed.
+RESUME_FRESH = "fresh"
+#: Resume or stop: a :class:`~chaos_flwr.errors.ResumeError` when no state can be resumed.
+RESUME_REQUIRE = "require"
+#: The modes, in the order the docs list them.
+RESUME_MODES = (RESUME_AUTO, RESUME_FRESH, RESUME_REQUIRE)
+#: The default mode.
+RESUME_DEFAULT_MODE = RESUME_AUTO
+
+
 @dataclass(frozen=True)
 class ResumeSettings:
     """A restarted ServerApp rebuilding the newest certified state from the parties.
 
     Attributes
     ----------
+    mode:
+        ``auto`` (default): resume from the newest certified state the parties hold, else
+        certify the initial state; ``fresh``: ignore the parties' replicas and certify the
+        initial state under a round number above every round any party signed; ``require``:
+        resume, or stop with :class:`~chaos_flwr.errors.ResumeError`. Run config
+        ``chaos-resume`` (see :func:`~chaos_flwr.flower.server.options.run_options`).
     enabled:
-        Whether to resume at all (default ``True``).
+        Whether to resume at all (default ``True``; ``False`` skips even the hello, so rounds
+        start at 0 whatever the parties signed: only for tests of a first run).
     min_receipts:
         Verified receipts a state needs to be resumed from; default
         :data:`~chaos_flwr.defaults.FLOWER_RESUME_MIN_RECEIPTS` (the newest state any
@@ -121,14 +148,23 @@ class ResumeSettings:
     Raises
     ------
     ConfigError
-        ``min_receipts`` or ``min_shard_bytes`` is not a positive integer.
+        ``min_receipts`` or ``min_shard_bytes`` is not a positive integer, or ``mode`` is not
+        one of :data:`RESUME_MODES`.
     """
 
     enabled: bool = True
     min_receipts: int = FLOWER_RESUME_MIN_RECEIPTS
     min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES
+    mode: str = RESUME_DEFAULT_MODE
 
     def __post_init__(self) -> None:
+        if self.mode not in RESUME_MODES:
+            raise ConfigError(
+                f"ResumeSettings.mode (run config '{RUN_RESUME}') must be one of "
+                f"{', '.join(RESUME_MODES)}; got {self.mode!r}"
+            )
+        if self.mode == RESUME_REQUIRE and not self.enabled:
+            raise ConfigError("ResumeSettings: mode 'require' needs enabled=True")
         _positive_int("ResumeSettings", "min_receipts", self.min_receipts)
         _positive_int("ResumeSettings", "min_shard_bytes", self.min_shard_bytes)
 

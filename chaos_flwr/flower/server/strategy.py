@@ -40,6 +40,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from chaos_flwr.errors import ResumeError
 from chaos_flwr.flower.relay import Relay
 from chaos_flwr.flower.server.courier import (
     Courier,
@@ -55,6 +56,8 @@ from chaos_flwr.flower.server.pull import PullReport
 from chaos_flwr.flower.server.resume import Resumed, Resumer
 from chaos_flwr.flower.server.settings import (
     FLAT_KEYS,
+    RESUME_FRESH,
+    RESUME_REQUIRE,
     JoinSettings,
     PhaseSettings,
     ResumeSettings,
@@ -115,7 +118,8 @@ class ChaosStrategy(Strategy):
         certified (verified receipts only), pulled in shards from all its holders at once, and
         go on above the newest round any party signed (:attr:`round_floor`; a restarted
         ServerApp keeps no checkpoint, and never certifies a round number twice); default
-        :class:`ResumeSettings()`.
+        :class:`ResumeSettings()` (``mode="auto"``; ``fresh`` and ``require``: see
+        :meth:`start`).
     receipt_verifier:
         Checks parties' signed receipts (e.g. :func:`keyring_verifier` of the charter's
         keyring). Without one, receipts are taken as *unsigned* claims: they still steer whom
@@ -210,6 +214,7 @@ class ChaosStrategy(Strategy):
         """Log the inner strategy's summary and the Chaos settings."""
         log(INFO, "\t├──> Chaos: relay + receipts around %s", type(self.inner).__name__)
         log(INFO, "\t│\t├── phase timeout: %.1f s", self.phases.phase_timeout_s)
+        log(INFO, "\t│\t├── resume: chaos-resume=%s", self.resume.mode)
         log(INFO, "\t│\t└── receipts: %s", "verified" if self.receipt_verifier else "UNSIGNED")
         self.inner.summary()
 
@@ -242,10 +247,25 @@ class ChaosStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Run ``num_rounds`` rounds of the inner strategy with the Chaos phases.
+        """Run the inner strategy's rounds with the Chaos phases, up to round ``num_rounds``.
 
         Same parameters and result as :meth:`flwr.serverapp.strategy.Strategy.start`;
         ``timeout`` bounds every exchange (together with ``phases.phase_timeout_s``).
+
+        ``num_rounds`` is the **last round number**, absolute, not a count of rounds to run: a
+        run that resumes at round 40 (``resume.mode`` ``auto`` or ``require``) with
+        ``num_rounds=40`` trains nothing (a warning says so); give ``num_rounds=50`` for ten
+        more. A ``fresh`` run starts above every round any party signed (round 41 after a run
+        that reached 40), so it too needs ``num_rounds`` above that. The log names the resume
+        mode, the round it starts from and why.
+
+        Raises
+        ------
+        PartyConfigError
+            Parties cannot take part because of their settings (every node an exchange
+            addressed answered with a ConfigError, or too few are left to train).
+        ResumeError
+            ``resume.mode`` is ``require`` and no certified state could be resumed.
         """
         log(INFO, "Starting ChaosStrategy(%s)", type(self.inner).__name__)
         self.summary()
@@ -263,7 +283,15 @@ class ChaosStrategy(Strategy):
             if res0 is not None:
                 run.result.evaluate_metrics_serverapp[0] = res0
         held = self._begin(run, initial_arrays)
-        for rnd in range(max(held.server_round, self.round_floor) + 1, num_rounds + 1):
+        first = max(held.server_round, self.round_floor) + 1
+        if first > num_rounds:
+            log(
+                WARNING,
+                "Chaos: no rounds left: the run starts above round %d and num_rounds=%d is the "
+                "last round number (absolute, not a count); give num_rounds=%d or more to train",
+                first - 1, num_rounds, first,
+            )  # fmt: skip
+        for rnd in range(first, num_rounds + 1):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             held = self._round(run, rnd, held)
@@ -273,15 +301,20 @@ class ChaosStrategy(Strategy):
         return run.result
 
     def _begin(self, run: _Run, initial_arrays: ArrayRecord) -> _Held:
-        """Resume from the parties' replicas, else certify the initial state (round 0)."""
-        grid = run.grid
+        """Resume from the parties' replicas (by ``resume.mode``), else certify the initial
+        state (round 0, or above every round a party signed)."""
+        grid, mode = run.grid, self.resume.mode
         known = self.resumer.wait_for_nodes(grid, min_nodes(self.inner, "train"), run.timeout)
-        found = self.resumer.resume(grid, known, run.timeout) if self.resume.enabled else Resumed()
+        found = Resumed()
+        if self.resume.enabled:
+            pull = mode != RESUME_FRESH
+            found = self.resumer.resume(grid, known, run.timeout, pull=pull)
         self.round_floor = found.round_floor
         if found.report is not None:
             self.last_pull = found.report
         if found.state is not None and found.hello is not None:
             rnd, arrays, digest, sstate = found.state
+            log(INFO, "Chaos: chaos-resume=%s: resumed at round %d (%s)", mode, rnd, found.why)
             restore_strategy_state(self.inner, sstate)
             self.courier.forward_round = rnd
             run.result.arrays = arrays
@@ -291,16 +324,30 @@ class ChaosStrategy(Strategy):
             )
             self._finish(found.hello)
             return _Held(rnd, arrays, digest)
+        if mode == RESUME_REQUIRE:
+            raise ResumeError(
+                f"chaos-resume=require: no certified state could be resumed ({found.why}); "
+                f"{len(known)} node(s) connected"
+            )
         if found.hello is not None:
             self._finish(found.hello)
-        # round 0: certify the initial state on every node that answers (numbered above every
-        # round a party already signed, if a resume found receipts but no state)
+        return self._certify_initial(run, initial_arrays, known, found.why)
+
+    def _certify_initial(
+        self, run: _Run, initial_arrays: ArrayRecord, known: list[int], why: str
+    ) -> _Held:
+        """Certify the initial state on every node that answers, numbered 0 or above every
+        round a party already signed (a fresh start never reuses a round number)."""
         round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
+        log(
+            INFO, "Chaos: chaos-resume=%s: starting from the initial state as round %d (%s)",
+            self.resume.mode, round0, why,
+        )  # fmt: skip
         digest = certified_digest(initial_arrays, round0)
         log0 = RoundLog(round0, digest=digest)
         spec = PhaseSpec("certify", round0, digest, arrays=initial_arrays)
         _, log0.certify_s = self.courier.phase(
-            grid, [], known, spec, timeout=run.timeout, log_=log0
+            run.grid, [], known, spec, timeout=run.timeout, log_=log0
         )
         log0.holders = self.courier.holder_parties(round0, digest)
         self._finish(log0)
@@ -357,6 +404,7 @@ class ChaosStrategy(Strategy):
         need = min_nodes(self.inner, "train")
         train_msgs: list[Message] = []
         if len(eligible) < need:
+            self.courier.check_enough(known, need)
             rlog.skipped = f"train: {len(eligible)} eligible nodes < {need} required"
             log(WARNING, "Chaos: skipping training of round %d (%s)", rnd, rlog.skipped)
         else:
