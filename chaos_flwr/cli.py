@@ -254,8 +254,8 @@ def bench_wire(
     repeats: Annotated[int | None, typer.Option("--repeats", help="Iterations per run.")] = None,
 ) -> None:
     """Time seal, open and the replay guard (the envelope hot path) per payload size."""
+    from .bench.settings import WIRE_BENCH_REPEATS
     from .bench.wire import run_wire
-    from .defaults import WIRE_BENCH_REPEATS
 
     result = run_wire(repeats=WIRE_BENCH_REPEATS if repeats is None else repeats)
     if as_json:
@@ -286,7 +286,7 @@ def bench_events(
 ) -> None:
     """Time leave, link-up, link-down and fail from trigger until every member applied it."""
     from .bench.events import run_events
-    from .defaults import EVENTS_BENCH_PIN_WORKERS, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
+    from .bench.settings import EVENTS_BENCH_PIN_WORKERS, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
 
     result = run_events(
         peers,
@@ -323,9 +323,9 @@ def simulate(
     With ``--soak N``: N random Jepsen-style schedules (seeds SEED..SEED+N-1) with training,
     relay restarts and equivocation; the report names every failing seed and how to replay it.
     """
-    from .defaults import SIM_SOAK_EVENTS, SIM_SOAK_MAX_PARTIES
     from .errors import ChaosError
     from .sim.runner import run_scenario, soak
+    from .sim.settings import SIM_SOAK_EVENTS, SIM_SOAK_MAX_PARTIES
 
     try:
         if soak_runs:
@@ -373,8 +373,8 @@ def bench_sim_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Simulator throughput: events/s (an event = one delivery, peer tick or timeline action)."""
-    from .defaults import SIM_BENCH_RUNS
     from .sim.runner import bench_sim
+    from .sim.settings import SIM_BENCH_RUNS
 
     result = bench_sim(parties, SIM_BENCH_RUNS if runs is None else runs)
     if as_json:
@@ -449,7 +449,7 @@ def bench_scale_out(
 ) -> None:
     """Move a real state to a joiner over shaped loopback links: chaos vs the baselines."""
     from .bench.scale_out import run_scale_out
-    from .defaults import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
+    from .bench.settings import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
     from .errors import ChaosError
 
     bar = None if as_json else _TransferBar()

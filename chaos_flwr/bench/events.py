@@ -82,7 +82,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..charter import Charter
-from ..defaults import (
+from ..errors import ConfigError
+from ..identity import Identity, verify_signature
+from ..peer import AppliedChange, Outgoing, Peer
+from ..wire import seal
+from .settings import (
     EVENTS_BENCH_CHORDS_PER_PEER,
     EVENTS_BENCH_EVENT_TIMEOUT_S,
     EVENTS_BENCH_FAILURE_QUORUM,
@@ -97,10 +101,6 @@ from ..defaults import (
     EVENTS_BENCH_VERIFY_SAMPLES,
     EVENTS_BENCH_WORKERS,
 )
-from ..errors import ConfigError
-from ..identity import Identity, verify_signature
-from ..peer import AppliedChange, Outgoing, Peer
-from ..wire import seal
 
 __all__ = ["run_events"]
 

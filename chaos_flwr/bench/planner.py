@@ -15,15 +15,15 @@ import statistics
 import time
 from typing import Any
 
-from ..defaults import (
+from ..defaults import PLANNER_MIN_SHARD_BYTES
+from ..planner import Donor, default_chain, lower_bound, plan_transfer
+from .settings import (
     PLANNER_BENCH_MILP_BUDGET_S,
     PLANNER_BENCH_MILP_TIME_LIMIT_S,
     PLANNER_BENCH_REPEATS,
     PLANNER_BENCH_SEED,
     PLANNER_BENCH_TOTAL_BYTES,
-    PLANNER_MIN_SHARD_BYTES,
 )
-from ..planner import Donor, default_chain, lower_bound, plan_transfer
 
 __all__ = ["run_planner_bench", "wan_donors"]
 

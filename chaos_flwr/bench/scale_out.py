@@ -79,8 +79,14 @@ import grpc.aio
 import numpy as np
 import yaml
 
-from ..defaults import (
-    NETNS_STAR_MTU,
+from ..defaults import NETNS_STAR_MTU, SHAPING_BURST_BYTES
+from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
+from ..planner import Donor, lower_bound, plan_transfer
+from ..state import Manifest, TrainingState, state_digest
+from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
+from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
+from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
+from .settings import (
     SCALE_OUT_DONOR_STARTUP_S,
     SCALE_OUT_MIN_TIMEOUT_S,
     SCALE_OUT_PROGRESS_INTERVAL_S,
@@ -91,14 +97,7 @@ from ..defaults import (
     SCALE_OUT_SWEEP_MB_S,
     SCALE_OUT_TIMEOUT_FACTOR,
     SCALE_OUT_TIMEOUT_S,
-    SHAPING_BURST_BYTES,
 )
-from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
-from ..planner import Donor, lower_bound, plan_transfer
-from ..state import Manifest, TrainingState, state_digest
-from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
-from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
-from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
 
 __all__ = [
     "default_profile_path",

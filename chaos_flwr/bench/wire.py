@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..defaults import (
+from ..identity import Identity, verify_signature
+from ..wire import DOMAIN, ReplayGuard, open_sealed, seal
+from .settings import (
     WIRE_BENCH_MIN_REPEATS,
     WIRE_BENCH_PAYLOAD_BYTES,
     WIRE_BENCH_REPEATS,
     WIRE_BENCH_ROUNDS,
 )
-from ..identity import Identity, verify_signature
-from ..wire import DOMAIN, ReplayGuard, open_sealed, seal
 
 __all__ = ["run_wire"]
 
