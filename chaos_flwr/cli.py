@@ -448,19 +448,22 @@ def bench_scale_out(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Move a real state to a joiner over shaped loopback links: chaos vs the baselines."""
-    from .bench.scale_out import run_scale_out
+    from .bench.scale_out import ScaleOutSettings, run_scale_out
     from .bench.settings import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
     from .errors import ChaosError
 
     bar = None if as_json else _TransferBar()
     try:
         with bar if bar is not None else contextlib.nullcontext():
-            result = run_scale_out(
+            settings = ScaleOutSettings(
                 profile_path=profile,
                 wan=wan,
                 state_mib=SCALE_OUT_STATE_MIB if state_mib is None else state_mib,
                 runs=SCALE_OUT_RUNS if runs is None else runs,
                 extras=extras,
+            )
+            result = run_scale_out(
+                settings,
                 progress=None if bar is None else bar.say,
                 on_transfer=None if bar is None else bar.update,
             )

@@ -213,7 +213,7 @@ def run_planner_bench(
         skip=_milp_skip_reason(milp), budget_s=milp_budget_s, time_limit_s=milp_time_limit_s
     )
     total = PLANNER_BENCH_TOTAL_BYTES
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         for m in DONOR_COUNTS:
             donors = wan_donors(m)
