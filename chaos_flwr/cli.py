@@ -403,8 +403,8 @@ def bench_wire(
     repeats: Annotated[int | None, typer.Option("--repeats", help="Iterations per run.")] = None,
 ) -> None:
     """Time seal, open and the replay guard (the envelope hot path) per payload size."""
+    from .bench.settings import WIRE_BENCH_REPEATS
     from .bench.wire import run_wire
-    from .defaults import WIRE_BENCH_REPEATS
 
     result = run_wire(repeats=WIRE_BENCH_REPEATS if repeats is None else repeats)
     if as_json:
@@ -435,7 +435,7 @@ def bench_events(
 ) -> None:
     """Time leave, link-up, link-down and fail from trigger until every member applied it."""
     from .bench.events import run_events
-    from .defaults import EVENTS_BENCH_PIN_WORKERS, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
+    from .bench.settings import EVENTS_BENCH_PIN_WORKERS, EVENTS_BENCH_REPEATS, EVENTS_BENCH_SEED
 
     result = run_events(
         peers,
@@ -472,9 +472,9 @@ def simulate(
     With ``--soak N``: N random Jepsen-style schedules (seeds SEED..SEED+N-1) with training,
     relay restarts and equivocation; the report names every failing seed and how to replay it.
     """
-    from .defaults import SIM_SOAK_EVENTS, SIM_SOAK_MAX_PARTIES
     from .errors import ChaosError
     from .sim.runner import run_scenario, soak
+    from .sim.settings import SIM_SOAK_EVENTS, SIM_SOAK_MAX_PARTIES
 
     try:
         if soak_runs:
@@ -522,8 +522,8 @@ def bench_sim_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Simulator throughput: events/s (an event = one delivery, peer tick or timeline action)."""
-    from .defaults import SIM_BENCH_RUNS
     from .sim.runner import bench_sim
+    from .sim.settings import SIM_BENCH_RUNS
 
     result = bench_sim(parties, SIM_BENCH_RUNS if runs is None else runs)
     if as_json:
@@ -597,19 +597,22 @@ def bench_scale_out(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Move a real state to a joiner over shaped loopback links: chaos vs the baselines."""
-    from .bench.scale_out import run_scale_out
-    from .defaults import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
+    from .bench.scale_out import ScaleOutSettings, run_scale_out
+    from .bench.settings import SCALE_OUT_RUNS, SCALE_OUT_STATE_MIB
     from .errors import ChaosError
 
     bar = None if as_json else _TransferBar()
     try:
         with bar if bar is not None else contextlib.nullcontext():
-            result = run_scale_out(
+            settings = ScaleOutSettings(
                 profile_path=profile,
                 wan=wan,
                 state_mib=SCALE_OUT_STATE_MIB if state_mib is None else state_mib,
                 runs=SCALE_OUT_RUNS if runs is None else runs,
                 extras=extras,
+            )
+            result = run_scale_out(
+                settings,
                 progress=None if bar is None else bar.say,
                 on_transfer=None if bar is None else bar.update,
             )

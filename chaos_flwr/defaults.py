@@ -15,17 +15,6 @@ from __future__ import annotations
 PLANNER_MAX_SHARDS: int = 4096
 #: Smallest shard the default chain allows, in bytes; keeps per-shard overhead in check.
 PLANNER_MIN_SHARD_BYTES: int = 64 * 1024
-#: Seed of the benchmark's WAN-like instance generator (``chaos-flwr bench planner``).
-PLANNER_BENCH_SEED: int = 20250512
-#: State size the planner benchmark plans for, in bytes (a 1.5 GB training state).
-PLANNER_BENCH_TOTAL_BYTES: int = 1_500_000_000
-#: Timed repetitions per benchmark size (the median is reported).
-PLANNER_BENCH_REPEATS: int = 200
-#: Time limit of one MILP solve in the benchmark, in seconds.
-PLANNER_BENCH_MILP_TIME_LIMIT_S: float = 5.0
-#: Wall-clock budget for all MILP solves of one benchmark size, in seconds; sizes whose
-#: remaining chain points would exceed it are reported as skipped.
-PLANNER_BENCH_MILP_BUDGET_S: float = 15.0
 
 # --- codec / wire ----------------------------------------------------------------------------
 #: Deepest nesting of lists/maps the canonical decoder accepts.
@@ -41,14 +30,6 @@ WIRE_MAX_CLOCK_SKEW_S: float | None = None
 #: Oldest an envelope timestamp may be (before the receiver's ``now``), in seconds; ``None``
 #: turns the check off (the default: the sequence window already refuses replays).
 WIRE_MAX_AGE_S: float | None = None
-#: Approximate payload sizes ``chaos-flwr bench wire`` times, in bytes.
-WIRE_BENCH_PAYLOAD_BYTES: tuple[int, ...] = (64, 1024, 16 * 1024, 256 * 1024)
-#: Iterations per timed run of ``chaos-flwr bench wire``.
-WIRE_BENCH_REPEATS: int = 500
-#: Fewest iterations per timed run (large payloads run ``repeats * 1 KiB / size`` of them).
-WIRE_BENCH_MIN_REPEATS: int = 20
-#: Timed runs per figure of ``chaos-flwr bench wire`` (the median is reported).
-WIRE_BENCH_ROUNDS: int = 5
 
 # --- identity / charter ----------------------------------------------------------------------
 #: File mode of a private key file written by ``Identity.save`` / ``chaos-flwr keygen``.
@@ -93,33 +74,6 @@ PEER_ANTI_ENTROPY_INTERVAL_S: float = 0.5
 PEER_MAX_RECORDS_PER_MESSAGE: int = 2048
 #: Most rejections a peer keeps in its log (oldest dropped first).
 PEER_MAX_REJECTIONS_LOGGED: int = 10000
-#: Seed of ``chaos-flwr bench events`` (which peers leave, link and fail).
-EVENTS_BENCH_SEED: int = 20250513
-#: Events of each type ``chaos-flwr bench events`` triggers by default.
-EVENTS_BENCH_REPEATS: int = 50
-#: Longest ``chaos-flwr bench events`` waits for one event to be applied everywhere, in seconds.
-EVENTS_BENCH_EVENT_TIMEOUT_S: float = 10.0
-#: Founders of the bench federation (the others join with one founder as sponsor).
-EVENTS_BENCH_FOUNDERS: int = 3
-#: Heartbeat interval of the bench charter, in seconds (the bench's virtual clock).
-EVENTS_BENCH_HEARTBEAT_S: float = 1.0
-#: Suspicion timeout of the bench charter, in seconds (the bench's virtual clock).
-EVENTS_BENCH_SUSPICION_S: float = 3.0
-#: Failure quorum of the bench charter.
-EVENTS_BENCH_FAILURE_QUORUM: int = 2
-#: Random extra links per peer on top of the bench's ring.
-EVENTS_BENCH_CHORDS_PER_PEER: int = 1
-#: Worker processes ``chaos-flwr bench events`` spreads the peers over (one per core here).
-EVENTS_BENCH_WORKERS: int = 2
-#: Whether ``chaos-flwr bench events`` pins each worker process to its own CPU.
-EVENTS_BENCH_PIN_WORKERS: bool = True
-#: Ed25519 verifications per round when ``chaos-flwr bench events`` measures their cost.
-EVENTS_BENCH_VERIFY_SAMPLES: int = 2000
-#: Idle pause before each timed seal when ``chaos-flwr bench events`` measures the wake-up
-#: cost (an idle process's caches are cold when its next message arrives), in seconds.
-EVENTS_BENCH_IDLE_PROBE_S: float = 0.01
-#: Seals timed after an idle pause (and, times ten, back to back) for that wake-up cost.
-EVENTS_BENCH_IDLE_PROBE_SAMPLES: int = 20
 #: Verified signatures a membership SignatureCache remembers before it starts afresh.
 MEMBERSHIP_SIGNATURE_CACHE_ENTRIES: int = 1 << 16
 #: Largest record *proof* (an ``own`` envelope standing in for its sender's record signature).
@@ -235,87 +189,6 @@ NETNS_STAR_MTU: int = 9000
 NETNS_TBF_LIMIT_BYTES: int = 256 * 1024
 #: Longest one ``ip``/``tc`` command may take, in seconds.
 NETNS_COMMAND_TIMEOUT_S: float = 10.0
-#: Default state size of ``chaos-flwr bench scale-out``, in MiB.
-SCALE_OUT_STATE_MIB: int = 256
-#: Bandwidth of the storage link of the ``checkpoint`` method when the profile names none, MB/s.
-SCALE_OUT_STORAGE_MB_S: float = 20.0
-#: Runs per method whose median the scale-out benchmark reports.
-SCALE_OUT_RUNS: int = 3
-#: Longest one scale-out transfer may take before the benchmark gives up, in seconds.
-SCALE_OUT_TIMEOUT_S: float = 300.0
-#: Seconds between progress reports of a running scale-out transfer (CLI progress bar).
-SCALE_OUT_PROGRESS_INTERVAL_S: float = 0.1
-#: Link speed of every donor in the donor-count sweep, in MB/s.
-SCALE_OUT_SWEEP_MB_S: float = 5.0
-#: Donor counts of the sweep.
-SCALE_OUT_SWEEP_DONORS: tuple[int, ...] = (2, 4, 8, 16)
-#: Longest a donor process may take to start and report its port, in seconds.
-SCALE_OUT_DONOR_STARTUP_S: float = 30.0
-#: The scale-out benchmark's request timeout factor (PullSession ``timeout_factor``); looser
-#: than the engine default because CPU stalls on a shared 2-core machine are not link failures
-#: (a killed donor is still detected at once: its connection closes).
-SCALE_OUT_TIMEOUT_FACTOR: float = 10.0
-#: ... and the benchmark's shortest request timeout (PullSession ``min_timeout_s``), seconds.
-SCALE_OUT_MIN_TIMEOUT_S: float = 5.0
-
-# --- sim (deterministic simulator) -----------------------------------------------------------
-#: Most virtual seconds one simulated run may cover before it ends as a failure.
-SIM_MAX_VIRTUAL_S: float = 3600.0
-#: Most events (deliveries, ticks, timeline actions) one simulated run may process.
-SIM_MAX_EVENTS: int = 5_000_000
-#: One-way latency of a simulated link without an override, in seconds.
-SIM_DEFAULT_LATENCY_S: float = 0.02
-#: Uplink bandwidth of a simulated party without an override, in bytes/s (100 Mbit/s).
-SIM_DEFAULT_BANDWIDTH_BPS: float = 12.5e6
-#: Virtual seconds between two ticks of one simulated peer.
-SIM_TICK_INTERVAL_S: float = 0.25
-#: Virtual seconds the runner lets a scenario settle after its last event before checking.
-SIM_DEFAULT_SETTLE_S: float = 30.0
-#: Founders of a simulated federation (the first parties; the rest join with sponsors).
-SIM_FOUNDERS: int = 3
-#: Shortest pause between two automatic rejoins of a party its view shows as failed, in seconds.
-SIM_REJOIN_INTERVAL_S: float = 3.0
-#: Default largest number of parties of a ``chaos-flwr simulate --soak`` schedule.
-SIM_SOAK_MAX_PARTIES: int = 12
-#: Runs of ``chaos-flwr bench sim`` (the median is reported).
-SIM_BENCH_RUNS: int = 3
-#: Sim training: bytes of the deterministic aggregate array of a round's state.
-SIM_TRAIN_STATE_BYTES: int = 4096
-#: Sim training: most contributors per round (the relay samples, founders first).
-SIM_TRAIN_MAX_CONTRIBUTORS: int = 8
-#: Sim training: most parties invited per round (founders plus a sample of members).
-SIM_TRAIN_MAX_INVITED: int = 12
-#: Sim training: how long the relay collects ``ready`` replies before fixing the contributors.
-SIM_TRAIN_COLLECT_S: float = 0.3
-#: Sim training: a round not certified this long after its start is abandoned.
-SIM_TRAIN_ROUND_TIMEOUT_S: float = 2.0
-#: Sim training: pause between a certified round and the next one.
-SIM_TRAIN_ROUND_GAP_S: float = 0.5
-#: Sim training: a donor that does not answer a manifest request this long is skipped.
-SIM_TRAIN_PULL_TIMEOUT_S: float = 1.0
-#: Sim training: smallest shard of a simulated pull (small, so pulls use several donors).
-SIM_TRAIN_MIN_SHARD_BYTES: int = 512
-#: Sim training: most shards of a simulated pull.
-SIM_TRAIN_MAX_SHARDS: int = 16
-#: Sim training: rounds stop this long before the end so pulls and certificates settle.
-SIM_TRAIN_QUIESCE_S: float = 8.0
-#: Timeline events of a random soak schedule (``chaos-flwr simulate --soak``).
-SIM_SOAK_EVENTS: int = 200
-#: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
-SIM_SOAK_CI_SEEDS: int = 300
-#: Soak: settle time after the last schedule event, in virtual seconds.
-SIM_SOAK_SETTLE_S: float = 18.0
-#: Soak: shortest and longest virtual gap between two schedule events, in seconds.
-SIM_SOAK_GAP_MIN_S: float = 0.03
-SIM_SOAK_GAP_MAX_S: float = 0.17
-#: Soak: peer tick interval of a random schedule, in virtual seconds.
-SIM_SOAK_TICK_INTERVAL_S: float = 0.5
-#: Soak (max parties > 12): share of seeds with max_parties/2..max_parties parties.
-SIM_SOAK_LARGE_SHARE: float = 0.01
-#: Soak (max parties > 12): share of seeds with 13..40 parties (the rest have 5..12).
-SIM_SOAK_MEDIUM_SHARE: float = 0.05
-#: Soak: share of crashed parties that restart without their disk.
-SIM_SOAK_DISK_LOSS: float = 0.35
 
 # --- flower: churn scenarios, the demo and its report ------------------------------------------
 #: Largest churn scenario YAML file read, in bytes.

@@ -82,7 +82,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..charter import Charter
-from ..defaults import (
+from ..errors import ConfigError
+from ..identity import Identity, verify_signature
+from ..peer import AppliedChange, Outgoing, Peer
+from ..wire import seal
+from .settings import (
     EVENTS_BENCH_CHORDS_PER_PEER,
     EVENTS_BENCH_EVENT_TIMEOUT_S,
     EVENTS_BENCH_FAILURE_QUORUM,
@@ -97,10 +101,6 @@ from ..defaults import (
     EVENTS_BENCH_VERIFY_SAMPLES,
     EVENTS_BENCH_WORKERS,
 )
-from ..errors import ConfigError
-from ..identity import Identity, verify_signature
-from ..peer import AppliedChange, Outgoing, Peer
-from ..wire import seal
 
 __all__ = ["run_events"]
 
@@ -949,120 +949,176 @@ def _row(
     return row
 
 
-async def _run(
-    peers: int,
-    repeats: int,
-    seed: int,
-    carrier: str,
-    workers: int,
-    pin: bool,
-    progress: Callable[[str], None],
-) -> dict[str, Any]:
-    rng = random.Random(seed)
-    load_before = os.getloadavg()[0]
-    verify_us, verify_min_us = _verify_cost_us()
-    seal_warm_us, seal_idle_us = _wake_cost_us()
-    cl = _Cluster(peers, workers, carrier, pin)
+@dataclass(frozen=True)
+class _Options:
+    """One run's choices, as ``run_events`` validated them."""
+
+    peers: int
+    repeats: int
+    seed: int
+    carrier: str
+    workers: int
+    pin: bool
+
+
+@dataclass(frozen=True)
+class _Costs:
+    """Costs of this machine measured before the cluster starts, in microseconds."""
+
+    verify_us: float
+    verify_min_us: float
+    seal_warm_us: float
+    seal_idle_us: float
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """What one cluster run produced: the timings and the hosts' end-of-run reports."""
+
+    carrier: str
+    setup_s: float
+    samples: dict[str, list[_Timing]]
+    stats: list[dict[str, Any]]
+    host_cpus: list[Any]
+
+
+#: The result's fixed explanations of its figures (see the module docstring).
+_NOTES: dict[str, str] = {
+    "gc": (
+        "collected before and disabled inside each timed window (as timeit does); the "
+        "survivors frozen (gc.freeze), so each pass walks only what is new"
+    ),
+    "affected": "every active member (membership and neighbour graph are in every view)",
+    "floor": (
+        "floor_p50_ms = signature checks the peers made in the window (each peer's own "
+        "cache misses, counted per event: verifies_p50) x verify_us / cores_used: the least "
+        "this protocol with per-peer verification needs on this machine as loaded now; "
+        "floor_quiet_p50_ms the same with verify_min_us (the least round: a quiet core)"
+    ),
+    "busy": (
+        "busy_p50_ms: the busiest host's time inside Peer.handle during the window (the "
+        "rest of p50_ms is transport, event loop and waiting for a core)"
+    ),
+    "cpu": (
+        "cpu_p50_ms/cpu_p99_ms: the busiest host's main-thread CPU time from arming the "
+        "window to its last apply (time.thread_time: excludes time other processes held "
+        "the core, and grpc's own threads); on a machine nobody else loads, p50_ms would "
+        "be about this plus hop_p50_ms"
+    ),
+    "recv": (
+        "recv_p50_ms: trigger until the first batch of the window reached any host (the "
+        "trigger's own steps, one seal, one loopback hop); recv_last_p50_ms: until every "
+        "host had its first batch; trigger_p50_ms: the triggering call itself (the "
+        "peer's action or the watchers' ticks, and handing the envelopes to the carrier)"
+    ),
+    "hop": (
+        "hop_p50_ms/hop_p99_ms (measured): trigger until the first peer outside the "
+        "event's own parties applied it (protocol steps, one seal, one loopback hop, "
+        "verify + apply); with a core per peer, as in a deployment, about what every peer "
+        "sees (plus the sender's per-destination sends)"
+    ),
+}
+
+
+def _placement(opts: _Options, pinned: bool) -> str:
+    """The result's ``placement`` line: where the peers ran and how envelopes travelled."""
+    return (
+        f"peers round-robin over {opts.workers} host(s)"
+        + (
+            " (one OS process each, one grpc.aio carrier each on 127.0.0.1; every "
+            "envelope crosses HTTP/2, batched per destination host on a persistent push "
+            "stream"
+            + ("; each process and its grpc threads pinned to its own CPU" if pinned else "")
+            + ")"
+            if opts.carrier == "grpc"
+            else " in this process (FIFO in-process router)"
+        )
+        + "; virtual protocol clock; every peer verifies every envelope and every record "
+        "signature itself (one signature cache per peer)"
+    )
+
+
+async def _measure(opts: _Options, progress: Callable[[str], None]) -> _Measured:
+    """Build the cluster, trigger ``repeats`` rounds of every event type, collect the hosts."""
+    rng = random.Random(opts.seed)
+    cl = _Cluster(opts.peers, opts.workers, opts.carrier, opts.pin)
     t_setup = time.perf_counter()
     await cl.hosts.start()
     try:
-        progress(f"bench events: {peers} peers on {workers} {carrier} host(s), building")
+        progress(
+            f"bench events: {opts.peers} peers on {opts.workers} {opts.carrier} host(s), building"
+        )
         await _build(cl, rng, progress)
         setup_s = time.perf_counter() - t_setup
         samples: dict[str, list[_Timing]] = {k: [] for k in _EVENTS}
-        for r in range(repeats):
+        for r in range(opts.repeats):
             for name, fn in _EVENTS.items():
                 samples[name].append(await fn(cl, rng))
-            if (r + 1) % 10 == 0 or r + 1 == repeats:
-                progress(f"  {peers} peers: {r + 1} of {repeats} rounds of events")
+            if (r + 1) % 10 == 0 or r + 1 == opts.repeats:
+                progress(f"  {opts.peers} peers: {r + 1} of {opts.repeats} rounds of events")
         stats = await cl.all("stats")
         host_cpus = await cl.all("cpus")
     finally:
         await cl.hosts.close()
         gc.unfreeze()
+    return _Measured(cl.hosts.name, setup_s, samples, stats, host_cpus)
+
+
+def _report(
+    opts: _Options, costs: _Costs, measured: _Measured, load_before: float
+) -> dict[str, Any]:
+    """The JSON-ready result of one run."""
+    stats = measured.stats
     handle_s = [t for s in stats for t in s["handle_s"]]
     digests = {d for s in stats for d in s["digests"]}
-    cores = max(1, min(workers, os.cpu_count() or 1))
+    cores = max(1, min(opts.workers, os.cpu_count() or 1))
     # Pinned as asked only where every worker really ended up on a single CPU.
     pinned = (
-        pin and carrier == "grpc" and all(isinstance(c, list) and len(c) == 1 for c in host_cpus)
+        opts.pin
+        and opts.carrier == "grpc"
+        and all(isinstance(c, list) and len(c) == 1 for c in measured.host_cpus)
     )
     return {
-        "peers": peers,
-        "carrier": cl.hosts.name,
-        "workers": workers,
+        "peers": opts.peers,
+        "carrier": measured.carrier,
+        "workers": opts.workers,
         "cores_used": cores,
-        "host_cpus": host_cpus,
+        "host_cpus": measured.host_cpus,
         "pinned": pinned,
-        "placement": (
-            f"peers round-robin over {workers} host(s)"
-            + (
-                " (one OS process each, one grpc.aio carrier each on 127.0.0.1; every "
-                "envelope crosses HTTP/2, batched per destination host on a persistent push "
-                "stream"
-                + ("; each process and its grpc threads pinned to its own CPU" if pinned else "")
-                + ")"
-                if carrier == "grpc"
-                else " in this process (FIFO in-process router)"
-            )
-            + "; virtual protocol clock; every peer verifies every envelope and every record "
-            "signature itself (one signature cache per peer)"
-        ),
-        "gc": (
-            "collected before and disabled inside each timed window (as timeit does); the "
-            "survivors frozen (gc.freeze), so each pass walks only what is new"
-        ),
-        "affected": "every active member (membership and neighbour graph are in every view)",
-        "verify_us": round(verify_us, 2),
-        "seal_warm_us": round(seal_warm_us, 2),
-        "seal_after_idle_us": round(seal_idle_us, 2),
+        "placement": _placement(opts, pinned),
+        **_NOTES,
+        "verify_us": round(costs.verify_us, 2),
+        "seal_warm_us": round(costs.seal_warm_us, 2),
+        "seal_after_idle_us": round(costs.seal_idle_us, 2),
         "wake": (
             "seal_warm_us: sealing one small envelope back to back; seal_after_idle_us: the "
             f"same right after {EVENTS_BENCH_IDLE_PROBE_S * 1000:g} ms idle (caches gone cold "
             "while the process slept, as every host sleeps between events)"
         ),
-        "verify_min_us": round(verify_min_us, 2),
+        "verify_min_us": round(costs.verify_min_us, 2),
         "loadavg_1min": {"start": round(load_before, 2), "end": round(os.getloadavg()[0], 2)},
         "nice": os.nice(0),
-        "floor": (
-            "floor_p50_ms = signature checks the peers made in the window (each peer's own "
-            "cache misses, counted per event: verifies_p50) x verify_us / cores_used: the least "
-            "this protocol with per-peer verification needs on this machine as loaded now; "
-            "floor_quiet_p50_ms the same with verify_min_us (the least round: a quiet core)"
-        ),
-        "busy": (
-            "busy_p50_ms: the busiest host's time inside Peer.handle during the window (the "
-            "rest of p50_ms is transport, event loop and waiting for a core)"
-        ),
-        "cpu": (
-            "cpu_p50_ms/cpu_p99_ms: the busiest host's main-thread CPU time from arming the "
-            "window to its last apply (time.thread_time: excludes time other processes held "
-            "the core, and grpc's own threads); on a machine nobody else loads, p50_ms would "
-            "be about this plus hop_p50_ms"
-        ),
-        "recv": (
-            "recv_p50_ms: trigger until the first batch of the window reached any host (the "
-            "trigger's own steps, one seal, one loopback hop); recv_last_p50_ms: until every "
-            "host had its first batch; trigger_p50_ms: the triggering call itself (the "
-            "peer's action or the watchers' ticks, and handing the envelopes to the carrier)"
-        ),
-        "hop": (
-            "hop_p50_ms/hop_p99_ms (measured): trigger until the first peer outside the "
-            "event's own parties applied it (protocol steps, one seal, one loopback hop, "
-            "verify + apply); with a core per peer, as in a deployment, about what every peer "
-            "sees (plus the sender's per-destination sends)"
-        ),
-        "repeats": repeats,
-        "seed": seed,
-        "setup_s": round(setup_s, 3),
+        "repeats": opts.repeats,
+        "seed": opts.seed,
+        "setup_s": round(measured.setup_s, 3),
         "rejections": sum(int(s["rejections"]) for s in stats),
         "views_agree": len(digests) == 1,
         "handle_us_p50": round(_percentile(handle_s, 50) * 1e6, 1),
         "deliveries_in_timed_windows": len(handle_s),
         "events": {
-            name: _row(vals, verify_us, verify_min_us, cores) for name, vals in samples.items()
+            name: _row(vals, costs.verify_us, costs.verify_min_us, cores)
+            for name, vals in measured.samples.items()
         },
     }
+
+
+async def _run(opts: _Options, progress: Callable[[str], None]) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    verify_us, verify_min_us = _verify_cost_us()
+    seal_warm_us, seal_idle_us = _wake_cost_us()
+    costs = _Costs(verify_us, verify_min_us, seal_warm_us, seal_idle_us)
+    measured = await _measure(opts, progress)
+    return _report(opts, costs, measured, load_before)
 
 
 def run_events(
@@ -1126,4 +1182,5 @@ def run_events(
     def to_stderr(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    return asyncio.run(_run(peers, repeats, seed, carrier, workers, pin, progress or to_stderr))
+    opts = _Options(peers, repeats, seed, carrier, workers, pin)
+    return asyncio.run(_run(opts, progress or to_stderr))

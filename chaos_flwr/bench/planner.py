@@ -13,22 +13,25 @@ import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from ..defaults import (
+from ..defaults import PLANNER_MIN_SHARD_BYTES
+from ..planner import Donor, TransferPlan, default_chain, lower_bound, plan_transfer
+from .settings import (
     PLANNER_BENCH_MILP_BUDGET_S,
     PLANNER_BENCH_MILP_TIME_LIMIT_S,
     PLANNER_BENCH_REPEATS,
     PLANNER_BENCH_SEED,
     PLANNER_BENCH_TOTAL_BYTES,
-    PLANNER_MIN_SHARD_BYTES,
 )
-from ..planner import Donor, default_chain, lower_bound, plan_transfer
 
 __all__ = ["run_planner_bench", "wan_donors"]
 
 DONOR_COUNTS = (4, 16, 100)
 MAX_SHARDS = (64, 1024, 4096)
+#: Untimed planning calls before the timed ones of each size.
+_WARMUP_CALLS = 10
 
 
 def wan_donors(m: int, seed: int = PLANNER_BENCH_SEED) -> list[Donor]:
@@ -114,6 +117,72 @@ def _milp_chain(
     return {"status": "optimal", "time_ms": spent * 1e3, "makespan_s": best}
 
 
+@dataclass(frozen=True)
+class _Milp:
+    """How the benchmark runs the exact MILP: ``skip`` names why it does not (else ``None``)."""
+
+    skip: str | None
+    budget_s: float
+    time_limit_s: float
+
+
+def _milp_skip_reason(milp: bool) -> str | None:
+    if not milp:
+        return "--no-milp"
+    try:
+        import scipy  # noqa: F401
+    except ImportError:
+        return "scipy not installed"
+    return None
+
+
+def _milp_entry(
+    total: int,
+    donors: list[Donor],
+    chain: list[int],
+    plan: TransferPlan,
+    median_ms: float,
+    milp: _Milp,
+) -> dict[str, Any]:
+    """The MILP figures of one size, compared with the planner's ``plan``."""
+    if milp.skip is not None:
+        return {"status": "skipped", "reason": milp.skip}
+    res = _milp_chain(total, donors, chain, milp.budget_s, milp.time_limit_s)
+    if res["status"] == "optimal":
+        rel = abs(res["makespan_s"] - plan.makespan) / plan.makespan
+        res["makespan_match"] = rel <= 1e-9
+        res["relative_difference"] = rel
+        res["speedup"] = res["time_ms"] / median_ms
+    return res
+
+
+def _size_entry(
+    total: int, donors: list[Donor], kmax: int, repeats: int, milp: _Milp
+) -> dict[str, Any]:
+    """Time the planner on one size (``len(donors)`` x ``kmax``), then the MILP if asked."""
+    for _ in range(_WARMUP_CALLS):
+        plan = plan_transfer(total, donors, max_shards=kmax)
+    laps = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan = plan_transfer(total, donors, max_shards=kmax)
+        laps.append(time.perf_counter() - t0)
+    median_ms = statistics.median(laps) * 1e3
+    chain = default_chain(total, kmax, PLANNER_MIN_SHARD_BYTES)
+    entry: dict[str, Any] = {
+        "m": len(donors),
+        "max_shards": kmax,
+        "chain_points": len(chain),
+        "num_shards": plan.num_shards,
+        "makespan_s": plan.makespan,
+        "lower_bound_s": lower_bound(total, donors),
+        "median_ms": median_ms,
+        "p90_ms": sorted(laps)[int(0.9 * (len(laps) - 1))] * 1e3,
+    }
+    entry["milp"] = _milp_entry(total, donors, chain, plan, median_ms, milp)
+    return entry
+
+
 def run_planner_bench(
     *,
     repeats: int = PLANNER_BENCH_REPEATS,
@@ -140,49 +209,17 @@ def run_planner_bench(
         ``results`` (one entry per size) plus the set-up (seed, pinning, targets).
     """
     before, core = _pin_one_core()
-    have_scipy = True
-    try:
-        import scipy  # noqa: F401
-    except ImportError:
-        have_scipy = False
+    milp_run = _Milp(
+        skip=_milp_skip_reason(milp), budget_s=milp_budget_s, time_limit_s=milp_time_limit_s
+    )
     total = PLANNER_BENCH_TOTAL_BYTES
-    results = []
+    results: list[dict[str, Any]] = []
     try:
         for m in DONOR_COUNTS:
             donors = wan_donors(m)
-            for kmax in MAX_SHARDS:
-                for _ in range(10):
-                    plan = plan_transfer(total, donors, max_shards=kmax)
-                laps = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    plan = plan_transfer(total, donors, max_shards=kmax)
-                    laps.append(time.perf_counter() - t0)
-                median_ms = statistics.median(laps) * 1e3
-                chain = default_chain(total, kmax, PLANNER_MIN_SHARD_BYTES)
-                entry: dict[str, Any] = {
-                    "m": m,
-                    "max_shards": kmax,
-                    "chain_points": len(chain),
-                    "num_shards": plan.num_shards,
-                    "makespan_s": plan.makespan,
-                    "lower_bound_s": lower_bound(total, donors),
-                    "median_ms": median_ms,
-                    "p90_ms": sorted(laps)[int(0.9 * (len(laps) - 1))] * 1e3,
-                }
-                if not milp:
-                    entry["milp"] = {"status": "skipped", "reason": "--no-milp"}
-                elif not have_scipy:
-                    entry["milp"] = {"status": "skipped", "reason": "scipy not installed"}
-                else:
-                    res = _milp_chain(total, donors, chain, milp_budget_s, milp_time_limit_s)
-                    if res["status"] == "optimal":
-                        rel = abs(res["makespan_s"] - plan.makespan) / plan.makespan
-                        res["makespan_match"] = rel <= 1e-9
-                        res["relative_difference"] = rel
-                        res["speedup"] = res["time_ms"] / median_ms
-                    entry["milp"] = res
-                results.append(entry)
+            results.extend(
+                _size_entry(total, donors, kmax, repeats, milp_run) for kmax in MAX_SHARDS
+            )
     finally:
         if before is not None:
             os.sched_setaffinity(0, before)
@@ -192,7 +229,7 @@ def run_planner_bench(
         "total_bytes": total,
         "min_shard_bytes": PLANNER_MIN_SHARD_BYTES,
         "repeats": repeats,
-        "timer": "time.perf_counter, median of repeats after 10 warm-up calls",
+        "timer": f"time.perf_counter, median of repeats after {_WARMUP_CALLS} warm-up calls",
         "pinned_core": core,
         "pinning": "os.sched_setaffinity(0, {core}) for the benchmark process"
         if core is not None

@@ -70,17 +70,24 @@ import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, TypedDict, Unpack, cast
 
 import grpc
 import grpc.aio
 import numpy as np
 import yaml
 
-from ..defaults import (
-    NETNS_STAR_MTU,
+from ..defaults import NETNS_STAR_MTU, SHAPING_BURST_BYTES
+from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
+from ..planner import Donor, TransferPlan, lower_bound, plan_transfer
+from ..state import Manifest, TrainingState, state_digest
+from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
+from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
+from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
+from .settings import (
     SCALE_OUT_DONOR_STARTUP_S,
     SCALE_OUT_MIN_TIMEOUT_S,
     SCALE_OUT_PROGRESS_INTERVAL_S,
@@ -91,16 +98,11 @@ from ..defaults import (
     SCALE_OUT_SWEEP_MB_S,
     SCALE_OUT_TIMEOUT_FACTOR,
     SCALE_OUT_TIMEOUT_S,
-    SHAPING_BURST_BYTES,
 )
-from ..errors import ConfigError, ShardIntegrityError, TransferError, TransportError
-from ..planner import Donor, lower_bound, plan_transfer
-from ..state import Manifest, TrainingState, state_digest
-from ..transfer import CancelRequest, Progress, PullSession, ShardRequest, ShardServer
-from ..transport import GrpcCarrier, Shaper, TokenBucket, WanProfile, load_profile, parse_profile
-from ..transport.netns import NetnsStar, star, tcp_wire_factor, wire_rate_bit_s
 
 __all__ = [
+    "ScaleOutKnobs",
+    "ScaleOutSettings",
     "default_profile_path",
     "donors_of",
     "latency_only",
@@ -121,6 +123,84 @@ MIN_SHARD_BYTES = 256 * 1024
 #: Chunk size of the checkpoint's storage reads and writes, in bytes.
 STORAGE_CHUNK = 1024 * 1024
 METHODS = ("chaos", "uniform", "single", "checkpoint")
+
+
+class ScaleOutKnobs(TypedDict, total=False):
+    """The fields of :class:`ScaleOutSettings`, as keywords of :func:`run_scale_out`."""
+
+    profile_path: Path | str | None
+    wan: str
+    state_mib: int
+    runs: int
+    methods: Sequence[str]
+    extras: bool
+    sweep_donors: Sequence[int]
+
+
+@dataclass(frozen=True)
+class ScaleOutSettings:
+    """The knobs of one scale-out benchmark (checked when made; see :func:`run_scale_out`).
+
+    Parameters
+    ----------
+    profile_path : path or None, optional
+        WAN profile YAML (a ``joiner`` party and donors); ``None`` = the shipped ``wan8.yaml``.
+    wan : str, optional
+        ``"shaped"``: token buckets on loopback grpc. ``"netns"``: every donor process runs in
+        its own network namespace (``ip netns exec``), bound to its namespace-local address,
+        linked to the joiner (this process, root namespace) through a bridge; each donor's
+        egress is shaped by ``tbf`` at its uplink, the bridge's port toward the joiner at the
+        joiner's downlink (see :func:`netns_rates_bit_s`). The kernel adds no latency (no
+        netem): the carriers keep the profile's latency model with all rates removed
+        (:func:`latency_only`), so the lower bound is the same formula over the same figures.
+        Needs root; the main comparison only (``extras=False``).
+    state_mib : int, optional
+        State size in MiB (>= 1).
+    runs : int, optional
+        Runs of ``chaos`` (its median is reported); the baselines run once.
+    methods : sequence of str, optional
+        Which methods to run.
+    extras : bool, optional
+        Also run the donor sweep, the donor-death run and the joiner-bottleneck run.
+    sweep_donors : sequence of int, optional
+        Donor counts of the sweep.
+
+    Raises
+    ------
+    ConfigError
+        Bad option (the message names it).
+    """
+
+    profile_path: Path | str | None = None
+    wan: str = "shaped"
+    state_mib: int = SCALE_OUT_STATE_MIB
+    runs: int = SCALE_OUT_RUNS
+    methods: Sequence[str] = METHODS
+    extras: bool = True
+    sweep_donors: Sequence[int] = SCALE_OUT_SWEEP_DONORS
+
+    def __post_init__(self) -> None:
+        if self.wan not in ("shaped", "netns"):
+            raise ConfigError(f"wan: {self.wan!r} is not a link mode; use 'shaped' or 'netns'")
+        if self.wan == "netns" and self.extras:
+            raise ConfigError(
+                "wan: 'netns' runs the main comparison only (the sweep, donor-death and "
+                "joiner-bottleneck runs are not wired to namespaces yet); pass extras=False "
+                "(--no-extras)"
+            )
+        mib = self.state_mib
+        if isinstance(mib, bool) or not isinstance(mib, int) or mib < 1:
+            raise ConfigError(f"state_mib: give an int >= 1, got {mib!r}")
+        if self.runs < 1:
+            raise ConfigError(f"runs: give an int >= 1, got {self.runs!r}")
+        for m in self.methods:
+            if m not in METHODS:
+                raise ConfigError(f"methods: unknown method {m!r}; use {', '.join(METHODS)}")
+
+    @property
+    def chaos_extras(self) -> bool:
+        """Whether the extra runs (sweep, donor death, joiner bottleneck) are due."""
+        return self.extras and "chaos" in self.methods
 
 
 def default_profile_path() -> Path:
@@ -404,6 +484,69 @@ async def _fetch_manifest(carrier: GrpcCarrier, donor: str, shard: int, k: int) 
     return Manifest.from_bytes(await carrier.request(donor, f"manifest {shard} {k}".encode()))
 
 
+class _ChaosPull:
+    """The requests of one ``chaos`` pull: a :class:`PullSession`'s actions as grpc requests."""
+
+    def __init__(
+        self, carrier: GrpcCarrier, session: PullSession, clock: Callable[[], float]
+    ) -> None:
+        self.carrier = carrier
+        self.session = session
+        self.clock = clock
+        self.tasks: dict[asyncio.Task[bytes], tuple[str, int]] = {}
+        self.by_key: dict[tuple[str, int], asyncio.Task[bytes]] = {}
+        self.info: dict[str, Any] = {"lost": [], "cancelled": 0}
+        self.last_at: dict[str, float] = {}
+        self.t_begin = clock()
+
+    def launch(self, actions: Sequence[ShardRequest | CancelRequest]) -> None:
+        for a in actions:
+            if isinstance(a, ShardRequest):
+                req = f"shard {a.index} {a.start} {a.end}".encode()
+                t = asyncio.ensure_future(self.carrier.request(a.donor, req))
+                self.tasks[t] = (a.donor, a.index)
+                self.by_key[(a.donor, a.index)] = t
+            else:
+                old = self.by_key.pop((a.donor, a.index), None)
+                if old is not None:
+                    old.cancel()
+                    self.tasks.pop(old, None)
+                    self.info["cancelled"] += 1
+
+    async def step(self) -> None:
+        """Wait for a reply (or the session's next deadline) and hand the session the news."""
+        session, clock = self.session, self.clock
+        if not self.tasks:
+            raise TransferError("no shard request in flight and shards missing")
+        dl = session.next_deadline()
+        timeout = None if dl is None else max(0.0, dl - clock())
+        done, _ = await asyncio.wait(
+            self.tasks.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        for t in done:
+            entry = self.tasks.pop(t, None)
+            if entry is None:  # cancelled by an action earlier in this batch
+                continue
+            donor, index = entry
+            if self.by_key.get(entry) is t:
+                del self.by_key[entry]
+            if t.cancelled():
+                continue
+            exc = t.exception()
+            if exc is not None:
+                if donor not in self.info["lost"]:
+                    self.info["lost"].append(donor)
+                self.launch(session.on_donor_lost(donor, clock()))
+            else:
+                self.launch(session.on_shard(donor, index, t.result(), clock()))
+                self.last_at[donor] = clock() - self.t_begin
+        self.launch(session.tick(clock()))
+
+    def cancel(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
 async def _pull_chaos(
     carrier: GrpcCarrier,
     manifest: Manifest,
@@ -427,56 +570,14 @@ async def _pull_chaos(
         timeout_factor=SCALE_OUT_TIMEOUT_FACTOR,
         min_timeout_s=SCALE_OUT_MIN_TIMEOUT_S,
     )
-    tasks: dict[asyncio.Task[bytes], tuple[str, int]] = {}
-    by_key: dict[tuple[str, int], asyncio.Task[bytes]] = {}
-    info: dict[str, Any] = {"lost": [], "cancelled": 0}
-
-    def launch(actions: Sequence[ShardRequest | CancelRequest]) -> None:
-        for a in actions:
-            if isinstance(a, ShardRequest):
-                req = f"shard {a.index} {a.start} {a.end}".encode()
-                t = asyncio.ensure_future(carrier.request(a.donor, req))
-                tasks[t] = (a.donor, a.index)
-                by_key[(a.donor, a.index)] = t
-            else:
-                old = by_key.pop((a.donor, a.index), None)
-                if old is not None:
-                    old.cancel()
-                    tasks.pop(old, None)
-                    info["cancelled"] += 1
-
-    t_begin = clock()
-    last_at: dict[str, float] = {}
-    launch(session.poll(clock()))
+    pull = _ChaosPull(carrier, session, clock)
+    info = pull.info
+    pull.launch(session.poll(clock()))
     killed = False
     last_shown = -math.inf
     try:
         while not session.done:
-            if not tasks:
-                raise TransferError("no shard request in flight and shards missing")
-            dl = session.next_deadline()
-            timeout = None if dl is None else max(0.0, dl - clock())
-            done, _ = await asyncio.wait(
-                tasks.keys(), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-            for t in done:
-                entry = tasks.pop(t, None)
-                if entry is None:  # cancelled by an action earlier in this batch
-                    continue
-                donor, index = entry
-                if by_key.get(entry) is t:
-                    del by_key[entry]
-                if t.cancelled():
-                    continue
-                exc = t.exception()
-                if exc is not None:
-                    if donor not in info["lost"]:
-                        info["lost"].append(donor)
-                    launch(session.on_donor_lost(donor, clock()))
-                else:
-                    launch(session.on_shard(donor, index, t.result(), clock()))
-                    last_at[donor] = clock() - t_begin
-            launch(session.tick(clock()))
+            await pull.step()
             snapshot = session.progress(clock())
             fraction = snapshot.fraction
             if on_progress is not None and (
@@ -488,14 +589,13 @@ async def _pull_chaos(
                 kill()
                 killed = True
                 info["killed_at_fraction"] = fraction
-        info["pull_s"] = clock() - t_begin
+        info["pull_s"] = clock() - pull.t_begin
         data = session.assemble()
-        info["assemble_s"] = clock() - t_begin - info["pull_s"]
-        info["last_shard_at_s"] = dict(sorted(last_at.items()))
+        info["assemble_s"] = clock() - pull.t_begin - info["pull_s"]
+        info["last_shard_at_s"] = dict(sorted(pull.last_at.items()))
         info["donor_status"] = {d.id: session.status(d.id) for d in donors}
     finally:
-        for t in tasks:
-            t.cancel()
+        pull.cancel()
     return data, dict(session.progress(clock()).bytes_by_donor), info
 
 
@@ -568,88 +668,156 @@ def _split(k: int, names: Sequence[str]) -> dict[str, list[int]]:
     return out
 
 
+class _Run(NamedTuple):
+    """One timed transfer of a session: its label, method, the links it sees, when to kill."""
+
+    label: str
+    method: str
+    #: The profile as the joiner sees it (the session's, or one with a tighter joiner link).
+    profile: WanProfile
+    #: Fraction of the state after which the fastest donor is killed (``None``: never).
+    kill_at: float | None
+
+
+@dataclass(frozen=True)
+class _Replica:
+    """The certified replica every donor serves (file, size, digest) and the scratch folder."""
+
+    path: Path
+    total: int
+    expected: bytes
+    workdir: Path
+
+
+@dataclass(frozen=True)
+class _Links:
+    """The joiner's modelled links to the donors of one run, and what they bound."""
+
+    donors: list[Donor]
+    ingress: float | None
+    fastest: str
+    bound: float
+
+    @classmethod
+    def of(cls, profile: WanProfile, names: Sequence[str], total: int) -> _Links:
+        donors = _planner_donors(profile, names)
+        ingress = _ingress(profile)
+        bound = lower_bound(total, donors, ingress=ingress)
+        fastest = max(donors, key=lambda d: (d.bandwidth, -d.latency, d.id)).id
+        return cls(donors, ingress, fastest, bound)
+
+    def plan(self, total: int) -> TransferPlan:
+        return plan_transfer(
+            total,
+            self.donors,
+            max_shards=MAX_SHARDS,
+            min_shard_bytes=MIN_SHARD_BYTES,
+            ingress=self.ingress,
+        )
+
+
+#: What one method's transfer returns: the state it got, bytes per donor, its own figures.
+_Moved = tuple[bytes | memoryview, Mapping[str, int], dict[str, Any]]
+
+
+async def _by_chaos(
+    run: _Run,
+    carrier: GrpcCarrier,
+    links: _Links,
+    replica: _Replica,
+    donor_set: _DonorSet | None,
+    on_progress: Callable[[Progress], None] | None,
+) -> _Moved:
+    plan = links.plan(replica.total)
+    manifest = await _fetch_manifest(carrier, links.fastest, plan.shard_bytes, plan.num_shards)
+    kill = None
+    victim = None
+    if run.kill_at is not None and donor_set is not None:
+        victim = links.fastest
+
+        def kill() -> None:
+            donor_set.kill(links.fastest)
+
+    data, by_donor, info = await _pull_chaos(
+        carrier,
+        manifest,
+        plan,
+        links.donors,
+        replica.expected,
+        kill_at=run.kill_at,
+        kill=kill,
+        on_progress=on_progress,
+    )
+    bound = links.bound
+    extra = {
+        "num_shards": plan.num_shards,
+        "shard_bytes": plan.shard_bytes,
+        "planned_makespan_s": plan.makespan,
+        "lost_donors": info["lost"],
+        "cancelled_requests": info["cancelled"],
+        "pull_s": info["pull_s"],
+        "pull_ratio_to_bound": info["pull_s"] / bound if bound > 0 else None,
+        "assemble_s": info["assemble_s"],
+        "last_shard_at_s": info["last_shard_at_s"],
+        "donor_status": info["donor_status"],
+    }
+    if victim is not None:
+        extra["killed_donor"] = victim
+        extra["killed_at_fraction"] = info.get("killed_at_fraction")
+    return data, by_donor, extra
+
+
+async def _by_static(
+    method: str, carrier: GrpcCarrier, names: Sequence[str], links: _Links, replica: _Replica
+) -> _Moved:
+    total = replica.total
+    plan = links.plan(total)
+    shard, k = _baseline_shards(total, plan.num_shards, len(names))
+    manifest = await _fetch_manifest(carrier, links.fastest, shard, k)
+    fastest = links.fastest
+    assignment = _split(k, names) if method == "uniform" else {fastest: list(range(k))}
+    data, by_donor = await _pull_static(carrier, manifest, assignment, replica.expected)
+    return data, by_donor, {"num_shards": k, "shard_bytes": shard}
+
+
+async def _by_checkpoint(
+    profile: WanProfile, carrier: GrpcCarrier, links: _Links, replica: _Replica
+) -> _Moved:
+    path = replica.workdir / "checkpoint.bin"
+    n = await _checkpoint(profile, carrier, links.fastest, path, replica.expected)
+    path.unlink(missing_ok=True)
+    return b"", {links.fastest: n}, {"writer": links.fastest}
+
+
 async def _run_method(
-    method: str,
-    profile: WanProfile,
+    run: _Run,
     carrier: GrpcCarrier,
     names: Sequence[str],
-    total: int,
-    expected: bytes,
-    workdir: Path,
+    replica: _Replica,
     *,
     donor_set: _DonorSet | None = None,
-    kill_at: float | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> dict[str, Any]:
-    donors = _planner_donors(profile, names)
-    ingress = _ingress(profile)
-    bound = lower_bound(total, donors, ingress=ingress)
-    fastest = max(donors, key=lambda d: (d.bandwidth, -d.latency, d.id)).id
-    extra: dict[str, Any] = {}
+    method = run.method
+    links = _Links.of(run.profile, names, replica.total)
     t0 = time.monotonic()
     if method == "chaos":
-        plan = plan_transfer(
-            total, donors, max_shards=MAX_SHARDS, min_shard_bytes=MIN_SHARD_BYTES, ingress=ingress
+        data, by_donor, extra = await _by_chaos(
+            run, carrier, links, replica, donor_set, on_progress
         )
-        manifest = await _fetch_manifest(carrier, fastest, plan.shard_bytes, plan.num_shards)
-        kill = None
-        victim = None
-        if kill_at is not None and donor_set is not None:
-            victim = fastest
-
-            def kill() -> None:
-                donor_set.kill(fastest)
-
-        data, by_donor, info = await _pull_chaos(
-            carrier,
-            manifest,
-            plan,
-            donors,
-            expected,
-            kill_at=kill_at,
-            kill=kill,
-            on_progress=on_progress,
-        )
-        extra = {
-            "num_shards": plan.num_shards,
-            "shard_bytes": plan.shard_bytes,
-            "planned_makespan_s": plan.makespan,
-            "lost_donors": info["lost"],
-            "cancelled_requests": info["cancelled"],
-            "pull_s": info["pull_s"],
-            "pull_ratio_to_bound": info["pull_s"] / bound if bound > 0 else None,
-            "assemble_s": info["assemble_s"],
-            "last_shard_at_s": info["last_shard_at_s"],
-            "donor_status": info["donor_status"],
-        }
-        if victim is not None:
-            extra["killed_donor"] = victim
-            extra["killed_at_fraction"] = info.get("killed_at_fraction")
-        idle = 0.0
     elif method in ("uniform", "single"):
-        plan = plan_transfer(
-            total, donors, max_shards=MAX_SHARDS, min_shard_bytes=MIN_SHARD_BYTES, ingress=ingress
-        )
-        shard, k = _baseline_shards(total, plan.num_shards, len(names))
-        manifest = await _fetch_manifest(carrier, fastest, shard, k)
-        assignment = _split(k, names) if method == "uniform" else {fastest: list(range(k))}
-        data, by_donor = await _pull_static(carrier, manifest, assignment, expected)
-        extra = {"num_shards": k, "shard_bytes": shard}
-        idle = 0.0
+        data, by_donor, extra = await _by_static(method, carrier, names, links, replica)
     elif method == "checkpoint":
-        path = workdir / "checkpoint.bin"
-        n = await _checkpoint(profile, carrier, fastest, path, expected)
-        path.unlink(missing_ok=True)
-        by_donor = {fastest: n}
-        data = b""
-        extra = {"writer": fastest}
+        data, by_donor, extra = await _by_checkpoint(run.profile, carrier, links, replica)
     else:
         raise ConfigError(f"method: unknown method {method!r}; use one of {', '.join(METHODS)}")
     delay = time.monotonic() - t0
     if method == "checkpoint":
         idle = delay * len(names)
     else:
-        assert len(data) == total
+        idle = 0.0
+        assert len(data) == replica.total
+    bound = links.bound
     return {
         "delay_s": delay,
         "lower_bound_s": bound,
@@ -683,60 +851,56 @@ def _write_profile(profile: WanProfile, path: Path) -> Path:
 async def _session(
     profile: WanProfile,
     profile_path: Path,
-    state_path: Path,
-    total: int,
-    expected: bytes,
-    workdir: Path,
-    plan: Sequence[tuple[str, str, WanProfile, float | None]],
+    replica: _Replica,
+    plan: Sequence[_Run],
     on_transfer: Callable[[str, Progress], None] | None = None,
     topo: NetnsStar | None = None,
     procs: list[subprocess.Popen[str]] | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """Start one donor set for ``profile`` and run ``(label, method, joiner_profile, kill_at)``.
+    """Start one donor set for ``profile`` (serving ``replica``) and run the ``plan``'s runs.
 
     With ``topo`` (netns mode) every donor runs inside its own namespace of the star; the pids
     donor processes are appended to ``procs`` (so a caller can make sure they are gone).
     """
     names = donors_of(profile)
+    total = replica.total
     results: list[tuple[str, dict[str, Any]]] = []
-    donor_set = await asyncio.to_thread(_DonorSet, names, profile_path, state_path, topo)
+    donor_set = await asyncio.to_thread(_DonorSet, names, profile_path, replica.path, topo)
     if procs is not None:
         procs.extend(donor_set.procs.values())
     try:
-        for label, method, joiner_profile, kill_at in plan:
-            carrier = await _joiner(joiner_profile, donor_set, names, netns=topo is not None)
+        for run in plan:
+            carrier = await _joiner(run.profile, donor_set, names, netns=topo is not None)
             try:
                 p = plan_transfer(
                     total,
-                    _planner_donors(joiner_profile, names),
+                    _planner_donors(run.profile, names),
                     max_shards=MAX_SHARDS,
                     min_shard_bytes=MIN_SHARD_BYTES,
-                    ingress=_ingress(joiner_profile),
+                    ingress=_ingress(run.profile),
                 )
                 live = [n for n in names if donor_set.procs[n].poll() is None]
                 await _prepare(carrier, live, p.shard_bytes, p.num_shards)
-                if method in ("uniform", "single"):
+                if run.method in ("uniform", "single"):
                     await _prepare(
                         carrier, live, *_baseline_shards(total, p.num_shards, len(names))
                     )
                 result = await asyncio.wait_for(
                     _run_method(
-                        method,
-                        joiner_profile,
+                        run,
                         carrier,
                         names,
-                        total,
-                        expected,
-                        workdir,
+                        replica,
                         donor_set=donor_set,
-                        kill_at=kill_at,
                         on_progress=(
-                            None if on_transfer is None else functools.partial(on_transfer, label)
+                            None
+                            if on_transfer is None
+                            else functools.partial(on_transfer, run.label)
                         ),
                     ),
                     SCALE_OUT_TIMEOUT_S,
                 )
-                results.append((label, result))
+                results.append((run.label, result))
             finally:
                 await carrier.close()
     finally:
@@ -811,193 +975,203 @@ def _sweep_profile(n: int, mb_s: float, joiner: Any) -> WanProfile:
     return parse_profile({"name": f"sweep{n}", "parties": parties})
 
 
+@dataclass(frozen=True)
+class _Bench:
+    """One benchmark's fixed inputs: the profile and its file, the replica, the callbacks."""
+
+    profile: WanProfile
+    profile_path: Path
+    replica: _Replica
+    say: Callable[[str], None]
+    on_transfer: Callable[[str, Progress], None] | None
+
+
+def _bottleneck_profile(profile: WanProfile, names: Sequence[str]) -> tuple[WanProfile, float]:
+    """``profile`` with the joiner's downlink at a third of the donors' sum, and that cap."""
+    joiner = profile.link(JOINER)
+    agg = sum(profile.path_bps(n, JOINER) for n in names)
+    cap = round(agg / 3e6, 3)  # the joiner's downlink at a third of the donors' sum
+    tight = parse_profile(
+        {
+            **profile.model_dump(mode="json"),
+            "parties": {
+                **profile.model_dump(mode="json")["parties"],
+                JOINER: {**joiner.model_dump(mode="json"), "down_mb_s": cap},
+            },
+        }
+    )
+    return tight, cap
+
+
+def _main_plan(settings: ScaleOutSettings, profile: WanProfile) -> list[_Run]:
+    """The runs of the main session: every method (chaos ``runs`` times), then the bottleneck."""
+    main_plan: list[_Run] = []
+    for m in settings.methods:
+        for r in range(settings.runs if m == "chaos" else 1):
+            main_plan.append(_Run(f"{m}#{r}", m, profile, None))
+    if settings.chaos_extras:
+        tight, _ = _bottleneck_profile(profile, donors_of(profile))
+        main_plan.append(_Run("bottleneck#chaos", "chaos", tight, None))
+        main_plan.append(_Run("bottleneck#uniform", "uniform", tight, None))
+        main_plan.append(_Run("bottleneck#single", "single", tight, None))
+    return main_plan
+
+
+def _netns_result(topo: NetnsStar, donor_procs: Sequence[subprocess.Popen[str]]) -> dict[str, Any]:
+    """The result's ``netns`` entry: the star as built, and the donor processes in it."""
+    return {
+        "hub": topo.hub,
+        "namespaces": sorted(topo.namespaces.values()),
+        "donor_addresses": topo.addresses,
+        "joiner_address": topo.joiner_address,
+        "tbf_rate_bit_s": topo.rates_bit_s,
+        "joiner_down_tbf_bit_s": topo.joiner_down_bit_s,
+        "joiner_up_tbf_bit_s": topo.joiner_up_bit_s,
+        "mtu": topo.mtu,
+        "tcp_wire_factor": tcp_wire_factor(topo.mtu),
+        "latency": "carrier latency model (profile latencies, no rates); the kernel "
+        "links add none (no netem)",
+        "donor_pids": [p.pid for p in donor_procs],
+    }
+
+
+def _main_result(
+    settings: ScaleOutSettings, bench: _Bench, grouped: Mapping[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The result of the main comparison (one row per method, the median of its runs)."""
+    methods = settings.methods
+    methods_out = {m: _median_row(grouped[m]) for m in methods}
+    result: dict[str, Any] = {
+        "profile": bench.profile.name,
+        "profile_path": str(bench.profile_path),
+        "wan": settings.wan,
+        "state_bytes": bench.replica.total,
+        "donors": len(donors_of(bench.profile)),
+        "lower_bound_s": methods_out[methods[0]]["lower_bound_s"],
+        "methods": methods_out,
+        "process_model": "donors: one OS process each; joiner: this process (asyncio)",
+        "window_per_donor": WINDOW,
+        "cpu_count": os.cpu_count(),
+    }
+    if "chaos" in methods:
+        result["summary"] = _summary(methods_out)
+    return result
+
+
+def _extras_result(
+    settings: ScaleOutSettings, bench: _Bench, grouped: Mapping[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The joiner-bottleneck figures (already run), then the donor-death run and the sweep."""
+    profile, replica, say = bench.profile, bench.replica, bench.say
+    _, cap = _bottleneck_profile(profile, donors_of(profile))
+    out: dict[str, Any] = {
+        "joiner_bottleneck": {
+            "down_mb_s": cap,
+            "methods": {
+                k.split("#")[1]: grouped[k][0] for k in grouped if k.startswith("bottleneck")
+            },
+        }
+    }
+    death = asyncio.run(
+        _session(
+            profile,
+            bench.profile_path,
+            replica,
+            [_Run("death#chaos", "chaos", profile, 0.5)],
+            bench.on_transfer,
+        )
+    )
+    out["donor_death"] = death[0][1]
+    say(f"donor death: {death[0][1]['delay_s']:.2f} s")
+    sweep: dict[str, Any] = {}
+    for n in settings.sweep_donors:
+        sp = _sweep_profile(n, SCALE_OUT_SWEEP_MB_S, profile.link(JOINER))
+        sp_path = _write_profile(sp, replica.workdir / f"sweep{n}.yaml")
+        got = asyncio.run(
+            _session(
+                sp, sp_path, replica, [_Run(f"sweep{n}", "chaos", sp, None)], bench.on_transfer
+            )
+        )
+        row = got[0][1]
+        sweep[str(n)] = {
+            "delay_s": row["delay_s"],
+            "lower_bound_s": row["lower_bound_s"],
+            "ratio_to_bound": row["ratio_to_bound"],
+        }
+        say(f"sweep {n} donors: {row['delay_s']:.2f} s")
+    out["donor_sweep"] = {"link_mb_s": SCALE_OUT_SWEEP_MB_S, "by_donors": sweep}
+    return out
+
+
 def run_scale_out(
+    settings: ScaleOutSettings | None = None,
     *,
-    profile_path: Path | str | None = None,
-    wan: str = "shaped",
-    state_mib: int = SCALE_OUT_STATE_MIB,
-    runs: int = SCALE_OUT_RUNS,
-    methods: Sequence[str] = METHODS,
-    extras: bool = True,
-    sweep_donors: Sequence[int] = SCALE_OUT_SWEEP_DONORS,
     progress: Callable[[str], None] | None = None,
     on_transfer: Callable[[str, Progress], None] | None = None,
+    **knobs: Unpack[ScaleOutKnobs],
 ) -> dict[str, Any]:
     """Run the scale-out benchmark and return its JSON-ready result.
 
     Parameters
     ----------
-    profile_path : path or None, optional
-        WAN profile YAML (a ``joiner`` party and donors); ``None`` = the shipped ``wan8.yaml``.
-    wan : str, optional
-        ``"shaped"``: token buckets on loopback grpc. ``"netns"``: every donor process runs in
-        its own network namespace (``ip netns exec``), bound to its namespace-local address,
-        linked to the joiner (this process, root namespace) through a bridge; each donor's
-        egress is shaped by ``tbf`` at its uplink, the bridge's port toward the joiner at the
-        joiner's downlink (see :func:`netns_rates_bit_s`). The kernel adds no latency (no
-        netem): the carriers keep the profile's latency model with all rates removed
-        (:func:`latency_only`), so the lower bound is the same formula over the same figures.
-        Needs root; the main comparison only (``extras=False``).
-    state_mib : int, optional
-        State size in MiB (>= 1).
-    runs : int, optional
-        Runs of ``chaos`` (its median is reported); the baselines run once.
-    methods : sequence of str, optional
-        Which methods to run.
-    extras : bool, optional
-        Also run the donor sweep, the donor-death run and the joiner-bottleneck run.
-    sweep_donors : sequence of int, optional
-        Donor counts of the sweep.
+    settings : ScaleOutSettings or None, optional
+        The benchmark's knobs (``None``: the defaults).
     progress : callable or None, optional
         Called with a line of text as each run finishes.
     on_transfer : callable or None, optional
         Called as ``on_transfer(run_label, snapshot)`` with the pull engine's
         :class:`~chaos_flwr.transfer.Progress` (bytes, per donor, ETA) while a ``chaos`` run
         transfers, at most every ``SCALE_OUT_PROGRESS_INTERVAL_S`` seconds and once when done.
+    **knobs
+        Fields of :class:`ScaleOutSettings` (``profile_path``, ``wan``, ``state_mib``,
+        ``runs``, ``methods``, ``extras``, ``sweep_donors``) set over ``settings``.
 
     Raises
     ------
     ConfigError
         Bad option or profile (the message names it).
     """
-    if wan not in ("shaped", "netns"):
-        raise ConfigError(f"wan: {wan!r} is not a link mode; use 'shaped' or 'netns'")
-    if wan == "netns" and extras:
-        raise ConfigError(
-            "wan: 'netns' runs the main comparison only (the sweep, donor-death and "
-            "joiner-bottleneck runs are not wired to namespaces yet); pass extras=False "
-            "(--no-extras)"
-        )
-    if isinstance(state_mib, bool) or not isinstance(state_mib, int) or state_mib < 1:
-        raise ConfigError(f"state_mib: give an int >= 1, got {state_mib!r}")
-    if runs < 1:
-        raise ConfigError(f"runs: give an int >= 1, got {runs!r}")
-    for m in methods:
-        if m not in METHODS:
-            raise ConfigError(f"methods: unknown method {m!r}; use {', '.join(METHODS)}")
+    settings = replace(settings or ScaleOutSettings(), **knobs)
     say = progress or (lambda _line: None)
-    path = Path(profile_path) if profile_path is not None else default_profile_path()
+    path = (
+        Path(settings.profile_path) if settings.profile_path is not None else default_profile_path()
+    )
     profile = load_profile(path)
-    names = donors_of(profile)
-    data, expected = _make_state(state_mib)
+    donors_of(profile)  # refuses a profile without a joiner or donors before any work
+    data, expected = _make_state(settings.state_mib)
     total = len(data)
     topo: NetnsStar | None = None
     donor_procs: list[subprocess.Popen[str]] = []
     with ExitStack() as stack:
-        if wan == "netns":
+        if settings.wan == "netns":
             rates, j_down, j_up = netns_rates_bit_s(profile)
             topo = stack.enter_context(star(rates, joiner_down_bit_s=j_down, joiner_up_bit_s=j_up))
             stack.callback(_kill_leftovers, donor_procs)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-scale-")))
-        state_path = workdir / "replica.bin"
-        state_path.write_bytes(data)
+        replica = _Replica(workdir / "replica.bin", total, expected, workdir)
+        replica.path.write_bytes(data)
         del data
-        main_plan: list[tuple[str, str, WanProfile, float | None]] = []
-        for m in methods:
-            for r in range(runs if m == "chaos" else 1):
-                main_plan.append((f"{m}#{r}", m, profile, None))
-        if extras and "chaos" in methods:
-            joiner = profile.link(JOINER)
-            agg = sum(profile.path_bps(n, JOINER) for n in names)
-            cap = round(agg / 3e6, 3)  # the joiner's downlink at a third of the donors' sum
-            tight = parse_profile(
-                {
-                    **profile.model_dump(mode="json"),
-                    "parties": {
-                        **profile.model_dump(mode="json")["parties"],
-                        JOINER: {**joiner.model_dump(mode="json"), "down_mb_s": cap},
-                    },
-                }
-            )
-            main_plan.append(("bottleneck#chaos", "chaos", tight, None))
-            main_plan.append(("bottleneck#uniform", "uniform", tight, None))
-            main_plan.append(("bottleneck#single", "single", tight, None))
+        bench = _Bench(profile, path, replica, say, on_transfer)
+        main_plan = _main_plan(settings, profile)
         t_start = time.monotonic()
         rows = asyncio.run(
-            _session(
-                profile, path, state_path, total, expected, workdir, main_plan, on_transfer,
-                topo, donor_procs,
-            )
-        )  # fmt: skip
+            _session(profile, path, replica, main_plan, on_transfer, topo, donor_procs)
+        )
         for label, row in rows:
             say(f"{label}: {row['delay_s']:.2f} s (bound {row['lower_bound_s']:.2f} s)")
         grouped: dict[str, list[dict[str, Any]]] = {}
         for label, row in rows:
             key = label if label.startswith("bottleneck") else label.split("#")[0]
             grouped.setdefault(key, []).append(row)
-        methods_out = {m: _median_row(grouped[m]) for m in methods}
-        result: dict[str, Any] = {
-            "profile": profile.name,
-            "profile_path": str(path),
-            "wan": wan,
-            "state_bytes": total,
-            "donors": len(names),
-            "lower_bound_s": methods_out[methods[0]]["lower_bound_s"],
-            "methods": methods_out,
-            "process_model": "donors: one OS process each; joiner: this process (asyncio)",
-            "window_per_donor": WINDOW,
-            "cpu_count": os.cpu_count(),
-        }
-        if "chaos" in methods:
-            result["summary"] = _summary(methods_out)
+        result = _main_result(settings, bench, grouped)
         if topo is not None:
             result["process_model"] = (
                 "donors: one OS process each, each in its own network namespace "
                 "(ip netns exec); joiner: this process (asyncio, root namespace)"
             )
-            result["netns"] = {
-                "hub": topo.hub,
-                "namespaces": sorted(topo.namespaces.values()),
-                "donor_addresses": topo.addresses,
-                "joiner_address": topo.joiner_address,
-                "tbf_rate_bit_s": topo.rates_bit_s,
-                "joiner_down_tbf_bit_s": topo.joiner_down_bit_s,
-                "joiner_up_tbf_bit_s": topo.joiner_up_bit_s,
-                "mtu": topo.mtu,
-                "tcp_wire_factor": tcp_wire_factor(topo.mtu),
-                "latency": "carrier latency model (profile latencies, no rates); the kernel "
-                "links add none (no netem)",
-                "donor_pids": [p.pid for p in donor_procs],
-            }
-        if extras and "chaos" in methods:
-            result["joiner_bottleneck"] = {
-                "down_mb_s": cap,
-                "methods": {
-                    k.split("#")[1]: grouped[k][0] for k in grouped if k.startswith("bottleneck")
-                },
-            }
-            death = asyncio.run(
-                _session(
-                    profile,
-                    path,
-                    state_path,
-                    total,
-                    expected,
-                    workdir,
-                    [("death#chaos", "chaos", profile, 0.5)],
-                    on_transfer,
-                )
-            )
-            result["donor_death"] = death[0][1]
-            say(f"donor death: {death[0][1]['delay_s']:.2f} s")
-            sweep: dict[str, Any] = {}
-            for n in sweep_donors:
-                sp = _sweep_profile(n, SCALE_OUT_SWEEP_MB_S, profile.link(JOINER))
-                sp_path = _write_profile(sp, workdir / f"sweep{n}.yaml")
-                got = asyncio.run(
-                    _session(
-                        sp, sp_path, state_path, total, expected, workdir,
-                        [(f"sweep{n}", "chaos", sp, None)], on_transfer,
-                    )
-                )  # fmt: skip
-                row = got[0][1]
-                sweep[str(n)] = {
-                    "delay_s": row["delay_s"],
-                    "lower_bound_s": row["lower_bound_s"],
-                    "ratio_to_bound": row["ratio_to_bound"],
-                }
-                say(f"sweep {n} donors: {row['delay_s']:.2f} s")
-            result["donor_sweep"] = {"link_mb_s": SCALE_OUT_SWEEP_MB_S, "by_donors": sweep}
+            result["netns"] = _netns_result(topo, donor_procs)
+        if settings.chaos_extras:
+            result.update(_extras_result(settings, bench, grouped))
         result["wall_s"] = time.monotonic() - t_start
     return result
 

@@ -25,14 +25,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..defaults import (
+from ..identity import Identity, verify_signature
+from ..wire import DOMAIN, ReplayGuard, open_sealed, seal
+from .settings import (
     WIRE_BENCH_MIN_REPEATS,
     WIRE_BENCH_PAYLOAD_BYTES,
     WIRE_BENCH_REPEATS,
     WIRE_BENCH_ROUNDS,
 )
-from ..identity import Identity, verify_signature
-from ..wire import DOMAIN, ReplayGuard, open_sealed, seal
 
 __all__ = ["run_wire"]
 
@@ -63,6 +63,63 @@ def _time(fn: Callable[[int], object], repeats: int, rounds: int) -> float:
     return statistics.median(samples) * 1e6
 
 
+def _size_row(alice: Identity, size: int, repeats: int, rounds: int) -> dict[str, Any]:
+    """Time the hot path for one payload size (one row of ``run_wire``'s result)."""
+    keyring = {alice.party_id: alice.public_key}
+    payload = _payload(size)
+    runs = max(WIRE_BENCH_MIN_REPEATS, repeats * 1024 // max(1024, size))
+    data = seal(alice, incarnation=0, seq=0, timestamp=0.0, kind="rec", payload=payload)
+    head = DOMAIN + data[:-64]
+    signature = data[-64:]
+    envs = [
+        open_sealed(
+            seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload),
+            keyring,
+        )
+        for i in range(runs * rounds)
+    ]
+    guard = ReplayGuard()
+
+    def do_seal(i: int, payload: dict[str, Any] = payload) -> object:
+        return seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload)
+
+    def do_open(i: int, data: bytes = data) -> object:
+        return open_sealed(data, keyring)
+
+    def do_guard(i: int, envs: list[Any] = envs, guard: ReplayGuard = guard) -> object:
+        guard.check(envs[i], 0.0)
+        guard.accept(envs[i])
+        return None
+
+    round_guard = ReplayGuard()
+
+    def do_round(i: int, payload: dict[str, Any] = payload, g: ReplayGuard = round_guard) -> object:
+        raw = seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload)
+        env = open_sealed(raw, keyring)
+        g.check(env, 0.0)
+        g.accept(env)
+        return env
+
+    def do_sign(i: int, head: bytes = head) -> object:
+        return alice.sign(head)
+
+    def do_verify(i: int, head: bytes = head, sig: bytes = signature) -> object:
+        verify_signature(alice.public_key, sig, head)
+        return None
+
+    return {
+        "payload_bytes": size,
+        "repeats": runs,
+        "envelope_bytes": len(data),
+        "seal_us": round(_time(do_seal, runs, rounds), 2),
+        "open_us": round(_time(do_open, runs, rounds), 2),
+        "guard_us": round(_time(do_guard, runs, rounds), 2),
+        "roundtrip_us": round(_time(do_round, runs, rounds), 2),
+        "sign_us": round(_time(do_sign, runs, rounds), 2),
+        "verify_us": round(_time(do_verify, runs, rounds), 2),
+    }
+
+
 def run_wire(
     sizes: tuple[int, ...] = WIRE_BENCH_PAYLOAD_BYTES,
     *,
@@ -86,63 +143,5 @@ def run_wire(
         "guard_us", "roundtrip_us", "sign_us", "verify_us"}, ...], "repeats", "rounds"}``.
     """
     alice = Identity.from_seed(b"bench-wire-alice")
-    keyring = {alice.party_id: alice.public_key}
-    rows = []
-    for size in sizes:
-        payload = _payload(size)
-        runs = max(WIRE_BENCH_MIN_REPEATS, repeats * 1024 // max(1024, size))
-        data = seal(alice, incarnation=0, seq=0, timestamp=0.0, kind="rec", payload=payload)
-        head = DOMAIN + data[:-64]
-        signature = data[-64:]
-        envs = [
-            open_sealed(
-                seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload),
-                keyring,
-            )
-            for i in range(runs * rounds)
-        ]
-        guard = ReplayGuard()
-
-        def do_seal(i: int, payload: dict[str, Any] = payload) -> object:
-            return seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload)
-
-        def do_open(i: int, data: bytes = data) -> object:
-            return open_sealed(data, keyring)
-
-        def do_guard(i: int, envs: list[Any] = envs, guard: ReplayGuard = guard) -> object:
-            guard.check(envs[i], 0.0)
-            guard.accept(envs[i])
-            return None
-
-        round_guard = ReplayGuard()
-
-        def do_round(
-            i: int, payload: dict[str, Any] = payload, g: ReplayGuard = round_guard
-        ) -> object:
-            raw = seal(alice, incarnation=0, seq=i, timestamp=0.0, kind="rec", payload=payload)
-            env = open_sealed(raw, keyring)
-            g.check(env, 0.0)
-            g.accept(env)
-            return env
-
-        def do_sign(i: int, head: bytes = head) -> object:
-            return alice.sign(head)
-
-        def do_verify(i: int, head: bytes = head, sig: bytes = signature) -> object:
-            verify_signature(alice.public_key, sig, head)
-            return None
-
-        rows.append(
-            {
-                "payload_bytes": size,
-                "repeats": runs,
-                "envelope_bytes": len(data),
-                "seal_us": round(_time(do_seal, runs, rounds), 2),
-                "open_us": round(_time(do_open, runs, rounds), 2),
-                "guard_us": round(_time(do_guard, runs, rounds), 2),
-                "roundtrip_us": round(_time(do_round, runs, rounds), 2),
-                "sign_us": round(_time(do_sign, runs, rounds), 2),
-                "verify_us": round(_time(do_verify, runs, rounds), 2),
-            }
-        )
+    rows = [_size_row(alice, size, repeats, rounds) for size in sizes]
     return {"sizes": rows, "repeats": repeats, "rounds": rounds}

@@ -11,8 +11,8 @@ import heapq
 import random
 from collections.abc import Callable
 
-from ..defaults import SIM_MAX_EVENTS, SIM_MAX_VIRTUAL_S
 from ..errors import ChaosError
+from .settings import SIM_MAX_EVENTS, SIM_MAX_VIRTUAL_S
 
 __all__ = ["Engine", "SimBoundError"]
 

@@ -15,8 +15,8 @@ import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from ..defaults import SIM_DEFAULT_BANDWIDTH_BPS, SIM_DEFAULT_LATENCY_S
 from .engine import Engine
+from .settings import SIM_DEFAULT_BANDWIDTH_BPS, SIM_DEFAULT_LATENCY_S
 
 __all__ = ["Faults", "Network"]
 

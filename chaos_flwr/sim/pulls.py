@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..defaults import SIM_TRAIN_MAX_SHARDS, SIM_TRAIN_MIN_SHARD_BYTES, SIM_TRAIN_PULL_TIMEOUT_S
 from ..errors import ChaosError
 from ..planner import Donor, plan_transfer
 from ..receipts import Receipt
 from ..state import Manifest
 from ..transfer import CancelRequest, PullSession
+from .settings import SIM_TRAIN_MAX_SHARDS, SIM_TRAIN_MIN_SHARD_BYTES, SIM_TRAIN_PULL_TIMEOUT_S
 from .trainmodel import Cert, Pull, TrainParty, train_msg
 from .world import World
 

@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..charter import Charter
-from ..defaults import (
+from ..errors import ChaosError, ConfigError
+from ..identity import Identity
+from ..membership import Policy, SignatureCache, validate_record
+from ..peer import Outgoing, Peer
+from .engine import Engine, SimBoundError
+from .nemesis import Nemesis
+from .network import Faults, Network
+from .scenario import Event, Scenario, load_scenario, parse_scenario
+from .settings import (
     SIM_BENCH_RUNS,
     SIM_FOUNDERS,
     SIM_REJOIN_INTERVAL_S,
@@ -32,14 +40,6 @@ from ..defaults import (
     SIM_TRAIN_QUIESCE_S,
     SIM_TRAIN_ROUND_TIMEOUT_S,
 )
-from ..errors import ChaosError, ConfigError
-from ..identity import Identity
-from ..membership import Policy, SignatureCache, validate_record
-from ..peer import Outgoing, Peer
-from .engine import Engine, SimBoundError
-from .nemesis import Nemesis
-from .network import Faults, Network
-from .scenario import Event, Scenario, load_scenario, parse_scenario
 from .training import Trainer
 from .trainmodel import TRAIN_TAG
 

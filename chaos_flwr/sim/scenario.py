@@ -33,7 +33,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..defaults import (
+from ..errors import ConfigError
+from .settings import (
     SIM_DEFAULT_BANDWIDTH_BPS,
     SIM_DEFAULT_LATENCY_S,
     SIM_DEFAULT_SETTLE_S,
@@ -41,7 +42,6 @@ from ..defaults import (
     SIM_MAX_VIRTUAL_S,
     SIM_TICK_INTERVAL_S,
 )
-from ..errors import ConfigError
 
 __all__ = [
     "Event",

@@ -34,17 +34,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import codec
-from ..defaults import (
+from ..errors import ChaosError, SignatureError
+from ..receipts import Equivocation, Receipt, ReceiptLedger
+from .invariants import check_training
+from .pulls import Puller
+from .settings import (
     SIM_TRAIN_COLLECT_S,
     SIM_TRAIN_MAX_CONTRIBUTORS,
     SIM_TRAIN_MAX_INVITED,
     SIM_TRAIN_ROUND_GAP_S,
     SIM_TRAIN_ROUND_TIMEOUT_S,
 )
-from ..errors import ChaosError, SignatureError
-from ..receipts import Equivocation, Receipt, ReceiptLedger
-from .invariants import check_training
-from .pulls import Puller
 from .trainmodel import (
     GENESIS_PREV,
     RELAY,

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from .. import codec
-from ..defaults import SIM_TRAIN_STATE_BYTES
 from ..receipts import ReceiptLedger
 from ..state import TrainingState
 from ..transfer import PullSession
+from .settings import SIM_TRAIN_STATE_BYTES
 
 __all__ = [
     "GENESIS_PREV",
