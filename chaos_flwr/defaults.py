@@ -152,7 +152,7 @@ TRANSFER_RATE_EWMA_ALPHA: float = 0.5
 #: Uploads a donor serves at once; further shard requests wait in its queue.
 DONOR_MAX_CONCURRENT_UPLOADS: int = 4
 
-# --- transport / shaping / bench scale-out ---------------------------------------------------
+# --- transport / shaping ---------------------------------------------------------------------
 #: Largest message (request or reply) the grpc carrier sends or accepts, in bytes.
 TRANSPORT_MAX_MESSAGE_BYTES: int = 256 * 1024 * 1024
 #: Address a carrier's server listens on (loopback; a namespace-local address in netns mode).

@@ -23,8 +23,10 @@ from typer.testing import CliRunner
 from chaos_flwr.cli import app
 from chaos_flwr.sim.runner import Simulation, random_scenario, run_scenario, soak
 from chaos_flwr.sim.scenario import parse_scenario
-from chaos_flwr.sim.settings import SIM_SOAK_CI_SEEDS, SIM_SOAK_EVENTS
+from chaos_flwr.sim.settings import SIM_SOAK_EVENTS
 
+#: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
+SIM_SOAK_CI_SEEDS = 300
 SEEDS = int(os.environ.get("CHAOS_SOAK_SEEDS", str(SIM_SOAK_CI_SEEDS)))
 WORKERS = int(os.environ.get("CHAOS_SOAK_WORKERS", "2"))
 

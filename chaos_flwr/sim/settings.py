@@ -48,8 +48,6 @@ SIM_TRAIN_MAX_SHARDS: int = 16
 SIM_TRAIN_QUIESCE_S: float = 8.0
 #: Timeline events of a random soak schedule (``chaos-flwr simulate --soak``).
 SIM_SOAK_EVENTS: int = 200
-#: Seeds the CI soak test runs (env ``CHAOS_SOAK_SEEDS`` overrides).
-SIM_SOAK_CI_SEEDS: int = 300
 #: Soak: settle time after the last schedule event, in virtual seconds.
 SIM_SOAK_SETTLE_S: float = 18.0
 #: Soak: shortest and longest virtual gap between two schedule events, in seconds.
