@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
+from chaos_flwr.errors import ConfigError, TransportError
+from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.render import plot_report
+from chaos_flwr.lab.report import build_report, read_progress, write_report
+from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
+from chaos_flwr.lab.settings import (
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
     FLOWER_DEMO_MAX_ACCURACY_GAP,
@@ -37,11 +42,6 @@ from chaos_flwr.defaults import (
     FLOWER_DEMO_RUN_TIMEOUT_S,
     FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
-from chaos_flwr.errors import ConfigError, TransportError
-from chaos_flwr.lab.example import example_dir
-from chaos_flwr.lab.render import plot_report
-from chaos_flwr.lab.report import build_report, read_progress, write_report
-from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
 from chaos_flwr.lab.simulation import run_simulation_app
 
 __all__ = [

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_DEMO_MAX_ACCURACY_GAP
 from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario
+from chaos_flwr.lab.settings import FLOWER_DEMO_MAX_ACCURACY_GAP
 
 __all__ = ["build_report", "read_progress", "write_report"]
 
