@@ -96,7 +96,7 @@ def institution_indices(
     for label in range(NUM_CLASSES):
         samples = pool[pool_labels == label]
         home = label % institutions
-        cut = int(round(len(samples) * home_share)) if institutions > 1 else len(samples)
+        cut = round(len(samples) * home_share) if institutions > 1 else len(samples)
         if home == institution:
             mine.append(samples[:cut])
             continue
@@ -141,7 +141,9 @@ def fit(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], cfg: dict[str
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(images[chunk]), labels[chunk])
             if mu > 0.0:
-                drift = sum(((w - a) ** 2).sum() for w, a in zip(model.parameters(), anchor))
+                drift = sum(
+                    ((w - a) ** 2).sum() for w, a in zip(model.parameters(), anchor, strict=True)
+                )
                 loss = loss + 0.5 * mu * drift
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
