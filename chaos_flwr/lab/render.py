@@ -73,6 +73,7 @@ def report_figure(report: Mapping[str, Any]) -> Any:
         ax.text(
             rnd - 0.5, 0.03, label, rotation=90, fontsize=7, color=color, va="bottom",
             ha="right", transform=ax.get_xaxis_transform(),
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1},
         )  # fmt: skip
     final = report["final_accuracy"]
     ax.set_title(
@@ -196,19 +197,20 @@ def _events_table(report: Mapping[str, Any]) -> Any:
         )
     if restart.get("resumed_at_round") is not None:
         ev.caption = _restart_caption(restart)
+        ev.caption_justify = "left"
     return ev
 
 
 def _restart_caption(restart: Mapping[str, Any]) -> str:
     """The server restart's time split: Flower's start-up apart from Chaos's own resume."""
+    rnd = _fmt(restart.get("resumed_at_round"))
     return (
-        f"server restart: first resumed round done "
-        f"{_fmt(restart.get('restart_to_first_round_s'), '.1f')} s after the new run's launch = "
-        f"engine start-up {_fmt(restart.get('engine_startup_s'), '.1f')} s + Chaos resume "
-        f"{_fmt(restart.get('chaos_resume_s'), '.1f')} s (hello, pull and verification; the "
-        f"pull {_fmt(restart.get('resume_pull_s'), '.2f')} s) + round "
-        f"{_fmt(restart.get('resumed_at_round'))} itself "
-        f"{_fmt(restart.get('first_round_s'), '.1f')} s"
+        f"server restart: round {rnd} done "
+        f"{_fmt(restart.get('restart_to_first_round_s'), '.1f')} s after the new run's launch\n"
+        f"= engine start-up {_fmt(restart.get('engine_startup_s'), '.1f')} s + Chaos resume "
+        f"{_fmt(restart.get('chaos_resume_s'), '.1f')} s (hello, pull, verification; "
+        f"the pull {_fmt(restart.get('resume_pull_s'), '.2f')} s)\n"
+        f"+ round {rnd} itself {_fmt(restart.get('first_round_s'), '.1f')} s"
     )
 
 
