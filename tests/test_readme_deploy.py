@@ -4,6 +4,8 @@ The fenced block after the ``deploy-test`` marker in README.md is split into she
 ending in ``\\`` continues, a here-document runs to its terminator). A step ending in ``&`` is a
 server: it is started in its own session and stopped by pid at the end; every other step must
 exit 0. Only the ports change (free ports on 127.0.0.1 for the README's 8000, 9094 and 9095).
+After the run, the SuperLink is checked to speak only TLS with the README's CA, and a SuperNode
+with a key nobody registered is checked to be refused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,6 +36,8 @@ LISTEN_TIMEOUT_S = 60.0
 #: Bound of one foreground step (the last one is the whole run).
 STEP_TIMEOUT_S = 330.0
 ROUNDS = 2
+#: Bound of the SuperNode with an unregistered key (it gives up after one retry).
+UNREGISTERED_TIMEOUT_S = 90.0
 
 
 @pytest.fixture(autouse=True)
@@ -130,6 +135,22 @@ def _tls_checks(port: int, ca: Path) -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read()
 
 
+def _unregistered_node_is_refused(cwd: Path, port: int, env: dict[str, str]) -> None:
+    """A SuperNode whose key nobody registered cannot join (SuperNode authentication is on)."""
+    make = [sys.executable, "examples/multi_institution/make_certs.py", "--out", "eve"]
+    subprocess.run([*make, "--supernode", "eve"], cwd=cwd, env=env, check=True, timeout=60)
+    node = subprocess.run(
+        [
+            "flower-supernode", "--superlink", f"127.0.0.1:{port}",
+            "--root-certificates", "certs/ca.crt", "--auth-supernode-private-key", "eve/eve-auth",
+            "--port", str(free_port()), "--max-retries", "1", "--max-wait-time", "10",
+        ],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=UNREGISTERED_TIMEOUT_S,
+    )  # fmt: skip
+    assert node.returncode != 0
+    assert "Failed to activate SuperNode" in node.stdout + node.stderr, node.stderr[-2000:]
+
+
 def test_readme_steps_parse() -> None:
     steps = shell_steps(readme_deploy_block((ROOT / "README.md").read_text("utf-8")))
     servers = [s for s in steps if s.endswith("&")]
@@ -153,11 +174,13 @@ def test_the_readme_deployment_runs_with_tls_and_supernode_auth(
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     before = set(descendants(os.getpid()))
     t0 = time.monotonic()
-    servers, out = _run_steps(shell_steps(block), tmp_path, flower_env_of(flower_env))
+    env = flower_env_of(flower_env)
+    servers, out = _run_steps(shell_steps(block), tmp_path, env)
     try:
         wall = time.monotonic() - t0
         print(f"README deployment: {wall:.0f} s for {ROUNDS} rounds")  # pytest -s
         _tls_checks(int(ports["8000"]), tmp_path / "certs" / "ca.crt")
+        _unregistered_node_is_refused(tmp_path, int(ports["8000"]), env)
         assert f"[ROUND {ROUNDS}/{ROUNDS}]" in out, out[-4000:]
         assert out.count("aggregate_train: Received 2 results and 0 failures") == ROUNDS, out
         assert "skipping training" not in out
