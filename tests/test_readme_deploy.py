@@ -139,16 +139,24 @@ def _unregistered_node_is_refused(cwd: Path, port: int, env: dict[str, str]) -> 
     """A SuperNode whose key nobody registered cannot join (SuperNode authentication is on)."""
     make = [sys.executable, "examples/multi_institution/make_certs.py", "--out", "eve"]
     subprocess.run([*make, "--supernode", "eve"], cwd=cwd, env=env, check=True, timeout=60)
-    node = subprocess.run(
-        [
-            "flower-supernode", "--superlink", f"127.0.0.1:{port}",
-            "--root-certificates", "certs/ca.crt", "--auth-supernode-private-key", "eve/eve-auth",
-            "--port", str(free_port()), "--max-retries", "1", "--max-wait-time", "10",
-        ],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=UNREGISTERED_TIMEOUT_S,
-    )  # fmt: skip
-    assert node.returncode != 0
-    assert "Failed to activate SuperNode" in node.stdout + node.stderr, node.stderr[-2000:]
+    log = cwd / "eve.log"
+    with log.open("wb") as f:  # a file, not a pipe: a child it leaves must not hold us up
+        node = subprocess.Popen(
+            [
+                "flower-supernode", "--superlink", f"127.0.0.1:{port}",
+                "--root-certificates", "certs/ca.crt", "--auth-supernode-private-key",
+                "eve/eve-auth", "--port", str(free_port()), "--max-retries", "1",
+                "--max-wait-time", "10",
+            ],
+            cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        returncode = node.wait(timeout=UNREGISTERED_TIMEOUT_S)
+    finally:
+        stop_process_tree(node)
+    text = log.read_text("utf-8", "replace")
+    assert returncode != 0, text[-2000:]
+    assert "Failed to activate SuperNode" in text, text[-2000:]
 
 
 def test_readme_steps_parse() -> None:
