@@ -649,8 +649,8 @@ def demo(
     A churn-free FedAvg run, then ChaosStrategy(FedAvg) under the scenario (a join at round 3,
     a leave, a link drop, a crash, the server killed and restarted, the crashed one back).
     """
-    from chaos_flwr.defaults import FLOWER_DEMO_OUT_DIR, FLOWER_DEMO_RUN_TIMEOUT_S
     from chaos_flwr.lab.demo import demo_cli
+    from chaos_flwr.lab.settings import FLOWER_DEMO_OUT_DIR, FLOWER_DEMO_RUN_TIMEOUT_S
 
     demo_cli(
         out or FLOWER_DEMO_OUT_DIR,

@@ -373,3 +373,140 @@ def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> Non
         assert not [p for p in run.pids if alive(p)]
     new = [p for p in descendants(os.getpid()) if p not in before]
     assert [p for p in new if alive(p)] == []
+
+
+# -- the report as a reader sees it (issue 19, point 7) ---------------------------------------
+def _six_party_runs() -> tuple[Any, dict[int, str], list[Any], list[list[Any]]]:
+    """A recorded churn run like the demo's (5 institutions and a joiner), killed in round 6
+    and resumed: the crash of p3 in round 5 produced a signed fail record, p3 returns in 7."""
+    scen = parse_scenario(
+        _base(rounds=9, institutions=5, joiners=1, events=[
+            {"round": 3, "kind": "join", "party": 5},
+            {"round": 4, "kind": "link-down", "party": 0, "peer": 1},
+            {"round": 4, "kind": "leave", "party": 4},
+            {"round": 5, "kind": "crash", "party": 3},
+            {"round": 6, "kind": "server-kill"},
+            {"round": 7, "kind": "return", "party": 3},
+        ])
+    )  # fmt: skip
+    ids = {i: f"p{i}id" for i in range(6)}
+    nodes = {str(100 + i): f"p{i}id" for i in range(6)}
+    everyone = [f"p{i}id" for i in range(6)]
+    base = [{"round": r, "accuracy": 0.1 * r, "time": 10.0 + r} for r in range(10)]
+    donors = {f"p{i}id": 11_264 + 8 * i for i in range(5)}
+    join = {
+        "party": "p5id", "node": 105, "server_round": 3, "ok": True, "donors": list(donors),
+        "planned_bytes": donors, "bytes_per_donor": {**donors, "p0id": 11_000},
+        "planned_shards": {d: 11 for d in donors}, "pull_s": 0.41, "lower_bound_s": 0.0123,
+    }  # fmt: skip
+    fail = {"kind": "fail", "subject": "p3id", "server_round": 5, "first_seen": 5.0,
+            "settle_s": 0.2, "record_id": "f"}  # fmt: skip
+    members = {"active": [*everyone[:4], "p5id"], "left": ["p4id"]}
+    logs1 = [
+        _rlog(0, []),
+        *(_rlog(r, [100, 101, 102, 103, 104]) for r in (1, 2)),
+        _rlog(3, [100, 101, 102, 103, 104], joins=[join]),
+        _rlog(4, [100, 101, 102, 103, 105], members=members),
+        _rlog(5, [100, 101, 102, 103, 105], errors={"103": 2}, events=[fail], members=members),
+    ]
+    run1 = [
+        {"round": r, "accuracy": 0.1 * r, "time": 100.0 + r, "node_parties": nodes,
+         "chaos_rounds": logs1[: r + 1]}
+        for r in range(6)
+    ]  # fmt: skip
+    back = {"kind": "join", "subject": "p3id", "server_round": 7, "first_seen": 9.0,
+            "settle_s": 0.3, "record_id": "b"}  # fmt: skip
+    logs2 = [
+        _rlog(5, [], holders=everyone[:3]),  # the hello, named after the resumed round
+        _rlog(6, [100, 101, 102, 105], members=members, train_s=4.0, certify_s=1.5),
+        _rlog(7, [100, 101, 102, 103, 105], members=members, events=[back]),
+        *(_rlog(r, [100, 101, 102, 103, 105], members=members) for r in (8, 9)),
+    ]
+    pull = {"seconds": 0.75, "shares": {"p0id": 3, "p1id": 3, "p2id": 2}}
+    run2 = [{"round": 0, "accuracy": 0.0, "time": 250.0, "node_parties": nodes}] + [
+        {"round": r, "accuracy": 0.1 * r, "time": 260.0 + r, "node_parties": nodes,
+         "chaos_rounds": logs2[: r - 4], "last_pull": pull}
+        for r in range(6, 10)
+    ]  # fmt: skip
+    return scen, ids, base, [run1, run2]
+
+
+def _report() -> dict[str, Any]:
+    scen, ids, base, runs = _six_party_runs()
+    return build_report(scen, baseline=base, chaos_runs=runs, party_ids=ids,
+                        resumed_run_start=200.0)  # fmt: skip
+
+
+def test_the_resume_time_is_split_into_engine_start_up_and_chaos_resume() -> None:
+    restart = _report()["server_restart"]
+    assert restart["resumed_at_round"] == 6
+    assert restart["restart_to_first_round_s"] == pytest.approx(66.0)  # launch 200 -> 266
+    assert restart["engine_startup_s"] == pytest.approx(50.0)  # launch -> the round-0 line
+    assert restart["first_round_s"] == pytest.approx(5.5)  # round 6's train + certify
+    assert restart["chaos_resume_s"] == pytest.approx(10.5)  # hello, pull, verification
+    assert restart["resume_pull_s"] == pytest.approx(0.75)
+    parts = ("engine_startup_s", "chaos_resume_s", "first_round_s")
+    assert sum(restart[k] for k in parts) == pytest.approx(restart["restart_to_first_round_s"])
+    from rich.console import Console
+
+    console = Console(width=100, record=True)
+    console.print(render_table(_report())[1])
+    text = " ".join(console.export_text().split())
+    assert "engine start-up 50.0 s + Chaos resume 10.5 s" in text
+    assert "the pull 0.75 s" in text
+
+
+def test_a_crash_is_failed_in_the_members_column_once_its_signed_record_exists() -> None:
+    rounds = {r["round"]: r for r in _report()["rounds"]}
+    assert 3 in rounds[4]["members"]["active"]  # before the crash: active
+    for rnd in (5, 6):  # the fail record was seen in round 5: failed until it is back
+        assert 3 not in rounds[rnd]["members"]["active"], rounds[rnd]["members"]
+        assert rounds[rnd]["members"]["failed"] == [3]
+    assert 3 in rounds[7]["members"]["active"]  # its join record in round 7: active again
+    assert rounds[7]["members"].get("failed", []) == []
+
+
+def test_the_live_feed_and_the_table_count_the_same_trainers() -> None:
+    from chaos_flwr.lab.demo import progress_text
+
+    _, _, _, runs = _six_party_runs()
+    rounds = {r["round"]: r for r in _report()["rounds"]}
+    crash_line = runs[0][5]  # round 5: p3 was sampled and failed
+    assert rounds[5]["trained"] == 4 and rounds[5]["sampled"] == 5
+    assert "trained 4 of 5 sampled" in progress_text(crash_line)
+    for line in runs[0][1:]:
+        shown = int(progress_text(line).split("trained ")[1].split()[0])
+        assert shown == rounds[line["round"]]["trained"]
+
+
+def test_the_tables_fit_100_columns_and_round_0_reads_as_no_party() -> None:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    for table in render_table(_report()):
+        assert console.measure(table).maximum <= 100, table.title  # no wrapping at 100
+    console.print(render_table(_report())[0])
+    row0 = next(ln for ln in console.export_text().splitlines() if ln.strip("│ ").startswith("0 "))
+    cells = [c.strip() for c in row0.split("│") if c.strip()]
+    assert cells[3] == "initial", cells  # not "0", which reads like party p0
+    assert all(c.startswith("p") for c in cells[4].split() if c not in ("/", "-"))
+
+
+def test_plot_labels_do_not_overlap(tmp_path: Path) -> None:
+    from chaos_flwr.lab.render import event_labels, report_figure
+
+    rep = _report()
+    labels = event_labels(rep)
+    assert labels[4][1] == "link-down p0-p1, leave p4"  # one label per round
+    fig = report_figure(rep)
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    boxes.append(ax.get_legend().get_window_extent(renderer))
+    assert len(boxes) == len(labels) + 1
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

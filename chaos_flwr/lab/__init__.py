@@ -9,7 +9,8 @@
 - :mod:`~chaos_flwr.lab.demo`, :mod:`~chaos_flwr.lab.report`, :mod:`~chaos_flwr.lab.render`:
   ``chaos-flwr demo`` and its report (JSON, plot, terminal tables);
 - :mod:`~chaos_flwr.lab.overhead`, :mod:`~chaos_flwr.lab.deploy_churn`: the Flower benches;
-- :mod:`~chaos_flwr.lab.example`: where the multi-institution example lives.
+- :mod:`~chaos_flwr.lab.example`: where the multi-institution example lives;
+- :mod:`~chaos_flwr.lab.settings`: the lab's own tunables (launch bounds, the demo's).
 
 Importing this package imports none of its modules.
 """

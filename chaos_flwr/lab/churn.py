@@ -44,14 +44,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
+from chaos_flwr.errors import ChaosError, ConfigError
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario, load_scenario
+from chaos_flwr.lab.settings import (
     FLOWER_CHURN_KILL_TRAIN_DELAY_S,
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
 )
-from chaos_flwr.errors import ChaosError, ConfigError
-from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
-from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario, load_scenario
 
 __all__ = [
     "NodeCrashedError",

@@ -29,7 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
+from chaos_flwr.errors import ConfigError, TransportError
+from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.render import plot_report
+from chaos_flwr.lab.report import build_report, read_progress, trained_nodes, write_report
+from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
+from chaos_flwr.lab.settings import (
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
     FLOWER_DEMO_MAX_ACCURACY_GAP,
@@ -37,11 +42,6 @@ from chaos_flwr.defaults import (
     FLOWER_DEMO_RUN_TIMEOUT_S,
     FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
-from chaos_flwr.errors import ConfigError, TransportError
-from chaos_flwr.lab.example import example_dir
-from chaos_flwr.lab.render import plot_report
-from chaos_flwr.lab.report import build_report, read_progress, write_report
-from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
 from chaos_flwr.lab.simulation import run_simulation_app
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "churn_figures",
     "default_scenario",
     "demo_cli",
+    "progress_text",
     "run_demo",
 ]
 
@@ -335,6 +336,27 @@ def run_demo(
     return DemoResult(report, report_path, plot_path, work, launcher.runs)
 
 
+def progress_text(line: dict[str, Any]) -> str:
+    """One line of the demo's live feed for a progress line: accuracy, how many trained (the
+    report's count: sampled and answered), membership records filed, join pulls."""
+    acc = line.get("accuracy")
+    extra = ""
+    logs = line.get("chaos_rounds") or []
+    rlog = next((r for r in reversed(logs) if r.get("server_round") == line["round"]), None)
+    if rlog is not None:
+        extra = f"  trained {len(trained_nodes(rlog))}"
+        sampled = len(rlog.get("trained", []))
+        if sampled != len(trained_nodes(rlog)):
+            extra += f" of {sampled} sampled"
+        kinds = [e.get("kind") for e in rlog.get("events", [])]
+        if kinds:
+            extra += "  records: " + ", ".join(str(k) for k in kinds)
+        for j in rlog.get("joins", []):
+            extra += f"  join pull {'ok' if j.get('ok') else 'failed'}"
+    acc_s = f"{acc:.4f}" if isinstance(acc, float) else "-"
+    return f"  round {line['round']:>3}  accuracy {acc_s}{extra}"
+
+
 def demo_cli(
     out: str,
     *,
@@ -360,19 +382,7 @@ def demo_cli(
         if label != current["label"]:
             current["label"] = label
             console.rule(titles.get(label, label))
-        acc = line.get("accuracy")
-        extra = ""
-        logs = line.get("chaos_rounds") or []
-        rlog = next((r for r in reversed(logs) if r.get("server_round") == line["round"]), None)
-        if rlog is not None:
-            extra = f"  trained {len(rlog.get('trained', []))}"
-            kinds = [e.get("kind") for e in rlog.get("events", [])]
-            if kinds:
-                extra += "  records: " + ", ".join(str(k) for k in kinds)
-            for j in rlog.get("joins", []):
-                extra += f"  join pull {'ok' if j.get('ok') else 'failed'}"
-        acc_s = f"{acc:.4f}" if isinstance(acc, float) else "-"
-        console.print(f"  round {line['round']:>3}  accuracy {acc_s}{extra}")
+        console.print(progress_text(line))
 
     try:
         with console.status("running the demo (3 simulation runs)..."):

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
+from chaos_flwr.errors import TransportError
+from chaos_flwr.lab.deployment import DeploymentCluster
+from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.processes import alive, stop_process_tree
+from chaos_flwr.lab.report import read_progress
+from chaos_flwr.lab.settings import (
     FLOWER_DEMO_POLL_S,
     FLOWER_DEPLOY_FOUNDERS,
     FLOWER_DEPLOY_JOIN_ROUNDS,
@@ -21,11 +26,6 @@ from chaos_flwr.defaults import (
     FLOWER_DEPLOY_ROUNDS,
     FLOWER_DEPLOY_TIMEOUT_S,
 )
-from chaos_flwr.errors import TransportError
-from chaos_flwr.lab.deployment import DeploymentCluster
-from chaos_flwr.lab.example import example_dir
-from chaos_flwr.lab.processes import alive, stop_process_tree
-from chaos_flwr.lab.report import read_progress
 
 __all__ = ["measure_deploy_churn"]
 

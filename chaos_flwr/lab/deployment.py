@@ -14,11 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
-    FLOWER_RUN_TIMEOUT_S,
-    FLOWER_STOP_GRACE_S,
-    FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
-)
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.launch import (
     SimulationRun,
@@ -35,6 +30,11 @@ from chaos_flwr.lab.launch import (
     wait_health,
 )
 from chaos_flwr.lab.processes import descendants, kill_tree_now, serverapp_pids, stop_process_tree
+from chaos_flwr.lab.settings import (
+    FLOWER_RUN_TIMEOUT_S,
+    FLOWER_STOP_GRACE_S,
+    FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+)
 
 __all__ = ["DeploymentCluster", "run_deployment_app"]
 

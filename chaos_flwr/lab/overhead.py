@@ -13,13 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
-    FLOWER_EXAMPLE_SUPERNODES,
-    FLOWER_POLL_INTERVAL_S,
-    FLOWER_RUN_TIMEOUT_S,
-)
+from chaos_flwr.defaults import FLOWER_POLL_INTERVAL_S
 from chaos_flwr.errors import TransportError
 from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.settings import FLOWER_EXAMPLE_SUPERNODES, FLOWER_RUN_TIMEOUT_S
 from chaos_flwr.lab.simulation import run_simulation_app
 
 __all__ = ["measure_overhead"]

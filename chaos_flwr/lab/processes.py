@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_STOP_GRACE_S
+from chaos_flwr.lab.settings import FLOWER_STOP_GRACE_S
 
 __all__ = [
     "alive",

@@ -11,7 +11,21 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError
 
-__all__ = ["plot_report", "render_table"]
+__all__ = ["event_labels", "plot_report", "render_table", "report_figure"]
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or :class:`ConfigError` if it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError(
+            "report.png needs matplotlib: pip install -c constraints.txt -e '.[examples]'"
+        ) from exc
+    return plt
 
 
 def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
@@ -23,17 +37,19 @@ def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
     ConfigError
         matplotlib is not installed (``pip install -c constraints.txt -e '.[examples]'``).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigError(
-            "report.png needs matplotlib: pip install -c constraints.txt -e '.[examples]'"
-        ) from exc
+    plt = _pyplot()
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
+    fig = report_figure(report)
+    path = folder / "report.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def report_figure(report: Mapping[str, Any]) -> Any:
+    """The matplotlib figure of :func:`plot_report` (laid out, not saved)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for key, label, style in (
         ("fedavg", "FedAvg, no churn", "o--"),
@@ -51,12 +67,13 @@ def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
         "return": "tab:blue",
         "server-kill": "black",
     }
-    for i, ev in enumerate(report["events"]):
-        x = ev["round"] - 0.5 + 0.08 * (i % 3)
-        ax.axvline(x, color=colors.get(ev["kind"], "gray"), linestyle=":", linewidth=1.2)
+    for rnd, (kind, label) in event_labels(report).items():
+        color = colors.get(kind, "gray")
+        ax.axvline(rnd - 0.5, color=color, linestyle=":", linewidth=1.2)
         ax.text(
-            x, 0.02 + 0.07 * (i % 4), ev["label"].split(" @")[0], rotation=90, fontsize=7,
-            color=colors.get(ev["kind"], "gray"), transform=ax.get_xaxis_transform(),
+            rnd - 0.5, 0.03, label, rotation=90, fontsize=7, color=color, va="bottom",
+            ha="right", transform=ax.get_xaxis_transform(),
+            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1},
         )  # fmt: skip
     final = report["final_accuracy"]
     ax.set_title(
@@ -69,12 +86,23 @@ def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
     ax.set_ylabel("accuracy on the global test set")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    path = folder / "report.png"
+    ax.legend(loc="upper left")  # the curves rise to the right; event labels sit at the bottom
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def event_labels(report: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
+    """Round -> (kind of its first event, one label naming all its events) for the plot.
+
+    Events of one round share one marker and one label, so no two labels are drawn at the
+    same place.
+    """
+    out: dict[int, tuple[str, str]] = {}
+    for ev in report["events"]:
+        text = str(ev["label"]).split(" @")[0]
+        kind, prev = out.get(int(ev["round"]), (str(ev["kind"]), ""))
+        out[int(ev["round"])] = (kind, f"{prev}, {text}" if prev else text)
+    return out
 
 
 def _fmt(value: Any, spec: str = ".3f", none: str = "-") -> str:
@@ -90,29 +118,39 @@ def render_table(report: Mapping[str, Any]) -> list[Any]:
     return [_accuracy_table(report), _events_table(report), _joins_table(report)]
 
 
+def _parties(partitions: Any) -> str:
+    """Partitions as party names (``p0 p3``), never a bare number."""
+    return " ".join(f"p{p}" for p in partitions)
+
+
+def _trained_cell(rnd: int, r: Mapping[str, Any]) -> str:
+    if rnd == 0:
+        return "initial"  # round 0 certifies the initial model: nobody trains
+    if not r:
+        return "-"
+    return _parties(r.get("trained_partitions", [])) or "none"
+
+
 def _accuracy_table(report: Mapping[str, Any]) -> Any:
     from rich.table import Table
 
     acc = Table(title="Accuracy on the global test set")
     acc.add_column("round", justify="right")
-    acc.add_column("FedAvg (no churn)", justify="right")
-    acc.add_column("Chaos (churn)", justify="right")
-    acc.add_column("trained", justify="right")
-    acc.add_column("members (active / left / failed)")
+    acc.add_column("FedAvg\nno churn", justify="right")
+    acc.add_column("Chaos\nchurn", justify="right")
+    acc.add_column("trained")
+    acc.add_column("members\nactive / left / failed")
     rounds = {r["round"]: r for r in report["rounds"]}
     fed, cha = report["accuracy"]["fedavg"], report["accuracy"]["chaos"]
     for rnd in sorted({int(k) for k in fed} | {int(k) for k in cha}):
         r = rounds.get(rnd, {})
         members = r.get("members") or {}
-        mem = " / ".join(
-            ",".join(str(p) for p in members.get(s, [])) or "-"
-            for s in ("active", "left", "failed")
-        )
+        mem = " / ".join(_parties(members.get(s, [])) or "-" for s in ("active", "left", "failed"))
         acc.add_row(
             str(rnd),
             _fmt(fed.get(str(rnd)), ".4f"),
             _fmt(cha.get(str(rnd)), ".4f"),
-            ",".join(str(p) for p in r.get("trained_partitions", [])) or _fmt(r.get("trained")),
+            _trained_cell(rnd, r),
             mem if members else "-",
         )
     final = report["final_accuracy"]
@@ -126,11 +164,7 @@ def _accuracy_table(report: Mapping[str, Any]) -> Any:
 
 def _event_effect(e: Mapping[str, Any], restart: Mapping[str, Any]) -> str:
     if e["kind"] == "server-kill":
-        return (
-            f"resumed at round {_fmt(restart.get('resumed_at_round'))}, first round done "
-            f"{_fmt(restart.get('restart_to_first_round_s'), '.1f')} s after the new run "
-            "started"
-        )
+        return f"resumed at round {_fmt(restart.get('resumed_at_round'))} (below)"
     if e["kind"] == "crash":
         return f"not sampled from round {_fmt(e.get('excluded_in_round'))}"
     if e["kind"] == "return":
@@ -161,29 +195,60 @@ def _events_table(report: Mapping[str, Any]) -> Any:
             effect,
             "yes" if e.get("settled") else "NO",
         )
+    if restart.get("resumed_at_round") is not None:
+        ev.caption = _restart_caption(restart)
+        ev.caption_justify = "left"
     return ev
+
+
+def _restart_caption(restart: Mapping[str, Any]) -> str:
+    """The server restart's time split: Flower's start-up apart from Chaos's own resume."""
+    rnd = _fmt(restart.get("resumed_at_round"))
+    return (
+        f"server restart: round {rnd} done "
+        f"{_fmt(restart.get('restart_to_first_round_s'), '.1f')} s after the new run's launch\n"
+        f"= engine start-up {_fmt(restart.get('engine_startup_s'), '.1f')} s + Chaos resume "
+        f"{_fmt(restart.get('chaos_resume_s'), '.1f')} s (hello, pull, verification; "
+        f"the pull {_fmt(restart.get('resume_pull_s'), '.2f')} s)\n"
+        f"+ round {rnd} itself {_fmt(restart.get('first_round_s'), '.1f')} s"
+    )
+
+
+def _size(n: Any) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KB", "MB"):
+        if value < 1000 or unit == "MB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} MB"
+
+
+def _shares(j: Mapping[str, Any]) -> str:
+    """One line per donor: planned bytes, and what came if it differs."""
+    lines = []
+    for d in sorted(set(j["planned_bytes"]) | set(j["bytes_per_donor"])):
+        planned, got = j["planned_bytes"].get(d, 0), j["bytes_per_donor"].get(d, 0)
+        tail = "" if planned == got else f" -> {_size(got)}"
+        lines.append(f"p{d} {_size(planned)}{tail}")
+    return "\n".join(lines) or "-"
 
 
 def _joins_table(report: Mapping[str, Any]) -> Any:
     from rich.table import Table
 
-    jt = Table(title="Joins: shares per donor, delay vs the planner's lower bound")
+    jt = Table(title="Joins: bytes per donor, pull time vs the planner's lower bound")
     jt.add_column("joiner")
     jt.add_column("round", justify="right")
-    jt.add_column("bytes per donor (planned -> received)")
+    jt.add_column("per donor\n(planned -> got)")
     jt.add_column("pull", justify="right")
-    jt.add_column("lower bound", justify="right")
+    jt.add_column("bound", justify="right")
     jt.add_column("ratio", justify="right")
-    jt.add_column("join -> training", justify="right")
+    jt.add_column("join ->\ntraining", justify="right")
     for j in report["joins"]:
-        shares = ", ".join(
-            f"p{d}: {j['planned_bytes'].get(d, 0)}->{j['bytes_per_donor'].get(d, 0)}"
-            for d in sorted(set(j["planned_bytes"]) | set(j["bytes_per_donor"]))
-        )
         jt.add_row(
-            f"p{j['partition']}" + ("" if j["ok"] else f" FAILED: {j['error']}"),
+            f"p{j['partition']}" + ("" if j["ok"] else f"\nFAILED: {j['error']}"),
             str(j["round"]),
-            shares or "-",
+            _shares(j),
             f"{j['pull_s'] * 1000:.0f} ms",
             f"{j['lower_bound_s'] * 1000:.1f} ms",
             _fmt(j["delay_ratio"], ".1f") + "x" if j["delay_ratio"] is not None else "-",

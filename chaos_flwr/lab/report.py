@@ -15,15 +15,17 @@ the churn scenario (a second run after a server kill). :func:`build_report` turn
 - ``final_accuracy``: both, ``gap`` (chaos - fedavg) and ``within_gap`` (``|gap| <=`` the
   allowed gap, 2 points by default);
 - ``rounds``: per round of the churn run, parties sampled (sent a train message) and trained
-  (answered it), eligible, holders, members by status from the server-side view, and which
-  run (1 or 2) did it;
+  (answered it), eligible, holders, members by status from the server-side view (a party whose
+  signed ``fail`` record the ServerApp saw counts as failed from that round on, until a ``join``
+  record), and which run (1 or 2) did it;
 - ``events``: per scenario event, what the ServerApp saw (membership records with their
   settle time, rounds until a crashed party stopped being sampled, the resume after a kill);
 - ``joins``: every join pull: donors, planned and received bytes per donor, pull time, lower
   bound and their ratio, and the time from the join round's start to the joiner's first
   training reply;
 - ``server_restart``: the kill round, the resumed round, time from the new run's start to its
-  first finished round, and the resume pull (shares per holder);
+  first finished round split into the engine's start-up, Chaos's own resume (hello, pull,
+  verification) and the round itself, and the resume pull (shares per holder);
 - ``runs``: wall time and exit code of each simulation run, pids killed.
 """
 
@@ -35,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_DEMO_MAX_ACCURACY_GAP
 from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario
+from chaos_flwr.lab.settings import FLOWER_DEMO_MAX_ACCURACY_GAP
 
-__all__ = ["build_report", "read_progress", "write_report"]
+__all__ = ["build_report", "read_progress", "trained_nodes", "write_report"]
 
 _MEMBERSHIP_KIND = {
     "join": "join",
@@ -64,6 +66,16 @@ def read_progress(path: Path | str) -> list[dict[str, Any]]:
         if isinstance(obj, dict):
             out.append(obj)
     return out
+
+
+def trained_nodes(rlog: Mapping[str, Any]) -> list[int]:
+    """Nodes that trained in a RoundLog: sampled (sent a train message) and answered it.
+
+    ``RoundLog.trained`` lists the sampled nodes; those that missed the deadline or answered
+    with an error did not train. The live feed and the report count with this one rule.
+    """
+    failed = {int(n) for n in rlog.get("errors", {})} | {int(n) for n in rlog.get("missing", [])}
+    return [int(n) for n in rlog.get("trained", []) if int(n) not in failed]
 
 
 def _accuracy(lines: Sequence[Mapping[str, Any]], first_round: int = 0) -> dict[int, float]:
@@ -121,14 +133,9 @@ def _run_logs(
             resume_logs.append(dict(rlog))
             continue
         rlog = dict(rlog)
-        failed = {int(n) for n in rlog.get("errors", {})} | {
-            int(n) for n in rlog.get("missing", [])
-        }
         # sampled: the inner strategy sent it a train message; trained: and it answered
         rlog["sampled_partitions"] = sorted(nodes.get(int(n), -1) for n in rlog.get("trained", []))
-        rlog["trained_partitions"] = sorted(
-            nodes.get(int(n), -1) for n in rlog.get("trained", []) if int(n) not in failed
-        )
+        rlog["trained_partitions"] = sorted(nodes.get(n, -1) for n in trained_nodes(rlog))
         logs.append(rlog)
     return logs, resume_logs
 
@@ -159,8 +166,52 @@ def _history(
     return _ChaosHistory(parts, acc_chaos, logs, resume_logs, line_time, by_round)
 
 
+def _membership(history: _ChaosHistory) -> list[dict[str, Any]]:
+    """Every membership record the ServerApp saw (each run's RoundLogs, the resumes' too)."""
+    return [
+        ev
+        for rlog in [*(r for _, r in history.logs), *history.resume_logs]
+        for ev in rlog.get("events", []) or []
+    ]
+
+
+def _down_by_round(history: _ChaosHistory) -> dict[int, set[str]]:
+    """Round -> parties a signed ``fail`` record (seen by then, not undone by a later ``join``
+    record) marks failed, whatever the server-side view's own statuses say."""
+    timeline = sorted(
+        (int(ev.get("server_round", -1)), float(ev.get("first_seen", 0.0)), ev)
+        for ev in _membership(history)
+        if ev.get("kind") in ("fail", "join")
+    )
+    down: set[str] = set()
+    out: dict[int, set[str]] = {}
+    pending = iter(timeline)
+    nxt = next(pending, None)
+    for rnd in sorted(history.by_round):
+        while nxt is not None and nxt[0] <= rnd:
+            subject = str(nxt[2].get("subject", ""))
+            if nxt[2].get("kind") == "fail":
+                down.add(subject)
+            else:
+                down.discard(subject)
+            nxt = next(pending, None)
+        out[rnd] = set(down)
+    return out
+
+
+def _members(rlog: Mapping[str, Any], down: set[str], parts: Mapping[str, int]) -> dict[str, Any]:
+    """Members by status from the server's view, a party with a signed fail record as failed."""
+    members = {str(k): list(v) for k, v in (rlog.get("members") or {}).items()}
+    if members and down:
+        for status in list(members):
+            members[status] = [p for p in members[status] if p not in down]
+        members["failed"] = sorted(set(members.get("failed", [])) | down)
+    return {status: [parts.get(p, p) for p in ids] for status, ids in members.items()}
+
+
 def _rounds(history: _ChaosHistory) -> list[dict[str, Any]]:
     parts = history.parts
+    down = _down_by_round(history)
     rounds_out = []
     for rnd in sorted(history.by_round):
         run_no, rlog = history.by_round[rnd]
@@ -176,10 +227,7 @@ def _rounds(history: _ChaosHistory) -> list[dict[str, Any]]:
                 "missing": len(rlog.get("missing", [])),
                 "errors": len(rlog.get("errors", {})),
                 "skipped": rlog.get("skipped", ""),
-                "members": {
-                    status: [parts.get(p, p) for p in ids]
-                    for status, ids in (rlog.get("members") or {}).items()
-                },
+                "members": _members(rlog, down[rnd], parts),
                 "sampled_partitions": rlog["sampled_partitions"],
                 "trained_partitions": rlog["trained_partitions"],
             }
@@ -243,11 +291,7 @@ def _events(
     history: _ChaosHistory,
     joins: Sequence[Mapping[str, Any]],
 ) -> list[dict[str, Any]]:
-    membership = [
-        ev
-        for _, rlog in [*history.logs, *((len(chaos_runs), r) for r in history.resume_logs)]
-        for ev in rlog.get("events", []) or []
-    ]
+    membership = _membership(history)
     events_out = []
     for i, ev in enumerate(scenario.events):
         entry: dict[str, Any] = {"index": i, "label": ev.label(), **ev.model_dump()}
@@ -261,6 +305,44 @@ def _events(
         _event_effect(entry, ev, history, joins)
         events_out.append(entry)
     return events_out
+
+
+def _elapsed(end: Mapping[str, Any] | None, start: float | None) -> float | None:
+    return float(end["time"]) - start if end is not None and start is not None else None
+
+
+def _resume_split(
+    resumed: Sequence[Mapping[str, Any]],
+    first_line: Mapping[str, Any] | None,
+    history: _ChaosHistory,
+    resumed_run_start: float | None,
+) -> dict[str, Any]:
+    """The time from the new run's launch to its first round, in three parts.
+
+    ``engine_startup_s``: launch until the new ServerApp evaluated the initial model (its
+    round-0 progress line: Flower, and in simulation Ray, started). ``chaos_resume_s``: from
+    there until the first resumed round began (the hello exchange, the multi-source pull and
+    its verification), i.e. the rest minus that round's own train, certify and join phases
+    (``first_round_s``). ``resume_pull_s``: the pull alone, as the ServerApp timed it.
+    """
+    up = next((line for line in resumed if int(line["round"]) == 0), None)
+    out: dict[str, Any] = {
+        "engine_startup_s": _elapsed(up, resumed_run_start),
+        "chaos_resume_s": None,
+        "first_round_s": None,
+        "resume_pull_s": None,
+    }
+    pull = next((line["last_pull"] for line in reversed(resumed) if line.get("last_pull")), None)
+    if isinstance(pull, Mapping) and pull.get("seconds") is not None:
+        out["resume_pull_s"] = float(pull["seconds"])
+    if first_line is None or up is None:
+        return out
+    run_no, rlog = history.by_round.get(int(first_line["round"]), (0, {}))
+    phases = ("train_s", "certify_s", "join_s")
+    own = sum(float(rlog.get(k, 0.0) or 0.0) for k in phases) if run_no > 1 else 0.0
+    out["first_round_s"] = own
+    out["chaos_resume_s"] = max(0.0, float(first_line["time"]) - float(up["time"]) - own)
+    return out
 
 
 def _restart(
@@ -281,11 +363,8 @@ def _restart(
     restart.update(
         {
             "resumed_at_round": int(first_line["round"]) if first_line else None,
-            "restart_to_first_round_s": (
-                float(first_line["time"]) - resumed_run_start
-                if first_line is not None and resumed_run_start is not None
-                else None
-            ),
+            "restart_to_first_round_s": _elapsed(first_line, resumed_run_start),
+            **_resume_split(resumed, first_line, history, resumed_run_start),
             "resume_pull": last_pull,
             "resumed_from_round": resume_logs[0].get("server_round") if resume_logs else None,
             "resume_holders": [parts.get(h, h) for h in resume_logs[0].get("holders", [])]

@@ -28,8 +28,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from chaos_flwr.defaults import FLOWER_CHURN_MAX_FILE_BYTES
 from chaos_flwr.errors import ConfigError
+from chaos_flwr.lab.settings import FLOWER_CHURN_MAX_FILE_BYTES
 
 __all__ = [
     "CLIENT_EVENTS",

@@ -20,11 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import (
-    FLOWER_DEMO_POLL_S,
-    FLOWER_RUN_TIMEOUT_S,
-    FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
-)
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.launch import (
     SimulationRun,
@@ -39,6 +34,11 @@ from chaos_flwr.lab.launch import (
     wait_health,
 )
 from chaos_flwr.lab.processes import descendants, kill_tree_now, serverapp_pids, stop_process_tree
+from chaos_flwr.lab.settings import (
+    FLOWER_DEMO_POLL_S,
+    FLOWER_RUN_TIMEOUT_S,
+    FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+)
 
 __all__ = ["SimulationRun", "run_simulation_app"]
 

@@ -1,0 +1,54 @@
+"""The lab's own tunables: launch bounds, churn scenarios, the demo and the deployment figure.
+
+These are used only by :mod:`chaos_flwr.lab` (and its tests); the library's defaults stay in
+:mod:`chaos_flwr.defaults`.
+"""
+
+from __future__ import annotations
+
+# --- launching Flower ------------------------------------------------------------------------
+#: How long the runner waits for a SuperLink it started to answer on /health.
+FLOWER_SUPERLINK_STARTUP_TIMEOUT_S: float = 30.0
+#: Default wall-time bound of one simulation run started by the runner.
+FLOWER_RUN_TIMEOUT_S: float = 300.0
+#: Grace between SIGTERM and SIGKILL when the runner stops the processes it started.
+FLOWER_STOP_GRACE_S: float = 5.0
+#: Virtual SuperNodes of the multi-institution example's simulation federation.
+FLOWER_EXAMPLE_SUPERNODES: int = 5
+
+# --- churn scenarios, the demo and its report ------------------------------------------------
+#: Largest churn scenario YAML file read, in bytes.
+FLOWER_CHURN_MAX_FILE_BYTES: int = 1 << 20
+#: ``run_config`` key naming the churn scenario file the ClientApp wrapper applies ("" = none).
+FLOWER_CHURN_RUN_CONFIG_KEY: str = "churn-scenario"
+#: ``run_config`` key: round a resumed run starts in (rounds of messages that name none).
+FLOWER_CHURN_START_ROUND_KEY: str = "churn-start-round"
+#: Extra time the train handlers of the server-kill round take in the killed run, in seconds
+#: (so the kill lands while the parties train).
+FLOWER_CHURN_KILL_TRAIN_DELAY_S: float = 3.0
+#: ``run_config`` key: file the example's ServerApp appends one JSON line to per round.
+FLOWER_PROGRESS_RUN_CONFIG_KEY: str = "progress-path"
+#: How often the demo reads the progress file of a running simulation, in seconds.
+FLOWER_DEMO_POLL_S: float = 0.2
+#: Default output folder of ``chaos-flwr demo``.
+FLOWER_DEMO_OUT_DIR: str = "chaos-demo-report"
+#: Largest accuracy gap (churn vs churn-free FedAvg, in accuracy points) the demo calls a match.
+FLOWER_DEMO_MAX_ACCURACY_GAP: float = 0.02
+#: Wall-time bound of each simulation run of the demo, in seconds.
+FLOWER_DEMO_RUN_TIMEOUT_S: float = 600.0
+#: Phase deadline of the demo's Chaos runs, in seconds (their first exchange waits for Ray).
+FLOWER_DEMO_PHASE_TIMEOUT_S: float = 90.0
+#: Founding SuperNodes of the deployment-engine churn figure (one more joins mid-run).
+FLOWER_DEPLOY_FOUNDERS: int = 3
+#: Rounds of the deployment-engine churn figure's runs (more than the join, the crash and the
+#: server kill need: the figure stops once the resumed run has finished a round).
+FLOWER_DEPLOY_ROUNDS: int = 12
+#: Phase deadline on the deployment engine (a ClientApp process starts per message there).
+FLOWER_DEPLOY_PHASE_TIMEOUT_S: float = 40.0
+#: Wall-time bound of the whole deployment-engine churn figure, in seconds.
+FLOWER_DEPLOY_TIMEOUT_S: float = 660.0
+#: Rounds after its start the deployment figure waits for the joiner to train before the crash.
+FLOWER_DEPLOY_JOIN_ROUNDS: int = 3
+#: Phase deadline of the resumed run of the deployment figure, in phase deadlines (its hello
+#: waits while SuperNodes work through the killed run's queued messages).
+FLOWER_DEPLOY_RESUME_PHASES: float = 3.0

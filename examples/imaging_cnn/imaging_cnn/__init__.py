@@ -1,0 +1,1 @@
+"""The imaging CNN example of chaos-flwr: institutions, a 25 MB CNN, FedProx."""
