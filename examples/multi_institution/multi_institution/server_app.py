@@ -46,7 +46,7 @@ def _build_strategy(context: Context) -> Strategy:
         return fedavg
     if mode == "chaos":
         from chaos_flwr import ChaosStrategy, load_charter
-        from chaos_flwr.flower import PhaseSettings
+        from chaos_flwr.flower import PhaseSettings, ResumeSettings
 
         # a signed federation (run config chaos-keys-dir): receipts are verified against the
         # charter's keyring and the server keeps a view of the signed records it relays;
@@ -60,6 +60,8 @@ def _build_strategy(context: Context) -> Strategy:
                 phase_timeout_s=float(cfg["phase-timeout-s"]),
                 poll_interval_s=float(cfg["poll-interval-s"]),
             ),
+            # run config chaos-resume = auto (default) | fresh | require (README: Resume)
+            resume=ResumeSettings(mode=str(cfg.get("chaos-resume", "auto"))),
         )
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 
