@@ -25,12 +25,17 @@ from chaos_flwr.flower.client.settings import (
 )
 from chaos_flwr.flower.relay import PeerProtocol
 from chaos_flwr.flower.schema import OutgoingLike
+from chaos_flwr.localfile import read_local_file
 from chaos_flwr.store import ReplicaStore
 
 if TYPE_CHECKING:
     from chaos_flwr.flower.durable import SavedParty
 
 __all__ = ["default_party_factory"]
+
+#: Highest incarnation a party takes up from its incarnation file (far below the wire's
+#: 2**63 - 1 bound, far above a clock in milliseconds): a larger one is refused on input.
+FLOWER_INCARNATION_MAX: int = 2**62
 
 
 def default_party_factory(context: Context) -> Party:
@@ -114,11 +119,17 @@ def _incarnation(settings: PartySettings) -> int:
     """
     saved = -1
     path = settings.state_dir / "incarnation" if settings.state_dir is not None else None
-    if path is not None and path.is_file():
+    if path is not None and path.exists():
+        raw = read_local_file(path, what="incarnation file", error=ConfigError, max_bytes=64)
         try:
-            saved = int(path.read_text().strip())
-        except ValueError:
+            saved = int(raw.decode("ascii").strip())
+        except (ValueError, UnicodeDecodeError):  # unreadable: the clock floor still holds
             saved = -1
+        if saved >= FLOWER_INCARNATION_MAX:
+            raise ConfigError(
+                f"{path} holds incarnation {saved}, past the limit {FLOWER_INCARNATION_MAX}: "
+                "not written by chaos-flwr; remove it (the party then restarts above the clock)"
+            )
     inc = max(saved + 1, int(time.time() * 1000))
     if path is not None:
         try:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Party"]
 
+#: Errors a party keeps (:attr:`Party.errors`, newest last); older ones are dropped.
+PARTY_MAX_ERRORS: int = 256
+
 
 @dataclass
 class Party:
@@ -479,6 +482,7 @@ class Party:
             # records carry their own signatures, so this needs no envelope
             held = getattr(self.peer, "records", None)
             out["records"] = [codec.encode(r.to_wire()) for r in held or ()]
+        del self.errors[:-PARTY_MAX_ERRORS]  # the newest only: garbage input cannot grow it
         return out
 
 

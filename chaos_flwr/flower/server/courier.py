@@ -56,6 +56,9 @@ __all__ = [
     "min_nodes",
 ]
 
+#: Equivocation evidence blobs a round's log keeps (unverified: the server holds no key).
+FLOWER_MAX_EVIDENCE_PER_ROUND: int = 64
+
 #: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
 ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
 
@@ -437,7 +440,9 @@ class Courier:
         if isinstance(evidence, list) and evidence:
             who = pr.party or str(node)
             log(WARNING, "Chaos: %s reports equivocation evidence (%d)", who, len(evidence))
-            log_.equivocations.extend(e for e in evidence if isinstance(e, bytes))
+            room = FLOWER_MAX_EVIDENCE_PER_ROUND - len(log_.equivocations)
+            blobs = [e for e in evidence if isinstance(e, bytes)]
+            log_.equivocations.extend(blobs[: max(room, 0)])  # bounded: a party may flood it
         held = record.get("records")
         if self.view is not None and isinstance(held, list):
             self.view.sync(r for r in held if isinstance(r, bytes))
