@@ -52,6 +52,10 @@ def test_a_fifo_is_refused_by_every_reader_without_blocking(tmp_path: Path) -> N
         (lambda: load_charter(fifo), CharterError),
         (lambda: load_profile(fifo), ProfileError),
     ]
+    from chaos_flwr.errors import ConfigError
+    from chaos_flwr.lab.scenario import load_scenario
+
+    cases.append((lambda: load_scenario(fifo), ConfigError))
     for call, kind in cases:
         exc = _within(5.0, call)
         assert isinstance(exc, kind) and "not a regular file" in str(exc), exc

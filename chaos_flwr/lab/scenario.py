@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.lab.settings import FLOWER_CHURN_MAX_FILE_BYTES
+from chaos_flwr.localfile import read_local_file
 
 __all__ = [
     "CLIENT_EVENTS",
@@ -265,13 +266,16 @@ def load_scenario(path: Path | str) -> ChurnScenario:
     """
     p = Path(path)
     try:
-        if p.stat().st_size > FLOWER_CHURN_MAX_FILE_BYTES:
-            raise ConfigError(f"{p}: larger than {FLOWER_CHURN_MAX_FILE_BYTES} bytes")
-        text = p.read_text("utf-8")
-    except OSError as exc:
+        raw = read_local_file(
+            p, what="churn scenario", error=ConfigError, max_bytes=FLOWER_CHURN_MAX_FILE_BYTES
+        )
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: cannot read the churn scenario: {exc}") from exc
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{p}: nested too deeply to be a churn scenario") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
     return parse_scenario(data, str(p))
