@@ -339,3 +339,17 @@ def test_serve_answers_the_shape_it_is_told_and_refuses_amplification() -> None:
         read_request({"op": "shards", "index": list(range(5000)), "start": [], "end": []})
     with pytest.raises(DecodeError):
         read_reply({"index": [0], "data": ["not bytes"]})
+
+
+def test_replies_from_donors_the_puller_never_named_are_ignored() -> None:
+    pull = PullNegotiation(ROUND, DIGEST, ["a", "b"], min_shard_bytes=1024, total_hint=len(DATA))
+    d1 = pull.start(0.0)
+    bogus: dict[str, Reply | None] = {"zz": SizeReply(1)}
+    replies = {**{k: serve(DATA, r) for k, r in d1.relay.items()}, **bogus}
+    d2 = pull.on_replies(replies, {"yy"}, 1.0)
+    assert d2.status == Status.WANT and pull.stage == Stage.SHARDS
+    assert pull.lost == [] and set(pull.live) == {"a", "b"}
+    shards: dict[str, Reply | None] = {k: serve(DATA, r) for k, r in d2.relay.items()}
+    shards["zz"] = shards[next(iter(shards))]  # a made-up donor's copy of real shards
+    assert pull.on_replies(shards, set(), 2.0).status == Status.DONE
+    assert "zz" not in pull.received and pull.state is not None

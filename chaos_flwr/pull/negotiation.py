@@ -324,7 +324,9 @@ class PullNegotiation:
     def _on_replies(
         self, replies: Mapping[str, Reply | None], lost: set[str], now: float
     ) -> Decision:
-        for donor in sorted(lost):
+        known = set(self.donors)  # the relay names donors too: one it made up is ignored
+        replies = {d: r for d, r in replies.items() if d in known}
+        for donor in sorted(lost & known):
             self._lose(donor, now)
         if self.stage == Stage.SHARDS:
             return self._on_shard_replies(replies, now)
