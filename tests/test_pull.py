@@ -353,3 +353,19 @@ def test_replies_from_donors_the_puller_never_named_are_ignored() -> None:
     shards["zz"] = shards[next(iter(shards))]  # a made-up donor's copy of real shards
     assert pull.on_replies(shards, set(), 2.0).status == Status.DONE
     assert "zz" not in pull.received and pull.state is not None
+
+
+def test_a_size_past_the_bound_loses_its_holder_before_anything_is_allocated() -> None:
+    huge = 1 << 50  # a size the relay or a holder made up: 1 PiB
+
+    def liar(req: Request) -> Reply | None:
+        return SizeReply(huge) if not isinstance(req, ShardsRequest) else None
+
+    pull = PullNegotiation(ROUND, DIGEST, ["liar", "b"], min_shard_bytes=1024, total_hint=huge)
+    decision, batches = run(pull, {"liar": liar, "b": honest()})
+    _done(pull, decision)
+    assert all(isinstance(r, SizeRequest) for r in batches[0].values())  # the hint was not used
+    assert "liar" in pull.lost and pull.received == {"b": len(DATA)}
+    alone = PullNegotiation(ROUND, DIGEST, ["liar"], min_shard_bytes=1024)
+    decision, _ = run(alone, {"liar": liar})
+    assert decision.status == Status.FAILED and "within the bound" in alone.error

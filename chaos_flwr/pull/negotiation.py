@@ -48,6 +48,7 @@ from chaos_flwr.transfer import CancelRequest, DonorStatus, PullSession, ShardRe
 __all__ = [
     "PULL_ASSUMED_BANDWIDTH_BPS",
     "PULL_DIRECT_ROUNDS_PER_DONOR",
+    "PULL_MAX_STATE_BYTES",
     "PULL_PROBE_BYTES",
     "PULL_REQUEST_TIMEOUT_S",
     "Decision",
@@ -57,6 +58,8 @@ __all__ = [
     "Status",
 ]
 
+#: Largest training state a pull takes on (the buffer is allocated from the claimed size).
+PULL_MAX_STATE_BYTES: int = 16 << 30
 #: Rate assumed for a holder before anything was measured on its link (bytes/s).
 PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
 #: Bytes of the timed range that probes a direct link before the shares are planned.
@@ -157,6 +160,9 @@ class PullNegotiation:
         Use the direct links holders name in their replies.
     address_ok:
         Checks a named direct address (returns it normalised, raises a ChaosError to refuse).
+    max_state_bytes:
+        Largest state the puller takes on: a size past it (from the relay or a holder, neither
+        of which the receipts bind) loses its holder before anything is allocated.
     """
 
     def __init__(
@@ -170,6 +176,7 @@ class PullNegotiation:
         rates: Mapping[str, float] | None = None,
         direct: bool = True,
         address_ok: Callable[[str], str] | None = None,
+        max_state_bytes: int = PULL_MAX_STATE_BYTES,
     ) -> None:
         self.server_round = server_round
         self.digest = digest
@@ -179,6 +186,7 @@ class PullNegotiation:
         self.priors = dict(rates or {})
         self.direct = direct
         self.address_ok = address_ok
+        self.max_state_bytes = max_state_bytes
         self.stage = Stage.SIZE
         self.live = list(self.donors)
         self.lost: list[str] = []
@@ -302,9 +310,10 @@ class PullNegotiation:
     def _start(self, now: float) -> Decision:
         if not self.live:
             return self.fail("no donor to pull from")
-        if self.total_hint is None:
+        hint = self.total_hint
+        if hint is None or hint > self.max_state_bytes:  # no (believable) hint: ask them
             return Decision(Status.WANT, relay={d: SizeRequest() for d in self.live})
-        return self._ask_manifest(self.total_hint, others=True)
+        return self._ask_manifest(hint, others=True)
 
     def _ask_manifest(self, total: int, *, others: bool = False) -> Decision:
         """Plan the shard shape for ``total`` (once) and tell the first live holder."""
@@ -343,17 +352,20 @@ class PullNegotiation:
 
     def _on_sizes(self, sizes: Mapping[str, int]) -> Decision:
         for donor in list(self.live):
-            if donor not in sizes:
-                self._lose(donor)
+            if donor not in sizes or sizes[donor] > self.max_state_bytes:
+                self._lose(donor)  # silent, or a size past the bound (never allocated)
         if not self.live:
-            return self.fail("no donor answered with the state size")
+            return self.fail("no donor answered with a state size within the bound")
         return self._ask_manifest(sizes[self.live[0]])
 
     def _on_manifest(self, reply: Reply | None, sizes: Mapping[str, int], now: float) -> Decision:
         asked, plan, total = self.asked, self.plan, self.total
         assert plan is not None and total is not None
         if isinstance(reply, SizeReply) and asked in self.live and reply.total != total:
-            return self._ask_manifest(reply.total)  # the hint was wrong: plan for its size
+            if reply.total <= self.max_state_bytes:
+                return self._ask_manifest(reply.total)  # the hint was wrong: plan for its size
+            self._lose(asked)
+            return self._ask_manifest(total)
         for donor, size in sizes.items():
             if donor != asked and size != total:
                 self._lose(donor)  # it holds a state of another size
