@@ -22,6 +22,8 @@ __all__ = ["LOOSE_KEY_MODE_BITS", "check_local_file", "read_local_file"]
 
 LOG = logging.getLogger(__name__)
 
+#: Bytes read per call (a large bound is never allocated up front).
+READ_CHUNK_BYTES: int = 1 << 20
 #: Permission bits a private key file should not have (group or others may read or write it).
 LOOSE_KEY_MODE_BITS: int = 0o077
 
@@ -104,7 +106,7 @@ def read_local_file(path: Path, *, what: str, error: type[ChaosError], max_bytes
         chunks: list[bytes] = []
         size = 0
         while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
+            chunk = os.read(fd, min(READ_CHUNK_BYTES, max_bytes + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)

@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import os
 import re
+import stat
 import struct
 import uuid
 from collections.abc import Iterator
@@ -155,11 +156,13 @@ class Replica:
 
     def __init__(self, path: Path, *, verify: bool = True) -> None:
         self.path = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY)
+        try:  # non-blocking: a FIFO planted under a replica's name must not hang the store
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as exc:
             raise StoreError(f"{path}: cannot open replica ({exc.strerror})") from exc
         try:
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                raise StoreError(f"{path}: not a regular file (a FIFO, device or directory)")
             self._read_header()
             if verify:
                 self._verify_stream()

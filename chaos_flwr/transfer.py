@@ -184,6 +184,10 @@ class _Peer:
         self.status = DonorStatus.LIVE
         self.bytes_ok = 0
 
+    def rtt(self) -> float:
+        """The round trip to this donor (its latency is one way)."""
+        return 2.0 * self.latency
+
 
 #: Version of :meth:`PullSession.snapshot`'s value; another version is refused on restore.
 SNAPSHOT_VERSION = 1
@@ -378,10 +382,8 @@ class PullSession:
         The certified state digest; the manifest must name it and the result must hash to it.
     window : int, optional
         Requests in flight per donor (>= 1).
-    timeout_factor : float, optional
-        A request times out after this many times its expected service time ...
-    min_timeout_s : float, optional
-        ... and never sooner than this.
+    timeout_factor, min_timeout_s : float, optional
+        A request times out after this many times its expected service time, never sooner.
     rate_alpha : float, optional
         EWMA weight of a new rate sample (0 < alpha <= 1).
 
@@ -613,7 +615,7 @@ class PullSession:
             if peer.last_recv is None or sent[0] >= peer.last_recv:
                 # The link was idle when this was requested: take the round trip out.
                 raw = now - sent[0]
-                seconds = max(raw - self._rtt(peer), 0.1 * raw)
+                seconds = max(raw - peer.rtt(), 0.1 * raw)
             else:
                 seconds = now - peer.last_recv
             if seconds > 0:
@@ -626,6 +628,16 @@ class PullSession:
             actions.append(CancelRequest(other, index))
         actions.extend(self._fill(now))
         return actions
+
+    def knows(self, donor: str) -> bool:
+        """Whether ``donor`` is one of this session's donors (in any status)."""
+        return donor in self._peers
+
+    def withdraw(self, donor: str, index: int) -> None:
+        """Forget that ``donor`` was asked for shard ``index`` (its carrier never sent it)."""
+        peer = self._peers.get(donor)
+        if peer is not None and peer.inflight.pop(index, None) is not None:
+            self._holders.get(index, set()).discard(donor)
 
     def on_donor_lost(self, donor: str, now: float) -> list[Action]:
         """A donor left or crashed: re-plan its missing shards over the live donors.
@@ -682,9 +694,6 @@ class PullSession:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _service(self, peer: _Peer) -> float:
-        return self.shard_bytes / peer.rate
-
     def _pace(self, peer: _Peer, now: float) -> tuple[float, float]:
         """Return ``(start, per_shard)``: in-flight shard ``i`` is expected at
         ``start + (i + 1) * per_shard``.
@@ -695,11 +704,11 @@ class PullSession:
         is expected to take as long again, so a stalled donor looks slower and slower and its
         shards become worth stealing or duplicating.
         """
-        service = self._service(peer)
+        service = self.shard_bytes / peer.rate
         if not peer.inflight:
-            return now + self._rtt(peer) - service, service
+            return now + peer.rtt() - service, service
         first_sent = next(iter(peer.inflight.values()))[0]
-        start = first_sent + self._rtt(peer)
+        start = first_sent + peer.rtt()
         if peer.last_recv is not None:
             start = max(start, peer.last_recv)
         if now <= start + service:
@@ -719,19 +728,18 @@ class PullSession:
         start, per_shard = self._pace(peer, now)
         return start + (list(peer.inflight).index(index) + 1) * per_shard
 
-    def _rtt(self, peer: _Peer) -> float:
-        return 2.0 * peer.latency
-
     def _window_of(self, peer: _Peer) -> int:
         # Enough requests in flight to cover the bandwidth-delay product, never fewer than
         # ``window``: a pull over a long link would otherwise idle for a round trip per shard.
         if self.shard_bytes <= 0:
             return self._window
-        bdp = self._rtt(peer) * peer.rate / self.shard_bytes
+        bdp = peer.rtt() * peer.rate / self.shard_bytes
         return self._window + math.ceil(bdp)
 
     def _send(self, peer: _Peer, index: int, now: float) -> ShardRequest:
-        expected = max(self._pipeline_free(peer, now), now + self._rtt(peer)) + self._service(peer)
+        expected = max(self._pipeline_free(peer, now), now + peer.rtt()) + (
+            self.shard_bytes / peer.rate
+        )
         timeout = max(self._min_timeout, self._timeout_factor * (expected - now))
         peer.inflight[index] = (now, expected, now + timeout)
         self._holders.setdefault(index, set()).add(peer.id)
@@ -739,7 +747,9 @@ class PullSession:
         return ShardRequest(peer.id, index, start, end)
 
     def _steal(self, thief: _Peer, now: float) -> int | None:
-        mine = max(self._pipeline_free(thief, now), now + self._rtt(thief)) + self._service(thief)
+        mine = max(self._pipeline_free(thief, now), now + thief.rtt()) + (
+            self.shard_bytes / thief.rate
+        )
         victim: _Peer | None = None
         worst = -math.inf
         for donor in self._order:

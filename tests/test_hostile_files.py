@@ -125,3 +125,28 @@ def test_an_array_that_would_need_unpickling_is_a_decode_error() -> None:
     record["w"] = Array(dtype="object", shape=(1,), stype="numpy.ndarray", data=buf.getvalue())
     with pytest.raises(DecodeError, match="object arrays are refused"):
         from_array_record(record, round=1)
+
+
+def test_a_fifo_or_directory_under_a_replicas_name_is_refused_at_once(tmp_path: Path) -> None:
+    from chaos_flwr.store import ReplicaStore
+
+    store = ReplicaStore(tmp_path / "replicas")
+    os.mkfifo(store.path_of(3))
+    exc = _within(5.0, store.latest)
+    assert isinstance(exc, StoreError) and "not a regular file" in str(exc)
+    store.path_of(3).unlink()
+    store.path_of(4).mkdir()
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get(4)
+
+
+def test_a_pull_too_large_to_save_is_dropped_and_the_rest_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(durable, "FLOWER_DURABLE_MAX_BYTES", 4096)
+    big_pull = {"v": 1, "data": [b"\x00" * 8192]}  # stands for a pull holding many shards
+    state = durable.SavedParty("p", "1:2", 5, 17, joining=big_pull, receipts=[b"r"])
+    durable.save(tmp_path, state)
+    loaded = durable.load(tmp_path, "p")
+    assert loaded is not None and loaded.joining is None and loaded.receipts == [b"r"]
+    assert (loaded.incarnation, loaded.seq) == (5, 17)

@@ -19,6 +19,7 @@ from chaos_flwr.pull.messages import (
     ManifestRequest,
     Reply,
     Request,
+    ShardsReply,
     ShardsRequest,
     SizeReply,
     SizeRequest,
@@ -369,3 +370,32 @@ def test_a_size_past_the_bound_loses_its_holder_before_anything_is_allocated() -
     alone = PullNegotiation(ROUND, DIGEST, ["liar"], min_shard_bytes=1024)
     decision, _ = run(alone, {"liar": liar})
     assert decision.status == Status.FAILED and "within the bound" in alone.error
+
+
+def test_a_reply_from_a_donor_lost_before_the_shards_is_ignored() -> None:
+    pull = PullNegotiation(ROUND, DIGEST, ["a", "b"], min_shard_bytes=1024)
+    d1 = pull.start(0.0)
+    d2 = pull.on_replies({"a": serve(DATA, d1.relay["a"])}, {"b"}, 1.0)  # b lost at the sizes
+    d3 = pull.on_replies({"a": serve(DATA, d2.relay["a"])}, set(), 2.0)
+    assert pull.stage == Stage.SHARDS and d3.status == Status.WANT
+    replies: dict[str, Reply | None] = {k: serve(DATA, r) for k, r in d3.relay.items()}
+    replies["b"] = ShardsReply((), ())  # the relay answers for the lost donor
+    assert pull.on_replies(replies, set(), 3.0).status == Status.DONE
+
+
+def test_a_manifest_request_for_too_many_shards_is_refused_unanswered() -> None:
+    with pytest.raises(DecodeError, match="num-shards"):
+        read_request({"op": "manifest", "total": 10, "shard-bytes": 10, "num-shards": 10**6})
+
+
+def test_a_lost_relay_holder_is_replanned_onto_a_direct_holder() -> None:
+    def mute(req: Request) -> Reply | None:
+        return None if isinstance(req, ShardsRequest) else serve(DATA, req)
+
+    holders = {"a": honest(direct="127.0.0.1:1"), "c": mute}
+    pull = PullNegotiation(
+        ROUND, DIGEST, ["a", "c"], min_shard_bytes=1024, rates={"c": 45e6}
+    )  # c looks almost as fast as a's link, so a duplicates c's tail in the endgame
+    decision, _ = run(pull, holders, links={"a": _link()})
+    _done(pull, decision)
+    assert "c" in pull.lost and pull.received == {"a": len(DATA)}

@@ -55,6 +55,7 @@ incarnation, records from the relay), never continuing a life it cannot prove it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -225,11 +226,8 @@ def _migrate(value: Any) -> Any:
         return value
     if fmt != 1:
         raise StoreError(f"saved party state: format {fmt!r} is unknown (this reads 1-2)")
-    if value.get("joining"):
-        raise StoreError(
-            "saved party state: format 1 holds a pickled join pull, which this version no "
-            "longer reads; the party starts afresh and pulls again"
-        )
+    if value.get("joining"):  # a pickled pull is never unpickled: it starts again
+        LOG.warning("chaos-flwr: a saved format-1 join pull is dropped; the pull starts again")
     return {**value, "format": SAVED_FORMAT, "joining": None}
 
 
@@ -269,6 +267,10 @@ def save(
         The directory or file cannot be written.
     """
     body = codec.encode(state.to_value())
+    if len(body) > FLOWER_DURABLE_MAX_BYTES and state.joining is not None:
+        # the pull's shards make it too large: save the rest, the pull starts again
+        LOG.warning("chaos-flwr: the join pull in progress is too large to save; it restarts")
+        body = codec.encode(dataclasses.replace(state, joining=None).to_value())
     if len(body) > FLOWER_DURABLE_MAX_BYTES:
         raise StoreError(f"saved party state is {len(body)} bytes, over FLOWER_DURABLE_MAX_BYTES")
     digest = hashlib.sha256(body).digest()

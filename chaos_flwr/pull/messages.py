@@ -190,8 +190,11 @@ def read_request(value: Mapping[str, object]) -> Request:
     if op == Op.SIZE:
         return SizeRequest()
     if op == Op.MANIFEST:
+        num_shards = _int(value, "num-shards")
+        if num_shards > PULL_MAX_RANGES:  # a holder hashes once per shard: bounded work
+            raise DecodeError(f"pull request field 'num-shards' must be <= {PULL_MAX_RANGES}")
         return ManifestRequest(
-            _int(value, "total"), _int(value, "shard-bytes", least=1), _int(value, "num-shards")
+            _int(value, "total"), _int(value, "shard-bytes", least=1), num_shards
         )
     if op == Op.SHARDS:
         index, start, end = _ints(value, "index"), _ints(value, "start"), _ints(value, "end")

@@ -436,6 +436,8 @@ class PullNegotiation:
         session = self.session
         assert session is not None
         for donor, reply in replies.items():
+            if not session.knows(donor):
+                continue  # named at the start but lost before the shards: nothing asked of it
             if not isinstance(reply, ShardsReply):
                 self._lose(donor, now)
                 continue
@@ -516,6 +518,8 @@ class PullNegotiation:
             if isinstance(action, ShardRequest) and action.donor in usable:
                 if action.index in missing and action.index not in relayed:
                     direct.setdefault(action.donor, []).append(action)
+                else:  # never sent: the session must not count it as in flight there
+                    session.withdraw(action.donor, action.index)
             else:
                 rest.append(action)
         self._pending = rest  # a direct holder's copy of a relayed shard is dropped

@@ -138,11 +138,15 @@ class Party:
             return
         from chaos_flwr.peer import Outgoing
 
-        self.joining = saved.joiner_pull()
         self.pending = [Outgoing(to, data) for to, data in saved.pending]
         self._join_asked = saved.join_asked
         self._links_asked = set(saved.links_asked)
         self.joins_done = [ConfigRecord(d) for d in saved.joins_done]
+        try:
+            self.joining = saved.joiner_pull()
+        except StoreError as exc:  # only the pull is lost: it starts again on the next step
+            self.joining = None
+            self.errors.append(f"{exc}; the pull starts again")
 
     def is_current(self) -> bool:
         """Whether the state file is still the one this party object last saved (another
