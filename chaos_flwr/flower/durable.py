@@ -44,8 +44,9 @@ ledger; a torn file fails its hash and is discarded. A save of a 12 KB state too
 after every message.
 
 The body names its format (``"format"``, :data:`SAVED_FORMAT`). Format 1 (no field; it held
-a pickled pull) is migrated when no pull was in progress, and refused otherwise (the pull
-starts again); an unknown format is refused.
+a pickled pull) is migrated: the pickled pull is dropped unread (that pull starts again), the
+rest is kept; an unknown format is refused. A pull too large for
+:data:`~chaos_flwr.defaults.FLOWER_DURABLE_MAX_BYTES` is not saved (the rest is).
 
 A file that is unreadable, truncated or fails its hash (or names another party) raises
 :class:`~chaos_flwr.errors.StoreError` from :func:`load`; the party factory then discards it
