@@ -7,9 +7,8 @@ envelope of that message leaves the process) and loaded when the party is built.
 
 What is saved
 -------------
-- the signed membership records the peer holds (taken up without re-verifying each
-  signature: the file is sealed by the party's own key, and each record was verified before
-  it was saved);
+- the signed membership records the peer holds (re-verified on load: they are
+  self-verifying, a tampered one is refused);
 - the peer's incarnation, last sequence number and replay-guard state;
 - the outgoing envelopes not yet handed to the relay (``Party.pending``);
 - the join progress: when a sponsored join was asked, the links asked, and the joiner's
