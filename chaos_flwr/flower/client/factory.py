@@ -171,9 +171,8 @@ def _build_peer(
     """Build the protocol peer from the identity and the verified charter.
 
     The ``saved`` records and replay state are taken up (from the party's own sealed file:
-    decoded and checked for the federation, not re-verified signature by signature). When
-    ``same_life`` (the life it was saved in, continued in a new process) the peer also keeps
-    the saved incarnation and sequence number and nothing is bootstrapped.
+    decoded and checked for the federation, not re-verified signature by signature). When ``same_life`` (the life it was saved in, continued in a new process) the
+    peer also keeps the saved incarnation and sequence number and nothing is bootstrapped.
     Otherwise (a start or a real restart) it gets a fresh incarnation; a founder bootstraps
     the federation's records and a non-founder asks for a sponsored join when it first hears
     from the relay (:meth:`Party.process`).
