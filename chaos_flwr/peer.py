@@ -267,31 +267,18 @@ class Peer(PeerCore):
         :attr:`incarnation` to continue this life in another process: ``Peer(seq=...)``)."""
         return self._seq
 
-    def load_records(self, values: Sequence[Any], now: float, *, sealed: bool = False) -> int:
+    def load_records(self, values: Sequence[Any], now: float) -> int:
         """Take up records saved by an earlier process of this party (their wire form).
 
         Each record is validated (signatures included) exactly as one received; a bad one
-        raises before anything is applied. With ``sealed`` the caller checked that the file
-        holding them is sealed by this party's own key (it validated each record before it
-        saved it): records are then decoded and checked for this federation, not verified
-        signature by signature again, so a start costs what the file's size costs. Returns
-        how many were new.
+        raises before anything is applied. Returns how many were new.
 
         Raises
         ------
         DecodeError, SignatureError, PolicyError
             A record is malformed or does not verify under the charter.
         """
-        if not sealed:
-            return len(self._apply(self._check_records(list(values)), now))
-        records = [Record.from_wire(v) for v in values]
-        for record in records:
-            if record.body["federation"] != self.policy.federation:
-                raise PolicyError(
-                    f"saved record {record.record_id[:16]} names federation "
-                    f"{record.body['federation']!r}, not {self.policy.federation!r}"
-                )
-        return len(self._apply(records, now, validated=True))
+        return len(self._apply(self._check_records(list(values)), now))
 
     def declare_resources(self, resources: Resources) -> None:
         """Set what this party declares in its heartbeats (compute speed, free memory)."""

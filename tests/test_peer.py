@@ -982,24 +982,3 @@ def test_a_fail_record_too_large_for_a_proof_goes_out_with_plain_signatures(
         assert max(sig_sizes) > 64  # somebody holds the broadcaster's proof
     else:
         assert sig_sizes == {64}  # everyone holds plain votes only
-
-
-def test_records_from_the_partys_own_sealed_file_are_taken_up_without_re_verifying() -> None:
-    net, _ = cluster(joiners=2)
-    a, b, c = (f.party_id for f in F)
-    for _ in range(3):  # link flaps: more records than members
-        net.act(a, net.peers[a].connect(b, net.now))
-        net.act(b, net.peers[b].disconnect(a, net.now))
-    saved = [r.to_wire() for r in net.peers[c].records]
-    ch = charter(F, J)
-    verified, trusted = Peer(F[2], ch), Peer(F[2], ch)
-    assert verified.load_records(saved, net.now) == len(saved)
-    assert trusted.load_records(saved, net.now, sealed=True) == len(saved)
-    assert trusted.view().digest == verified.view().digest == net.peers[c].view().digest
-    assert verified.records.cache.checks >= len(saved)  # every signature checked once
-    assert trusted.records.cache.checks == 0  # none: the party sealed these itself
-    other = charter(F, J, federation="another-federation")
-    with pytest.raises(PolicyError, match="names federation"):
-        Peer(F[2], other).load_records(saved, net.now, sealed=True)
-    with pytest.raises(DecodeError):
-        Peer(F[2], ch).load_records([{"body": 1}], net.now, sealed=True)

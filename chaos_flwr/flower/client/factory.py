@@ -170,8 +170,8 @@ def _build_peer(
 ) -> tuple[PeerProtocol, list[OutgoingLike]]:
     """Build the protocol peer from the identity and the verified charter.
 
-    The ``saved`` records and replay state are taken up (from the party's own sealed file:
-    decoded and checked for the federation, not re-verified signature by signature). When ``same_life`` (the life it was saved in, continued in a new process) the
+    The ``saved`` records and replay state are taken up (records re-verified; a bad one
+    raises). When ``same_life`` (the life it was saved in, continued in a new process) the
     peer also keeps the saved incarnation and sequence number and nothing is bootstrapped.
     Otherwise (a start or a real restart) it gets a fresh incarnation; a founder bootstraps
     the federation's records and a non-founder asks for a sponsored join when it first hears
@@ -195,12 +195,12 @@ def _build_peer(
         peer = Peer(
             ident, charter, incarnation=saved.incarnation, seq=saved.seq, replay_state=saved.replay
         )
-        peer.load_records(saved.records, time.time(), sealed=True)  # its own sealed file
+        peer.load_records(saved.records, time.time())
         return peer, []
     replay = saved.replay if saved is not None else None
     peer = Peer(ident, charter, incarnation=_incarnation(settings), replay_state=replay)
     if saved is not None:
-        peer.load_records(saved.records, time.time(), sealed=True)
+        peer.load_records(saved.records, time.time())
     out: list[OutgoingLike] = []
     if charter.is_founder(ident.party_id):
         out.extend(peer.bootstrap(time.time()))
