@@ -422,6 +422,21 @@ class Record:
         DecodeError
             If the value is not a well-formed record.
         """
+        return cls._checked(*cls.wire_parts(value))
+
+    @staticmethod
+    def wire_parts(value: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """The checked body and a copy of the signature map of a record's codec value.
+
+        What :meth:`from_wire` checks, without computing the record id: a receiver can then
+        screen the body (:meth:`RecordSet.covers`) before hashing it. Make the record with
+        :meth:`from_parts`.
+
+        Raises
+        ------
+        DecodeError
+            If the value is not a well-formed record.
+        """
         if not isinstance(value, dict) or set(value) != {"body", "sigs"}:
             raise DecodeError("a record must be a map with exactly the fields 'body' and 'sigs'")
         body = _check_body(value["body"])
@@ -431,7 +446,12 @@ class Record:
         for signer, sig in sigs.items():
             if not isinstance(sig, bytes):
                 raise DecodeError(f"record signature of {signer!r} must be bytes")
-        return cls._checked(body, dict(sigs))
+        return body, dict(sigs)
+
+    @classmethod
+    def from_parts(cls, body: dict[str, Any], signatures: dict[str, bytes]) -> Record:
+        """The record of parts :meth:`wire_parts` returned (taken, not copied)."""
+        return cls._checked(body, signatures)
 
     @classmethod
     def from_own(cls, env: Envelope) -> Record:
@@ -871,6 +891,18 @@ class RecordSet:
         Cheap (one dictionary look-up or two); needs no signature check.
         """
         return self._superseder(record.body) is not None
+
+    def covers(self, body: Mapping[str, Any]) -> bool:
+        """Whether a record with this (well-formed) body is held or superseded: adding it would
+        change nothing. Decided from the body alone (no record id, no signature)."""
+        kind = body["kind"]
+        if kind in _LINK_KINDS:
+            top = self._link_rec.get((body["a"], body["b"]))
+        else:
+            top = (self._join if kind == "join" else self._end).get(body["subject"])
+        if top is not None and top.body == body:
+            return True
+        return self._superseder(body) is not None
 
     def _superseder(self, body: Mapping[str, Any]) -> Record | None:
         kind = body["kind"]

@@ -486,10 +486,10 @@ class Peer(PeerCore):
 
     def _on_own(self, env: Envelope, now: float) -> list[Outgoing]:
         record = Record.from_own(env)
-        if record.record_id in self.records or self.records.superseded(record):
+        if self.records.covers(record.body):
             return []
         if not self.budget.allows(record.signatures, now):
-            raise self._flood_error([record])
+            raise self._flood_error([record.signatures])
         validate_record(record, self.policy, self.records.cache, envelope=env)
         self.budget.charge(record.signatures, now)
         self._apply([record], now, validated=True)

@@ -305,49 +305,52 @@ class PeerCore:
             )
         return checked, sig
 
-    def _fresh_records(self, values: Any) -> list[Record]:
-        """Parse records; keep those neither held nor superseded by a held one (unchecked)."""
+    def _fresh_parts(self, values: Any) -> list[tuple[dict[str, Any], dict[str, bytes]]]:
+        """Parse records (shape only, unhashed); keep those the record set does not cover
+        (neither held nor superseded by a held one)."""
         if not isinstance(values, list):
             raise DecodeError("message field 'records' must be a list")
-        fresh: dict[str, Record] = {}
-        held = self.records
-        for value in values:
-            record = Record.from_wire(value)
-            rid = record.record_id
-            if rid in held or rid in fresh or held.superseded(record):
-                continue
-            fresh[rid] = record
-        return list(fresh.values())
+        covers = self.records.covers
+        return [parts for value in values if not covers((parts := Record.wire_parts(value))[0])]
 
     def _check_records(self, values: Any) -> list[Record]:
         """Parse and validate every record not yet held; raises before anything is applied."""
-        fresh = self._fresh_records(values)
-        for record in fresh:
-            validate_record(record, self.policy, self.records.cache)
-        return fresh
+        fresh: dict[str, Record] = {}
+        for body, sigs in self._fresh_parts(values):
+            record = Record.from_parts(body, sigs)
+            if record.record_id not in fresh:
+                validate_record(record, self.policy, self.records.cache)
+                fresh[record.record_id] = record
+        return list(fresh.values())
 
-    def _metered_records(self, values: Any, now: float) -> tuple[list[Record], list[Record]]:
+    def _metered_records(
+        self, values: Any, now: float
+    ) -> tuple[list[Record], list[Mapping[str, bytes]]]:
         """Parse and validate the new records of a received batch, within the signers' budget.
 
-        Returns the records taken and those refused (every signer out of budget: refused before
-        their signatures are checked, and counted in :attr:`refused_by`). Raises, before
-        anything is applied, if a record within budget is malformed or does not verify.
+        Returns the records taken and the signature maps of those refused (every signer out of
+        budget: refused before they are hashed or their signatures checked, and counted in
+        :attr:`refused_by`). Raises, before anything is applied, if a record within budget is
+        malformed or does not verify.
         """
         budget = self.budget
-        taken: list[Record] = []
-        refused: list[Record] = []
-        for record in self._fresh_records(values):
-            if not budget.allows(record.signatures, now):
-                refused.append(record)
+        taken: dict[str, Record] = {}
+        refused: list[Mapping[str, bytes]] = []
+        for body, sigs in self._fresh_parts(values):
+            if not budget.allows(sigs, now):
+                refused.append(sigs)
+                continue
+            record = Record.from_parts(body, sigs)
+            if record.record_id in taken:
                 continue
             validate_record(record, self.policy, self.records.cache)
-            budget.charge(record.signatures, now)
-            taken.append(record)
-        return taken, refused
+            budget.charge(sigs, now)
+            taken[record.record_id] = record
+        return list(taken.values()), refused
 
-    def _flood_error(self, refused: Sequence[Record]) -> FloodError:
+    def _flood_error(self, refused: Sequence[Mapping[str, bytes]]) -> FloodError:
         """The typed error naming who signed the records refused for want of budget."""
-        signers = sorted({s for r in refused for s in r.signatures})
+        signers = sorted({s for sigs in refused for s in sigs})
         return FloodError(
             f"{len(refused)} record(s) refused: every signer is out of its record budget "
             f"(signers: {', '.join(signers)}); they are taken when offered again later",
