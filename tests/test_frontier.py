@@ -228,3 +228,29 @@ def test_peers_hold_and_inventory_the_frontier_only() -> None:
     again = type(peers[0])(F[2], peers[0].charter, incarnation=5)
     assert again.load_records([r.to_wire() for r in peers[0].records], net.now) == 6
     assert again.view().digest == peers[0].view().digest
+
+
+def test_covers_tells_held_and_superseded_bodies_from_new_ones() -> None:
+    a, b, _ = FOUNDERS
+    rs = RecordSet(make_policy())
+    rs.add(genesis(a))
+    top = link("link_up", a, b, 3, [a, b])
+    rs.add(top)
+    assert rs.covers(top.body)  # held
+    assert rs.covers(link("link_down", a, b, 2, [a]).body)  # superseded
+    assert not rs.covers(link("link_down", a, b, 3, [a]).body)  # would supersede the held one
+    assert not rs.covers(genesis(b).body)  # about a party with nothing held
+
+
+def test_applied_keeps_a_bounded_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    import chaos_flwr.peer_core as peer_core
+
+    monkeypatch.setattr(peer_core, "PEER_APPLIED_WINDOW", 5)
+    net, _ = cluster()
+    a, b = F[0].party_id, F[1].party_id
+    for _ in range(6):
+        net.act(a, net.peers[a].connect(b, net.now))
+        net.act(b, net.peers[b].disconnect(a, net.now))
+    for p in net.live():
+        assert len(p.applied) == 5
+        assert [c.kind for c in p.applied][-2:] == ["link_up", "link_down"]
