@@ -254,3 +254,15 @@ def test_applied_keeps_a_bounded_window(monkeypatch: pytest.MonkeyPatch) -> None
     for p in net.live():
         assert len(p.applied) == 5
         assert [c.kind for c in p.applied][-2:] == ["link_up", "link_down"]
+
+
+def test_a_party_rejoins_above_an_end_record_that_overtook_its_join() -> None:
+    net, _ = cluster()
+    p = net.peers[F[0].party_id]
+    ahead = Record.sign(ms.leave_body(p.policy.federation, p.party_id, 3), [F[0]])
+    assert p.load_records([ahead.to_wire()], net.now) == 1
+    m = p.records.member(p.party_id)
+    assert m is not None and (m.status, m.incarnation) == ("left", 0)
+    net.act(p.party_id, p.bootstrap(net.now))
+    assert p.incarnation == 4 and p.is_member
+    assert {q.view().members[p.party_id].incarnation for q in net.live()} == {4}
