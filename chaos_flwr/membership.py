@@ -576,6 +576,11 @@ def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> N
             if subject not in signers:
                 raise PolicyError("leave record lacks the leaver's own signature ('subject')")
         else:
+            if subject not in policy.keyring:
+                # Else a quorum (of one, if the charter says so) could name parties without end.
+                raise UnknownPartyError(
+                    f"fail record field 'subject' {subject!r} is not a party of the charter"
+                )
             voters = len(signers - {subject})
             if voters < policy.failure_quorum:
                 raise PolicyError(
@@ -584,6 +589,10 @@ def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> N
                 )
     else:
         ends = {body["a"], body["b"]}
+        outside = sorted(e for e in ends if e not in policy.keyring)
+        if outside:
+            # Else one end alone could sign link_downs to ever new names (unbounded links).
+            raise UnknownPartyError(f"link record end {outside[0]!r} is not a party of the charter")
         if kind == "link_up" and not ends <= signers:
             raise PolicyError("link_up record needs the signatures of both ends 'a' and 'b'")
         if kind == "link_down" and not ends & signers:

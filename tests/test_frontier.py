@@ -27,7 +27,7 @@ from test_peer import F, cluster
 
 from chaos_flwr import membership as ms
 from chaos_flwr.defaults import MEMBERSHIP_MAX_COUNTER
-from chaos_flwr.errors import DecodeError
+from chaos_flwr.errors import DecodeError, UnknownPartyError
 from chaos_flwr.membership import Record, RecordSet, SignatureCache, supersedes
 
 PARTIES = len(FOUNDERS + JOINERS)
@@ -266,3 +266,17 @@ def test_a_party_rejoins_above_an_end_record_that_overtook_its_join() -> None:
     net.act(p.party_id, p.bootstrap(net.now))
     assert p.incarnation == 4 and p.is_member
     assert {q.view().members[p.party_id].incarnation for q in net.live()} == {4}
+
+
+def test_records_naming_parties_outside_the_charter_are_refused() -> None:
+    # Else one party could sign link_downs (or, with a quorum of one, fails) to new names
+    # without end, and the frontier would have no bound.
+    a, b, _ = FOUNDERS
+    policy = make_policy(quorum=1)
+    ghost = "p" + "0" * 16
+    down = ms.link_body("link_down", FED, (a.party_id, 0), (ghost, 0), 1)
+    with pytest.raises(UnknownPartyError, match="not a party of the charter"):
+        ms.validate_record(Record.sign(down, [a]), policy)
+    with pytest.raises(UnknownPartyError, match="not a party of the charter"):
+        ms.validate_record(Record.sign(ms.fail_body(FED, ghost, 0), [b]), policy)
+    ms.validate_record(Record.sign(ms.fail_body(FED, a.party_id, 0), [b]), policy)
