@@ -20,6 +20,9 @@ message that names the field path) and signed by the federation's founders::
       replicas: 3                    # parties holding a replica of the training state
       keep_rounds: 2                 # certified rounds each replica keeps
     founder_signatures_required: null   # null: every founder must sign
+    limits:                          # optional; absent: the defaults (chaos_flwr.defaults)
+      records_per_minute: 600        # new records a receiver takes per signer and minute
+      record_burst: 1000             # ... and in one burst beyond that rate
     signatures:                      # party id -> base64 Ed25519 signature
       p0123456789abcdef: ...
 
@@ -30,6 +33,9 @@ whatever their YAML layout. By default **every founder must sign**; a federation
 with ``founder_signatures_required``. A charter is refused
 (:class:`~chaos_flwr.errors.CharterError`) when a founder's signature is missing (beyond that
 number) or does not verify, or when it carries a signature of a key that is not a founder.
+
+An absent ``limits`` section (or ``null``) is left out of the body, so charters written before
+it existed keep their digests and signatures.
 
 The admission policy: founders are members by their own signature; a party of the
 ``allowlist`` joins with ``admission.sponsors_required`` signatures of members. Keys that are
@@ -77,6 +83,7 @@ __all__ = [
     "CHARTER_VERSION",
     "Admission",
     "Charter",
+    "Limits",
     "Member",
     "Replication",
     "load_charter",
@@ -156,6 +163,19 @@ class Replication(BaseModel):
     keep_rounds: int = Field(default=CHARTER_DEFAULT_KEEP_ROUNDS, ge=1)
 
 
+class Limits(BaseModel):
+    """Flood limits (:mod:`chaos_flwr.flood`): the records a receiving peer takes per signer.
+
+    A field left ``None`` takes its default (``FLOOD_RECORDS_PER_MINUTE``; a burst of
+    ``FLOOD_RECORD_BURST_BASE + FLOOD_RECORD_BURST_PER_PARTY`` per charter party).
+    """
+
+    model_config = _STRICT
+
+    records_per_minute: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    record_burst: int | None = Field(default=None, ge=1)
+
+
 class Charter(BaseModel):
     """A federation charter (see the module docstring for the file format and signing rules).
 
@@ -180,6 +200,8 @@ class Charter(BaseModel):
     )
     replication: Replication = Field(default_factory=Replication)
     founder_signatures_required: int | None = Field(default=None, ge=1)
+    #: Optional; ``None`` is left out of the body (digests of older charters are unchanged).
+    limits: Limits | None = None
     signatures: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("signatures")
@@ -341,7 +363,11 @@ class Charter(BaseModel):
 
     def body(self) -> dict[str, Any]:
         """The signed content: every field but ``signatures``, as codec values."""
-        return self.model_dump(mode="python", exclude={"signatures"})
+        return self.model_dump(mode="python", exclude=self._left_out({"signatures"}))
+
+    def _left_out(self, fields: set[str]) -> set[str]:
+        """``fields`` plus the optional sections that are absent (never in body or file)."""
+        return fields | ({"limits"} if self.limits is None else set())
 
     @cached_property
     def _body_bytes(self) -> bytes:
@@ -474,7 +500,9 @@ class Charter(BaseModel):
             f"# digest sha256:{self.digest.hex()}\n"
         )
         return header + yaml.safe_dump(
-            self.model_dump(mode="python"), sort_keys=False, allow_unicode=True
+            self.model_dump(mode="python", exclude=self._left_out(set())),
+            sort_keys=False,
+            allow_unicode=True,
         )
 
     def save(self, path: Path | str) -> Path:

@@ -189,3 +189,20 @@ FLOWER_DURABLE_LEDGER_ROUNDS: int = 4
 FLOWER_DURABLE_MAX_BYTES: int = 1 << 30
 #: Whether a party's saved state is fsynced (only power loss needs it; see flower/durable.py).
 FLOWER_DURABLE_FSYNC: bool = False
+
+# --- membership compaction and flood resistance (chaos_flwr.membership, chaos_flwr.flood) ------
+#: Largest incarnation or epoch a record may carry (larger is a DecodeError on input): far above
+#: any honest history, far enough below 2**63 that no counter derived from it overflows.
+MEMBERSHIP_MAX_COUNTER: int = 2**62
+#: Records a charter party may newly sign per minute, as a receiving peer meters them, when the
+#: charter has no ``limits`` section (an honest party signs a handful per membership event).
+FLOOD_RECORDS_PER_MINUTE: float = 600.0
+#: Records a party may sign in one burst beyond that rate: a base ...
+FLOOD_RECORD_BURST_BASE: int = 256
+#: ... plus this many per charter party, so a newcomer's sync of a whole record frontier (a party
+#: signs at most three frontier records per other party: a link, a sponsorship, a fail vote)
+#: never exceeds one signer's burst.
+FLOOD_RECORD_BURST_PER_PARTY: int = 4
+#: Newest ``AppliedChange`` entries a peer keeps in ``Peer.applied`` (older ones are dropped;
+#: ``Peer.applied_total`` counts them all).
+PEER_APPLIED_WINDOW: int = 10000

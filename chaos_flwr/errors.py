@@ -134,3 +134,23 @@ class PartyConfigError(ConfigError):
 
 class ResumeError(ChaosError):
     """A run that must resume (``chaos-resume = require``) found no certified state to resume."""
+
+
+class FloodError(ChaosError):
+    """Records were refused because every one of their signers is out of its record budget.
+
+    A party signed more records than the charter's ``limits`` allow a receiver to take (see
+    :mod:`chaos_flwr.flood`); the records are not held, and are taken when offered again later.
+
+    Attributes
+    ----------
+    signers:
+        Party ids of the refused records' signers (sorted).
+    refused:
+        How many records were refused.
+    """
+
+    def __init__(self, message: str, *, signers: tuple[str, ...] = (), refused: int = 0) -> None:
+        super().__init__(message)
+        self.signers: tuple[str, ...] = signers
+        self.refused: int = refused

@@ -25,13 +25,27 @@ record set. The view then folds the records deterministically:
 
 - a member's incarnation is the highest incarnation any of its join records carries; its join
   time is the smallest ``at`` among the join records of that incarnation;
-- it is ``left`` if a leave record for that incarnation exists, else ``failed`` if a fail record
-  for it exists, else ``active``. Records about an older incarnation can therefore neither kill
-  nor resurrect a newer one, and a failed or departed party rejoins with a higher incarnation;
+- its *end* is its highest end record (leave or fail) by ``(incarnation, leave over fail)``;
+  it is ``left`` or ``failed`` (the end's kind) if the end's incarnation is at least the
+  member's, else ``active``. Records about an older incarnation can therefore neither kill nor
+  resurrect a newer one, and a failed or departed party rejoins with an incarnation above its
+  end. An end of a *later* incarnation than the highest join held (a leave that overtook its
+  join) already ends the member: only the party itself (leave) or a failure quorum can sign it,
+  and an honest one exists only once the party has moved on to that incarnation;
 - a link's *version* is ``(epoch, inc_a, inc_b)``; the highest version held wins, and it is
   ``down`` if any link_down of that version exists, else ``up``. A flap is a sequence of
   versions, each ended by its own down record. A link is *live* (an edge of the neighbour graph)
   when it is up and both ends are active at exactly the incarnations it names.
+
+Compaction: the record frontier
+-------------------------------
+The view depends only on each subject's highest join and highest end and on each link's highest
+record (version ``(epoch, inc_a, inc_b)``, a down over an up of the same version). A
+:class:`RecordSet` therefore holds only its *frontier*: the records no held record supersedes
+(:func:`supersedes`). At most two records per charter party and one per link are held, however
+old the federation; adding a superseded record changes nothing, and a record that supersedes
+held ones replaces them (``docs/internals.md``, "Compaction: the record frontier", argues why
+every party still converges to the same frontier and view).
 
 Small clusters: a fail record always needs ``failure_quorum`` signatures. While fewer than
 ``failure_quorum`` live members other than the suspect remain, no fail record can be formed: the
@@ -67,7 +81,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec
-from .defaults import MEMBERSHIP_PROOF_MAX_BYTES, MEMBERSHIP_SIGNATURE_CACHE_ENTRIES
+from .defaults import (
+    MEMBERSHIP_MAX_COUNTER,
+    MEMBERSHIP_PROOF_MAX_BYTES,
+    MEMBERSHIP_SIGNATURE_CACHE_ENTRIES,
+)
 from .errors import ChaosError, DecodeError, PolicyError, SignatureError, UnknownPartyError
 from .identity import SIGNATURE_BYTES, verify_signature
 from .wire import DOMAIN as _ENVELOPE_DOMAIN
@@ -89,6 +107,7 @@ __all__ = [
     "link_body",
     "record_id_of",
     "signing_bytes",
+    "supersedes",
     "validate_record",
 ]
 
@@ -329,6 +348,11 @@ def _check_int(body: Mapping[str, Any], name: str) -> None:
     value = body[name]
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise DecodeError(f"record field {name!r} must be an integer >= 0")
+    if value > MEMBERSHIP_MAX_COUNTER:
+        raise DecodeError(
+            f"record field {name!r} is {value}, above the largest counter a record may carry "
+            f"({MEMBERSHIP_MAX_COUNTER}): no honest party gets near it"
+        )
 
 
 # --- records -----------------------------------------------------------------------------------
@@ -398,6 +422,21 @@ class Record:
         DecodeError
             If the value is not a well-formed record.
         """
+        return cls._checked(*cls.wire_parts(value))
+
+    @staticmethod
+    def wire_parts(value: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """The checked body and a copy of the signature map of a record's codec value.
+
+        What :meth:`from_wire` checks, without computing the record id: a receiver can then
+        screen the body (:meth:`RecordSet.covers`) before hashing it. Make the record with
+        :meth:`from_parts`.
+
+        Raises
+        ------
+        DecodeError
+            If the value is not a well-formed record.
+        """
         if not isinstance(value, dict) or set(value) != {"body", "sigs"}:
             raise DecodeError("a record must be a map with exactly the fields 'body' and 'sigs'")
         body = _check_body(value["body"])
@@ -407,7 +446,12 @@ class Record:
         for signer, sig in sigs.items():
             if not isinstance(sig, bytes):
                 raise DecodeError(f"record signature of {signer!r} must be bytes")
-        return cls._checked(body, dict(sigs))
+        return body, dict(sigs)
+
+    @classmethod
+    def from_parts(cls, body: dict[str, Any], signatures: dict[str, bytes]) -> Record:
+        """The record of parts :meth:`wire_parts` returned (taken, not copied)."""
+        return cls._checked(body, signatures)
 
     @classmethod
     def from_own(cls, env: Envelope) -> Record:
@@ -532,6 +576,11 @@ def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> N
             if subject not in signers:
                 raise PolicyError("leave record lacks the leaver's own signature ('subject')")
         else:
+            if subject not in policy.keyring:
+                # Else a quorum (of one, if the charter says so) could name parties without end.
+                raise UnknownPartyError(
+                    f"fail record field 'subject' {subject!r} is not a party of the charter"
+                )
             voters = len(signers - {subject})
             if voters < policy.failure_quorum:
                 raise PolicyError(
@@ -540,6 +589,10 @@ def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> N
                 )
     else:
         ends = {body["a"], body["b"]}
+        outside = sorted(e for e in ends if e not in policy.keyring)
+        if outside:
+            # Else one end alone could sign link_downs to ever new names (unbounded links).
+            raise UnknownPartyError(f"link record end {outside[0]!r} is not a party of the charter")
         if kind == "link_up" and not ends <= signers:
             raise PolicyError("link_up record needs the signatures of both ends 'a' and 'b'")
         if kind == "link_down" and not ends & signers:
@@ -730,11 +783,55 @@ class View:
         return f"View(active={self.active()}, digest={self.digest.hex()[:12]})"
 
 
+def _order(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Where a record stands among the records about the same thing (higher wins).
+
+    Joins: ``(incarnation, -at)`` (the least join time of the highest incarnation wins). End
+    records: ``(incarnation, leave over fail)``. Links: ``(epoch, inc_a, inc_b, down over up)``.
+    """
+    kind = body["kind"]
+    if kind == "join":
+        return (body["incarnation"], -body["at"])
+    if kind in _LINK_KINDS:
+        return (body["epoch"], body["inc_a"], body["inc_b"], kind == "link_down")
+    return (body["incarnation"], kind == "leave")
+
+
+def supersedes(newer: Mapping[str, Any], older: Mapping[str, Any]) -> bool:
+    """Whether a record with body ``newer`` makes one with body ``older`` irrelevant to the view.
+
+    A strict partial order on well-formed bodies of one federation, decided by the two bodies
+    alone: a join supersedes the lower joins of its subject and its subject's end records of
+    lower incarnations; an end record supersedes the lower end records of its subject; a link
+    record supersedes the lower records of its link (orders: see :func:`_order`). The view of a
+    set of records equals the view of its frontier, the records no other record of the set
+    supersedes (``docs/internals.md``, "Compaction: the record frontier").
+    """
+    kind, old_kind = newer["kind"], older["kind"]
+    if kind in _LINK_KINDS:
+        return (
+            old_kind in _LINK_KINDS
+            and (newer["a"], newer["b"]) == (older["a"], older["b"])
+            and _order(newer) > _order(older)
+        )
+    if old_kind in _LINK_KINDS or newer["subject"] != older["subject"]:
+        return False
+    if kind == "join":
+        if old_kind == "join":
+            return _order(newer) > _order(older)
+        return bool(newer["incarnation"] > older["incarnation"])
+    return old_kind != "join" and _order(newer) > _order(older)
+
+
 # --- the record set ----------------------------------------------------------------------------
 
 
 class RecordSet:
-    """The records a party holds, validated and folded into a :class:`View` incrementally.
+    """The frontier of the records a party received, validated and folded into a :class:`View`.
+
+    Only records no held record supersedes are held (see "Compaction" in the module docstring):
+    per subject its highest join and highest end, per link its highest record. Folding is
+    incremental: each record changes at most one member entry or one link entry.
 
     Parameters
     ----------
@@ -748,12 +845,13 @@ class RecordSet:
         self.policy = policy
         self.cache = cache if cache is not None else SignatureCache()
         self._records: dict[str, Record] = {}
-        # Member folding, incremental: subject -> {incarnation: least join time}, and
-        # subject -> {incarnation: end kinds held ("leave"/"fail")}.
-        self._join_at: dict[str, dict[int, float]] = {}
-        self._ended: dict[str, dict[int, set[str]]] = {}
-        # (party, incarnation) -> links naming that party at that incarnation: only those can
-        # change liveness when the party's status or incarnation changes.
+        # The frontier by what it is about: subject -> its highest join / its highest end
+        # record, link -> its highest record.
+        self._join: dict[str, Record] = {}
+        self._end: dict[str, Record] = {}
+        self._link_rec: dict[tuple[str, str], Record] = {}
+        # (party, incarnation) -> links whose held record names that party at that incarnation:
+        # only those can change liveness when the party's status or incarnation changes.
         self._links_of: dict[tuple[str, int], set[tuple[str, str]]] = {}
         # Link entries whose liveness may have changed since the last read: (party, old
         # incarnation, new incarnation) of member changes and links with a new version. They
@@ -763,8 +861,6 @@ class RecordSet:
         self._stale_links: set[tuple[str, str]] = set()
         self._members: dict[str, MemberInfo] = {}
         self._links: dict[tuple[str, str], LinkInfo] = {}
-        # link -> (highest version held, whether a link_down of that version is held)
-        self._link_ver: dict[tuple[str, str], tuple[tuple[int, int, int], bool]] = {}
         self._xor = 0
         # The view and the active list are rebuilt on the next read after a new record; the
         # stale objects are only marked (freeing a view of a large federation is work of its
@@ -781,14 +877,14 @@ class RecordSet:
         return len(self._records)
 
     def __iter__(self) -> Iterator[Record]:
-        return iter(self._records.values())
+        return iter(list(self._records.values()))
 
     def get(self, record_id: str) -> Record | None:
-        """The record with ``record_id``, or ``None``."""
+        """The record with ``record_id`` if it is held (not superseded), or ``None``."""
         return self._records.get(record_id)
 
     def ids(self) -> frozenset[str]:
-        """Ids of all records held."""
+        """Ids of all records held (the frontier)."""
         return frozenset(self._records)
 
     def digest(self) -> bytes:
@@ -797,8 +893,49 @@ class RecordSet:
             self._xor.to_bytes(16, "big") + len(self._records).to_bytes(8, "big")
         ).digest()
 
+    def superseded(self, record: Record) -> bool:
+        """Whether a held record supersedes ``record`` (:func:`supersedes`): it would not be held.
+
+        ``record``'s body must be well-formed (:meth:`Record.from_wire` or :func:`_check_body`).
+        Cheap (one dictionary look-up or two); needs no signature check.
+        """
+        return self._superseder(record.body) is not None
+
+    def covers(self, body: Mapping[str, Any]) -> bool:
+        """Whether a record with this (well-formed) body is held or superseded: adding it would
+        change nothing. Decided from the body alone (no record id, no signature)."""
+        kind = body["kind"]
+        if kind in _LINK_KINDS:
+            top = self._link_rec.get((body["a"], body["b"]))
+        else:
+            top = (self._join if kind == "join" else self._end).get(body["subject"])
+        if top is not None and top.body == body:
+            return True
+        return self._superseder(body) is not None
+
+    def _superseder(self, body: Mapping[str, Any]) -> Record | None:
+        kind = body["kind"]
+        if kind in _LINK_KINDS:
+            held = self._link_rec.get((body["a"], body["b"]))
+            return held if held is not None and supersedes(held.body, body) else None
+        subject = body["subject"]
+        join = self._join.get(subject)
+        if join is not None and supersedes(join.body, body):
+            return join
+        end = self._end.get(subject)
+        return end if end is not None and supersedes(end.body, body) else None
+
+    def ended_at(self, party_id: str) -> int | None:
+        """Incarnation of the highest end record (leave or fail) held for ``party_id``, if any.
+
+        A party rejoins above it (it may exceed :attr:`MemberInfo.incarnation` when an end
+        record overtook its join).
+        """
+        end = self._end.get(party_id)
+        return None if end is None else int(end.body["incarnation"])
+
     def add(self, record: Record, *, validated: bool = False) -> bool:
-        """Validate ``record`` and hold it.
+        """Validate ``record`` and hold it, unless a held record supersedes it.
 
         Parameters
         ----------
@@ -811,8 +948,9 @@ class RecordSet:
         Returns
         -------
         bool
-            ``True`` if the record was new, ``False`` if a record with its id was already held
-            (nothing changes then, and its signatures are not checked again).
+            ``True`` if the record is now held (the records it supersedes are dropped),
+            ``False`` if it was already held or a held record supersedes it (nothing changes
+            then, and its signatures are not checked).
 
         Raises
         ------
@@ -822,40 +960,70 @@ class RecordSet:
         rid = record.record_id
         if rid in self._records:
             return False
+        body = record.body
+        if not validated:
+            _check_body(body)
+        if self._superseder(body) is not None:
+            return False
         if not validated:
             validate_record(record, self.policy, self.cache)
         self._records[rid] = record
         self._xor ^= int(rid, 16)
         self._view_fresh = False
-        body = record.body
         kind = body["kind"]
-        if kind in _MEMBER_KINDS:
-            self._fold_member(body["subject"], kind, body)
-        else:
-            key = (body["a"], body["b"])
-            self._links_of.setdefault((key[0], body["inc_a"]), set()).add(key)
-            self._links_of.setdefault((key[1], body["inc_b"]), set()).add(key)
-            self._fold_version(key, kind, body)
-            self._stale_links.add(key)
+        if kind in _LINK_KINDS:
+            self._hold_link(record)
+            return True
+        subject = body["subject"]
+        table = self._join if kind == "join" else self._end
+        old = table.get(subject)
+        table[subject] = record
+        if old is not None:
+            self._drop(old)
+        end = self._end.get(subject)
+        if kind == "join" and end is not None and supersedes(body, end.body):
+            del self._end[subject]
+            self._drop(end)
+        self._fold_member(subject)
         return True
 
-    def _fold_member(self, subject: str, kind: str, body: Mapping[str, Any]) -> None:
-        inc = body["incarnation"]
-        if kind == "join":
-            joins = self._join_at.setdefault(subject, {})
-            at = body["at"]
-            if inc not in joins or at < joins[inc]:
-                joins[inc] = at
-        else:
-            self._ended.setdefault(subject, {}).setdefault(inc, set()).add(kind)
-        held = self._join_at.get(subject)
-        old = self._members.get(subject)
-        if not held:
+    def _drop(self, record: Record) -> None:
+        """Forget a record a new one supersedes (the caller updates the folding tables)."""
+        del self._records[record.record_id]
+        self._xor ^= int(record.record_id, 16)
+
+    def _hold_link(self, record: Record) -> None:
+        body = record.body
+        key = (body["a"], body["b"])
+        old = self._link_rec.get(key)
+        self._link_rec[key] = record
+        if old is not None:
+            self._drop(old)
+            for end, inc in ((key[0], "inc_a"), (key[1], "inc_b")):
+                if old.body[inc] != body[inc]:
+                    self._unindex(end, old.body[inc], key)
+        self._links_of.setdefault((key[0], body["inc_a"]), set()).add(key)
+        self._links_of.setdefault((key[1], body["inc_b"]), set()).add(key)
+        self._stale_links.add(key)
+
+    def _unindex(self, party: str, inc: int, key: tuple[str, str]) -> None:
+        links = self._links_of.get((party, inc))
+        if links is not None:
+            links.discard(key)
+            if not links:
+                del self._links_of[(party, inc)]
+
+    def _fold_member(self, subject: str) -> None:
+        join = self._join.get(subject)
+        if join is None:
             return  # an end record of a party never seen joining: no member entry (yet)
-        top = max(held) if old is None or inc > old.incarnation else old.incarnation
-        ended = self._ended.get(subject, {}).get(top, ())
-        status = LEFT if "leave" in ended else FAILED if "fail" in ended else ACTIVE
-        new = MemberInfo(subject, status, top, held[top])
+        top = join.body["incarnation"]
+        end = self._end.get(subject)
+        status = ACTIVE
+        if end is not None and end.body["incarnation"] >= top:
+            status = LEFT if end.body["kind"] == "leave" else FAILED
+        old = self._members.get(subject)
+        new = MemberInfo(subject, status, top, join.body["at"])
         if new == old:
             return
         self._members[subject] = new
@@ -881,16 +1049,10 @@ class RecordSet:
         for key in keys:
             self._refold_link(key)
 
-    def _fold_version(self, key: tuple[str, str], kind: str, body: Mapping[str, Any]) -> None:
-        version = (body["epoch"], body["inc_a"], body["inc_b"])
-        held = self._link_ver.get(key)
-        if held is None or version > held[0]:
-            self._link_ver[key] = (version, kind == "link_down")
-        elif version == held[0] and kind == "link_down" and not held[1]:
-            self._link_ver[key] = (version, True)
-
     def _refold_link(self, key: tuple[str, str]) -> None:
-        (epoch, inc_a, inc_b), down = self._link_ver[key]
+        body = self._link_rec[key].body
+        epoch, inc_a, inc_b = body["epoch"], body["inc_a"], body["inc_b"]
+        down = body["kind"] == "link_down"
         a, b = key
         ma, mb = self._members.get(a), self._members.get(b)
         live = (

@@ -158,7 +158,7 @@ class Peer(PeerCore):
     party_id : str
     incarnation : int
     applied : list[AppliedChange]
-        Every record newly held, in order.
+        The newest ``PEER_APPLIED_WINDOW`` records newly held, in order.
     rejections : list[Rejection]
         Every refused input (the newest ``PEER_MAX_REJECTIONS_LOGGED``).
     monitor : Monitor
@@ -474,16 +474,24 @@ class Peer(PeerCore):
     # --- internals: the handlers of records and probes ---------------------------------------
 
     def _on_rec(self, env: Envelope, now: float) -> list[Outgoing]:
-        self._apply(self._check_records(env.payload.get("records")), now, validated=True)
+        taken, refused = self._metered_records(env.payload.get("records"), now)
+        self._apply(taken, now, validated=True)
         # A sponsor's sync after our join record exists: the join has landed.
         self._joining.synced_by(env.sender)
+        if refused:
+            # The batch's other records are taken (an honest forwarder may carry a flooder's
+            # records); the refusal is logged, and anti-entropy offers those records again.
+            self._reject(self._flood_error(refused), now, env)
         return []
 
     def _on_own(self, env: Envelope, now: float) -> list[Outgoing]:
         record = Record.from_own(env)
-        if record.record_id in self.records:
+        if self.records.covers(record.body):
             return []
+        if not self.budget.allows(record.signatures, now):
+            raise self._flood_error([record.signatures])
         validate_record(record, self.policy, self.records.cache, envelope=env)
+        self.budget.charge(record.signatures, now)
         self._apply([record], now, validated=True)
         return []
 

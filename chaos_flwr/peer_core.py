@@ -16,10 +16,12 @@ from typing import Any, NamedTuple
 
 from .defaults import (
     MEMBERSHIP_PROOF_MAX_BYTES,
+    PEER_APPLIED_WINDOW,
     PEER_MAX_RECORDS_PER_MESSAGE,
     PEER_MAX_REJECTIONS_LOGGED,
 )
-from .errors import ChaosError, DecodeError, PolicyError
+from .errors import ChaosError, DecodeError, FloodError, PolicyError
+from .flood import RecordBudget, limits_of
 from .identity import SIGNATURE_BYTES
 from .membership import ACTIVE, PROOF_KIND, Policy, Record, RecordSet, validate_record
 from .monitor import Monitor, Resources
@@ -111,6 +113,7 @@ class PeerCore:
     federation_tag: bytes
     records: RecordSet
     monitor: Monitor
+    #: The newest ``PEER_APPLIED_WINDOW`` records newly held, in order.
     applied: list[AppliedChange]
     rejections: list[Rejection]
     on_apply: Callable[[AppliedChange], None] | None
@@ -121,6 +124,21 @@ class PeerCore:
     _seq: int
     _dirty: bool
     _founders: tuple[str, ...]
+    _budget: RecordBudget | None = None
+
+    @property
+    def budget(self) -> RecordBudget:
+        """The per-signer budget metering the new records this peer takes from the network
+        (:mod:`chaos_flwr.flood`; limits from the charter's ``limits`` section or the defaults)."""
+        if self._budget is None:
+            rate, burst = limits_of(self.charter, len(self.policy.keyring))
+            self._budget = RecordBudget(self.policy.keyring, rate, burst)
+        return self._budget
+
+    @property
+    def refused_by(self) -> dict[str, int]:
+        """Charter party id -> records refused because every signer was out of budget."""
+        return dict(self.budget.refused_by)
 
     @property
     def is_member(self) -> bool:
@@ -250,8 +268,11 @@ class PeerCore:
 
     def _bump_incarnation(self) -> None:
         mine = self.records.member(self.party_id)
-        if mine is not None and mine.status != ACTIVE and mine.incarnation >= self.incarnation:
-            self.incarnation = mine.incarnation + 1
+        if mine is not None and mine.status != ACTIVE:
+            # Above the end record too: it may name a later incarnation than the join held.
+            ended = max(mine.incarnation, self.records.ended_at(self.party_id) or 0)
+            if ended >= self.incarnation:
+                self.incarnation = ended + 1
 
     def _sign(self, data: bytes) -> bytes:
         """Sign record bytes; the signature goes in this peer's cache (no self re-verify)."""
@@ -284,18 +305,58 @@ class PeerCore:
             )
         return checked, sig
 
-    def _check_records(self, values: Any) -> list[Record]:
-        """Parse and validate every record not yet held; raises before anything is applied."""
+    def _fresh_parts(self, values: Any) -> list[tuple[dict[str, Any], dict[str, bytes]]]:
+        """Parse records (shape only, unhashed); keep those the record set does not cover
+        (neither held nor superseded by a held one)."""
         if not isinstance(values, list):
             raise DecodeError("message field 'records' must be a list")
+        covers = self.records.covers
+        return [parts for value in values if not covers((parts := Record.wire_parts(value))[0])]
+
+    def _check_records(self, values: Any) -> list[Record]:
+        """Parse and validate every record not yet held; raises before anything is applied."""
         fresh: dict[str, Record] = {}
-        for value in values:
-            record = Record.from_wire(value)
-            if record.record_id in self.records or record.record_id in fresh:
+        for body, sigs in self._fresh_parts(values):
+            record = Record.from_parts(body, sigs)
+            if record.record_id not in fresh:
+                validate_record(record, self.policy, self.records.cache)
+                fresh[record.record_id] = record
+        return list(fresh.values())
+
+    def _metered_records(
+        self, values: Any, now: float
+    ) -> tuple[list[Record], list[Mapping[str, bytes]]]:
+        """Parse and validate the new records of a received batch, within the signers' budget.
+
+        Returns the records taken and the signature maps of those refused (every signer out of
+        budget: refused before they are hashed or their signatures checked, and counted in
+        :attr:`refused_by`). Raises, before anything is applied, if a record within budget is
+        malformed or does not verify.
+        """
+        budget = self.budget
+        taken: dict[str, Record] = {}
+        refused: list[Mapping[str, bytes]] = []
+        for body, sigs in self._fresh_parts(values):
+            if not budget.allows(sigs, now):
+                refused.append(sigs)
+                continue
+            record = Record.from_parts(body, sigs)
+            if record.record_id in taken:
                 continue
             validate_record(record, self.policy, self.records.cache)
-            fresh[record.record_id] = record
-        return list(fresh.values())
+            budget.charge(sigs, now)
+            taken[record.record_id] = record
+        return list(taken.values()), refused
+
+    def _flood_error(self, refused: Sequence[Mapping[str, bytes]]) -> FloodError:
+        """The typed error naming who signed the records refused for want of budget."""
+        signers = sorted({s for sigs in refused for s in sigs})
+        return FloodError(
+            f"{len(refused)} record(s) refused: every signer is out of its record budget "
+            f"(signers: {', '.join(signers)}); they are taken when offered again later",
+            signers=tuple(signers),
+            refused=len(refused),
+        )
 
     def _apply(
         self, records: Iterable[Record], now: float, *, validated: bool = False
@@ -306,6 +367,8 @@ class PeerCore:
                 new.append(record)
                 change = AppliedChange(record.record_id, record.kind, record.subject, now)
                 self.applied.append(change)
+                if len(self.applied) > PEER_APPLIED_WINDOW:
+                    del self.applied[: len(self.applied) - PEER_APPLIED_WINDOW]
                 if self.on_apply is not None:
                     self.on_apply(change)
                 self._settled(record.record_id)
