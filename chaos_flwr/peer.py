@@ -267,18 +267,38 @@ class Peer(PeerCore):
         :attr:`incarnation` to continue this life in another process: ``Peer(seq=...)``)."""
         return self._seq
 
-    def load_records(self, values: Sequence[Any], now: float) -> int:
+    def load_records(self, values: Sequence[Any], now: float, *, sealed: bool = False) -> int:
         """Take up records saved by an earlier process of this party (their wire form).
 
         Each record is validated (signatures included) exactly as one received; a bad one
-        raises before anything is applied. Returns how many were new.
+        raises before anything is applied. With ``sealed`` the caller has checked that the
+        records come from this party's own sealed state file, saved under this very charter
+        (:mod:`chaos_flwr.flower.durable`): this party verified each of them before it held
+        it, so they are decoded and checked for this federation and its keyring, and their
+        signatures are not verified again (a start costs what the file's size costs).
+        Returns how many were new.
 
         Raises
         ------
         DecodeError, SignatureError, PolicyError
             A record is malformed or does not verify under the charter.
+            With ``sealed``: a record names another federation or a signer the charter
+            lacks (its signatures are not checked).
         """
-        return len(self._apply(self._check_records(list(values)), now))
+        if not sealed:
+            return len(self._apply(self._check_records(list(values)), now))
+        records = [Record.from_wire(value) for value in values]
+        federation, keyring = self.policy.federation, self.policy.keyring
+        for record in records:
+            if (
+                record.body["federation"] != federation
+                or not record.signatures.keys() <= keyring.keys()
+            ):
+                raise PolicyError(
+                    f"saved record {record.record_id} is of federation "
+                    f"{record.body['federation']!r} or signed by a party the charter lacks"
+                )
+        return len(self._apply(records, now, validated=True))
 
     def declare_resources(self, resources: Resources) -> None:
         """Set what this party declares in its heartbeats (compute speed, free memory)."""

@@ -8,6 +8,8 @@ same party life).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from chaos_flwr import codec
 from chaos_flwr.charter import load_charter
 from chaos_flwr.errors import StoreError
 from chaos_flwr.flower import durable
@@ -356,3 +359,77 @@ def test_a_saved_pull_is_explicit_values_and_a_bad_one_is_refused(tmp_path: Path
     bad = durable.SavedParty("p", "1:2", 5, 17, joining={**pull.to_value(), "v": 7})
     with pytest.raises(StoreError, match="join pull unreadable"):
         bad.joiner_pull()
+
+
+# -- a party's own sealed records are not re-verified (issue 18 item 3, issue 15 item 2) -------
+def _sealed_world(tmp_path: Path) -> tuple[PerMessage, Path, durable.SavedParty]:
+    w = PerMessage(tmp_path, 3, per_message=False)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=2, timeout=10)
+    state_dir = w.state_root / "party-2"
+    saved = durable.load(state_dir, w.pid(2), seal=w.party(2).signer)
+    assert saved is not None
+    return w, state_dir, saved
+
+
+def test_a_rebuilt_party_takes_up_its_own_sealed_records_without_signature_checks(
+    tmp_path: Path,
+) -> None:
+    w, _, saved = _sealed_world(tmp_path)
+    cached = w.party(2)
+    assert saved.sealed and saved.charter == cached.peer.federation_tag  # type: ignore[union-attr]
+    assert len(saved.records) > 3
+    rebuilt = default_party_factory(w.nodes[2].context)  # the next message's process
+    peer = rebuilt.peer
+    assert peer is not None and peer.incarnation == cached.peer.incarnation  # type: ignore[union-attr]
+    assert peer.records.ids() == cached.peer.records.ids()  # type: ignore[union-attr]
+    assert peer.view().digest == cached.peer.view().digest  # type: ignore[union-attr]
+    assert peer.records.cache.checks == 0  # no record signature verified again
+
+
+def test_records_saved_under_another_charter_are_verified_one_by_one(tmp_path: Path) -> None:
+    w, state_dir, saved = _sealed_world(tmp_path)
+    signer = w.party(2).signer
+    for charter in (b"", b"\x01" * 32):  # a file of an older version; another charter's
+        durable.save(state_dir, dataclasses.replace(saved, charter=charter), seal=signer)
+        again = durable.load(state_dir, w.pid(2), seal=signer)
+        assert again is not None and again.sealed and again.charter == charter
+        rebuilt = default_party_factory(w.nodes[2].context)
+        assert rebuilt.peer.records.cache.checks >= len(saved.records)  # type: ignore[union-attr]
+        assert rebuilt.peer.records.ids() == w.party(2).peer.records.ids()  # type: ignore[union-attr]
+
+
+def _tampered(saved: durable.SavedParty) -> durable.SavedParty:
+    """``saved`` with one record's body changed (its signatures left as they were)."""
+    records = [dict(r) for r in saved.records]
+    join = next(r for r in records if r["body"]["kind"] == "join")
+    join["body"] = {**join["body"], "at": join["body"]["at"] + 1.0}
+    return dataclasses.replace(saved, records=records)
+
+
+def test_a_tampered_record_in_the_sealed_file_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w, state_dir, saved = _sealed_world(tmp_path)
+    mine = w.party(2)
+    path = state_dir / durable.STATE_FILE
+    seal = path.read_bytes()[len(durable.SEALED_MAGIC) + 32 :][:64]
+    body = codec.encode(_tampered(saved).to_value())
+    # the body changed and its hash recomputed, the old seal kept: the seal does not match
+    path.write_bytes(durable.SEALED_MAGIC + hashlib.sha256(body).digest() + seal + body)
+    with pytest.raises(StoreError, match="not sealed by this party's key"):
+        durable.load(state_dir, w.pid(2), seal=mine.signer)
+    # the body changed, the hash kept: the hash does not match
+    raw = path.read_bytes()
+    good = durable.SEALED_MAGIC + hashlib.sha256(body).digest()
+    path.write_bytes(raw[: len(good) - 32] + b"\x00" * 32 + raw[len(good) :])
+    with pytest.raises(StoreError, match="hash mismatch"):
+        durable.load(state_dir, w.pid(2), seal=mine.signer)
+    # the factory discards it and starts a fresh life from the relay, the record unheld
+    inc = mine.peer.incarnation  # type: ignore[union-attr]
+    with caplog.at_level("WARNING", logger="chaos_flwr.flower.durable"):
+        rebuilt = default_party_factory(w.nodes[2].context)
+    assert "discarding the saved party state" in caplog.text
+    assert rebuilt.peer.incarnation > inc  # type: ignore[union-attr]
+    assert len(rebuilt.peer.records) < len(saved.records)  # type: ignore[union-attr]

@@ -982,3 +982,41 @@ def test_a_fail_record_too_large_for_a_proof_goes_out_with_plain_signatures(
         assert max(sig_sizes) > 64  # somebody holds the broadcaster's proof
     else:
         assert sig_sizes == {64}  # everyone holds plain votes only
+
+
+def test_records_of_the_partys_own_sealed_file_load_without_signature_checks() -> None:
+    net, ch = cluster(joiners=2)
+    a, b, c = (f.party_id for f in F)
+    for _ in range(3):  # link flaps: more records than members
+        net.act(a, net.peers[a].connect(b, net.now))
+        net.act(b, net.peers[b].disconnect(a, net.now))
+    saved = [r.to_wire() for r in net.peers[c].records]
+    proofs = [r for r in net.peers[c].records if any(len(s) != 64 for s in r.signatures.values())]
+    assert proofs  # the file holds 'own' envelopes as signatures too
+    verified, trusted = Peer(F[2], ch), Peer(F[2], ch)
+    assert verified.load_records(saved, net.now) == len(saved)
+    assert trusted.load_records(saved, net.now, sealed=True) == len(saved)
+    assert trusted.records.ids() == verified.records.ids() == net.peers[c].records.ids()
+    assert trusted.view().digest == verified.view().digest == net.peers[c].view().digest
+    assert verified.records.cache.checks >= len(saved)  # every signature checked
+    assert trusted.records.cache.checks == 0  # none: this party verified them before saving
+    assert trusted.load_records(saved, net.now, sealed=True) == 0  # held already
+    assert trusted.is_member and trusted.incarnation == verified.incarnation
+
+
+def test_a_sealed_load_still_refuses_another_federation_and_unknown_signers() -> None:
+    net, ch = cluster()
+    c = F[2].party_id
+    saved = [r.to_wire() for r in net.peers[c].records]
+    with pytest.raises(PolicyError, match="federation"):
+        Peer(F[2], charter(F, J, federation="another-federation")).load_records(
+            saved, net.now, sealed=True
+        )
+    stranger = ident("stranger")
+    forged = {"body": saved[0]["body"], "sigs": {stranger.party_id: b"\x00" * 64}}
+    fresh = Peer(F[2], ch)
+    with pytest.raises(PolicyError, match="charter lacks"):
+        fresh.load_records([*saved, forged], net.now, sealed=True)
+    assert len(fresh.records) == 0  # nothing applied before the refusal
+    with pytest.raises(DecodeError):
+        Peer(F[2], ch).load_records([{"body": 1}], net.now, sealed=True)

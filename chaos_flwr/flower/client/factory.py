@@ -165,14 +165,23 @@ def _saved_state(
     return saved, same
 
 
+def _own_sealed(saved: SavedParty, peer: Any) -> bool:
+    """Whether ``saved`` is this party's own sealed file (its seal checked by
+    :func:`~chaos_flwr.flower.durable.load`), saved under the charter ``peer`` runs under:
+    then its records need no signature checks (:mod:`chaos_flwr.flower.durable`)."""
+    return saved.sealed and bool(saved.charter) and saved.charter == peer.federation_tag
+
+
 def _build_peer(
     ident: Any, settings: PartySettings, saved: SavedParty | None = None, *, same_life: bool = False
 ) -> tuple[PeerProtocol, list[OutgoingLike]]:
     """Build the protocol peer from the identity and the verified charter.
 
-    The ``saved`` records and replay state are taken up (records re-verified; a bad one
-    raises). When ``same_life`` (the life it was saved in, continued in a new process) the
-    peer also keeps the saved incarnation and sequence number and nothing is bootstrapped.
+    The ``saved`` records and replay state are taken up: from a file sealed by this party
+    under this charter without re-verifying their signatures (:func:`_own_sealed`), else
+    re-verified one by one (a bad one raises). When ``same_life`` (the life it was saved
+    in, continued in a new process) the peer also keeps the saved incarnation and sequence
+    number and nothing is bootstrapped.
     Otherwise (a start or a real restart) it gets a fresh incarnation; a founder bootstraps
     the federation's records and a non-founder asks for a sponsored join when it first hears
     from the relay (:meth:`Party.process`).
@@ -195,12 +204,12 @@ def _build_peer(
         peer = Peer(
             ident, charter, incarnation=saved.incarnation, seq=saved.seq, replay_state=saved.replay
         )
-        peer.load_records(saved.records, time.time())
+        peer.load_records(saved.records, time.time(), sealed=_own_sealed(saved, peer))
         return peer, []
     replay = saved.replay if saved is not None else None
     peer = Peer(ident, charter, incarnation=_incarnation(settings), replay_state=replay)
     if saved is not None:
-        peer.load_records(saved.records, time.time())
+        peer.load_records(saved.records, time.time(), sealed=_own_sealed(saved, peer))
     out: list[OutgoingLike] = []
     if charter.is_founder(ident.party_id):
         out.extend(peer.bootstrap(time.time()))

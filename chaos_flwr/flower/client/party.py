@@ -113,6 +113,7 @@ class Party:
             receipts=ledger_receipts(self._ledger),
             evidence=[ev.encode() for ev in self.evidence],
             evidence_sent=self._evidence_sent,
+            charter=bytes(getattr(peer, "federation_tag", b"")),
         )
 
     def take_up(self, saved: SavedParty, *, same_life: bool) -> None:

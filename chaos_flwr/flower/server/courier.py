@@ -374,7 +374,8 @@ class Courier:
             self.relay.give_back(node, taken.get(node, []))
             self.holders.pop(node, None)
         for node in res.missing:
-            self.suspects.add(node)
+            if node not in res.late:  # a late reply just showed it alive: wait for it next
+                self.suspects.add(node)
             self.relay.give_back(node, taken.get(node, []))
         log_.missing = sorted(set(log_.missing) | res.missing)
         if self.view is not None:

@@ -1,0 +1,182 @@
+"""Per-message cost of a party against the federation's age, as the deployment engine pays it.
+
+Flower's deployment engine starts a ClientApp process for every message: the party is rebuilt
+from its saved state (:func:`~chaos_flwr.flower.client.default_party_factory`), handles the
+message and saves its state again. This benchmark saves a party whose record set holds ``n``
+records (link flaps between two founders, each record signed as the protocol signs it), then,
+in a **fresh Python process** per sample, times:
+
+* ``rebuild_s``: the factory build (identity, charter, saved state, peer, replica store);
+* ``message_s``: the rebuild plus one relay message (:meth:`Party.process`) and the save that
+  ends every message (:meth:`Party.persist`).
+
+Each size is measured twice: ``sealed`` (the party's own sealed file under its current charter:
+records taken up without signature checks, see :mod:`chaos_flwr.flower.durable`) and
+``verified`` (the same file with its charter digest cleared, so every record is verified again,
+as before sealed loads). Medians of ``repeats`` fresh processes; the JSON names the load
+average. Run: ``python -m chaos_flwr.bench.rebuild --sizes 1000 10000 100000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "measure_once", "prepare", "run"]
+
+#: Record-set sizes measured by default.
+BENCH_REBUILD_SIZES: tuple[int, ...] = (1_000, 10_000)
+#: Fresh processes per figure (the median is reported).
+BENCH_REBUILD_REPEATS: int = 3
+#: Parties of the benchmark federation (all founders).
+BENCH_REBUILD_PARTIES: int = 3
+#: Seconds a measuring process may take before the benchmark gives up on it.
+BENCH_REBUILD_TIMEOUT_S: float = 900.0
+
+
+def _context(root: Path, partition: int) -> Any:
+    from flwr.app import Context, RecordDict
+
+    run_config = {"chaos-keys-dir": str(root / "fed"), "chaos-state-root": str(root / "state")}
+    node_config = {"partition-id": partition, "num-partitions": BENCH_REBUILD_PARTIES}
+    return Context(1, 100 + partition, node_config, RecordDict(), run_config)  # type: ignore[arg-type]
+
+
+def prepare(root: Path, n: int) -> int:
+    """Save party 0 of a new federation in ``root`` holding about ``n`` records.
+
+    The founders bootstrap; then link records between parties 0 and 1 are signed (``link_up``
+    by both ends, ``link_down`` by one, epochs rising) until the set holds ``n``. Returns the
+    number of records saved.
+    """
+    from chaos_flwr.flower.client import default_party_factory
+    from chaos_flwr.flower.keys import key_path, make_federation
+    from chaos_flwr.identity import Identity
+    from chaos_flwr.membership import Record, link_body
+
+    keys = make_federation(root / "fed", BENCH_REBUILD_PARTIES, seed="bench-rebuild")
+    party = default_party_factory(_context(root, 0))
+    peer: Any = party.peer
+    ends = [Identity.load(key_path(keys, i)) for i in (0, 1)]
+    inc = {e.party_id: peer.incarnation if e.party_id == peer.party_id else 0 for e in ends}
+    a, b = ((e.party_id, inc[e.party_id]) for e in ends)
+    wire = []
+    for epoch in range(1, max(n - len(peer.records), 0) + 1):
+        kind = "link_up" if epoch % 2 else "link_down"
+        signers = ends if kind == "link_up" else ends[:1]
+        body = link_body(kind, peer.policy.federation, a, b, epoch)
+        wire.append(Record.sign(body, signers).to_wire())
+    peer.load_records(wire, time.time())  # verified once, as received
+    party.persist()
+    return len(peer.records)
+
+
+def measure_once(root: Path) -> dict[str, float]:
+    """Rebuild party 0 of ``root`` and handle one message (call in a fresh process)."""
+    t0 = time.perf_counter()
+    from flwr.app import ConfigRecord
+
+    from chaos_flwr.flower.client import default_party_factory
+
+    t1 = time.perf_counter()
+    party = default_party_factory(_context(root, 0))
+    t2 = time.perf_counter()
+    party.process(ConfigRecord({"phase": "relay", "round": 1}), None)
+    party.persist()
+    t3 = time.perf_counter()
+    checks = getattr(getattr(party.peer, "records", None), "cache", None)
+    return {
+        "import_s": t1 - t0,
+        "rebuild_s": t2 - t1,
+        "message_s": t3 - t1,
+        "signature_checks": float(getattr(checks, "checks", -1)),
+    }
+
+
+def _unseal_charter(root: Path) -> None:
+    """Clear the saved charter digest (re-sealed): the next rebuild verifies every record."""
+    from chaos_flwr.flower import durable
+    from chaos_flwr.flower.keys import key_path
+    from chaos_flwr.identity import Identity
+
+    ident = Identity.load(key_path(root / "fed", 0))
+    state_dir = root / "state" / "party-0"
+    saved = durable.load(state_dir, str(ident.party_id), seal=ident.sign)
+    assert saved is not None
+    durable.save(state_dir, dataclasses.replace(saved, charter=b""), seal=ident.sign)
+
+
+def _sample(root: Path, *, unseal: bool = False) -> dict[str, float]:
+    if unseal:  # every message saves the digest again: clear it before each sample
+        _unseal_charter(root)
+    code = (
+        "import json, sys; from pathlib import Path; from chaos_flwr.bench.rebuild import "
+        "measure_once; print(json.dumps(measure_once(Path(sys.argv[1]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=BENCH_REBUILD_TIMEOUT_S,
+    )
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def run(sizes: tuple[int, ...], repeats: int, work: Path) -> dict[str, Any]:
+    """Measure every size, sealed then verified; the JSON-ready figures."""
+    rows = []
+    for n in sizes:
+        root = work / f"n{n}"
+        t0 = time.perf_counter()
+        held = prepare(root, n)
+        setup_s = time.perf_counter() - t0
+        size = (root / "state" / "party-0" / "party.state").stat().st_size
+        sealed = _medians([_sample(root) for _ in range(repeats)])
+        verified = _medians([_sample(root, unseal=True) for _ in range(repeats)])
+        rows.append(
+            {
+                "records": held,
+                "state_bytes": size,
+                "setup_s": setup_s,
+                "sealed": sealed,
+                "verified": verified,
+            }
+        )
+    return {
+        "bench": "party-rebuild",
+        "repeats": repeats,
+        "statistic": "median",
+        "loadavg": list(os.getloadavg()),
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: print the figures as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCH_REBUILD_SIZES))
+    parser.add_argument("--repeats", type=int, default=BENCH_REBUILD_REPEATS)
+    parser.add_argument("--work", type=Path, default=None, help="keep the states here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="chaos-rebuild-") as tmp:
+        work = args.work or Path(tmp)
+        print(json.dumps(run(tuple(args.sizes), args.repeats, work), indent=1))
+
+
+if __name__ == "__main__":
+    main()
