@@ -189,3 +189,21 @@ FLOWER_DURABLE_LEDGER_ROUNDS: int = 4
 FLOWER_DURABLE_MAX_BYTES: int = 1 << 30
 #: Whether a party's saved state is fsynced (only power loss needs it; see flower/durable.py).
 FLOWER_DURABLE_FSYNC: bool = False
+
+# --- deadlines and suspicion that follow the federation (issue 15) ----------------------------
+#: Phi (−log10 of the chance that a live party's next arrival is still to come) above which a
+#: silent party is suspected; 8 is Cassandra's default (a 1e-8 false-suspicion chance per check
+#: under the learned distribution).
+MONITOR_PHI_THRESHOLD: float = 8.0
+#: Inter-arrival intervals the accrual detector keeps per party (the newest ones).
+MONITOR_HISTORY_INTERVALS: int = 100
+#: Smallest standard deviation the detector assumes, as a fraction of the mean interval (a very
+#: regular party is not suspected the moment it is a little late) ...
+MONITOR_MIN_STD_FRACTION: float = 0.25
+#: ... and in seconds.
+MONITOR_MIN_STD_S: float = 0.1
+#: Checks of this party (its ticks, at least a heartbeat interval apart) a watched party must
+#: stay unheard across before it can be suspected: where parties hear each other only through
+#: relayed messages, one message without a party's envelopes is no evidence (the party may have
+#: had no heartbeat due when it last answered); two in a row are.
+MONITOR_MIN_MISSED_CHECKS: int = 2
