@@ -207,3 +207,17 @@ MONITOR_MIN_STD_S: float = 0.1
 #: relayed messages, one message without a party's envelopes is no evidence (the party may have
 #: had no heartbeat due when it last answered); two in a row are.
 MONITOR_MIN_MISSED_CHECKS: int = 2
+#: Least a Chaos exchange waits for a node that has a reply history (its adaptive deadline is
+#: never shorter), in seconds; above FLOWER_DIRECT_TIMEOUT_S, so a joiner step that fetches
+#: directly still answers in time.
+FLOWER_DEADLINE_FLOOR_S: float = 15.0
+#: Most a Chaos exchange waits for any node, in seconds (also capped by ``start(timeout=)``);
+#: a node with no reply history yet (the first round) is waited for this long unless a phase
+#: timeout is configured.
+FLOWER_DEADLINE_CEILING_S: float = 600.0
+#: Quantile of a node's reply times (per kind of message) its adaptive deadline starts from.
+FLOWER_DEADLINE_QUANTILE: float = 0.95
+#: Margin over that quantile, as a fraction of it (0.5: a deadline of 1.5 x the quantile).
+FLOWER_DEADLINE_MARGIN: float = 0.5
+#: Reply times kept per node and kind of message (the newest ones).
+FLOWER_DEADLINE_HISTORY: int = 20
