@@ -221,3 +221,9 @@ FLOWER_DEADLINE_QUANTILE: float = 0.95
 FLOWER_DEADLINE_MARGIN: float = 0.5
 #: Reply times kept per node and kind of message (the newest ones).
 FLOWER_DEADLINE_HISTORY: int = 20
+#: Certified rounds a party's replica store keeps on disk by default (node config
+#: ``chaos-keep-replicas``; it replaces STORE_KEEP_ROUNDS as the store's default): what recovery
+#: needs, the newest certified round a party holds and the one before it (a resume goes back to
+#: it when a certify cut short by a server kill left the newest without its receipt quorum).
+#: Disk per party: this many times the model's size.
+STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS

@@ -373,7 +373,7 @@ def test_parties_restarted_with_their_disks_let_a_new_server_resume(tmp_path: Pa
     first = _fresh(verifier, clock).start(
         _grid(True, n=4, clock=clock, factory=factory), _initial(), num_rounds=2, timeout=60
     )
-    assert ReplicaStore(tmp_path / "p1001").rounds() == [0, 1, 2]
+    assert ReplicaStore(tmp_path / "p1001").rounds() == [1, 2]  # the default keeps two
     # one party's disk is damaged while everything is down
     victim = ReplicaStore(tmp_path / "p1002").path_of(2)
     raw = bytearray(victim.read_bytes())
