@@ -165,3 +165,13 @@ def test_run_config_sets_the_deadline_bounds(monkeypatch: pytest.MonkeyPatch) ->
                 {"chaos-unsigned": True, "chaos-deadline-floor-s": 9, "chaos-deadline-ceiling-s": 3}
             )
         )
+
+
+def test_a_chaos_query_lives_twice_its_nodes_deadline() -> None:
+    courier = Courier(Relay(), PhaseSettings(deadline_floor_s=4.0))
+    spec = PhaseSpec("relay", 1, b"")
+    first, _ = courier.message(1001, spec)
+    assert first.metadata.ttl == pytest.approx(2 * 600.0)  # no history: the ceiling
+    courier.times.observe("relay:query.chaos", 1001, 0.5)
+    msg, _ = courier.message(1001, spec)
+    assert msg.metadata.ttl == pytest.approx(2 * 4.0)  # 1.5 x 0.5 s is under the floor

@@ -377,13 +377,14 @@ class Courier:
             return with_chaos(inner, record), envs
         content = RecordDict() if content is None else content
         content[CHAOS_RECORD_KEY] = record
-        # a Chaos message outlives its phase only briefly: a dead node must not come back to a
-        # backlog of stale relay traffic queued at the SuperLink
+        # a Chaos message outlives its phase only briefly (the node's deadline for it): a dead
+        # node must not come back to a backlog of stale relay traffic queued at the SuperLink
+        wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node)
         msg = Message(
             content,
             dst_node_id=node,
             message_type=CHAOS_MESSAGE_TYPE,
-            ttl=self.phases.first_deadline_s * FLOWER_CHAOS_TTL_PHASES,
+            ttl=wait * FLOWER_CHAOS_TTL_PHASES,
         )
         return msg, envs
 
