@@ -206,3 +206,41 @@ FLOOD_RECORD_BURST_PER_PARTY: int = 4
 #: Newest ``AppliedChange`` entries a peer keeps in ``Peer.applied`` (older ones are dropped;
 #: ``Peer.applied_total`` counts them all).
 PEER_APPLIED_WINDOW: int = 10000
+
+# --- deadlines and suspicion that follow the federation (issue 15) ----------------------------
+#: Phi (−log10 of the chance that a live party's next arrival is still to come) above which a
+#: silent party is suspected; 8 is Cassandra's default (a 1e-8 false-suspicion chance per check
+#: under the learned distribution).
+MONITOR_PHI_THRESHOLD: float = 8.0
+#: Inter-arrival intervals the accrual detector keeps per party (the newest ones).
+MONITOR_HISTORY_INTERVALS: int = 100
+#: Smallest standard deviation the detector assumes, as a fraction of the mean interval (a very
+#: regular party is not suspected the moment it is a little late) ...
+MONITOR_MIN_STD_FRACTION: float = 0.25
+#: ... and in seconds.
+MONITOR_MIN_STD_S: float = 0.1
+#: Checks of this party (its ticks, at least a heartbeat interval apart) a watched party must
+#: stay unheard across before it can be suspected: where parties hear each other only through
+#: relayed messages, one message without a party's envelopes is no evidence (the party may have
+#: had no heartbeat due when it last answered); two in a row are.
+MONITOR_MIN_MISSED_CHECKS: int = 2
+#: Least a Chaos exchange waits for a node that has a reply history (its adaptive deadline is
+#: never shorter), in seconds; above FLOWER_DIRECT_TIMEOUT_S, so a joiner step that fetches
+#: directly still answers in time.
+FLOWER_DEADLINE_FLOOR_S: float = 15.0
+#: Most a Chaos exchange waits for any node, in seconds (also capped by ``start(timeout=)``);
+#: a node with no reply history yet (the first round) is waited for this long unless a phase
+#: timeout is configured.
+FLOWER_DEADLINE_CEILING_S: float = 600.0
+#: Quantile of a node's reply times (per kind of message) its adaptive deadline starts from.
+FLOWER_DEADLINE_QUANTILE: float = 0.95
+#: Margin over that quantile, as a fraction of it (0.5: a deadline of 1.5 x the quantile).
+FLOWER_DEADLINE_MARGIN: float = 0.5
+#: Reply times kept per node and kind of message (the newest ones).
+FLOWER_DEADLINE_HISTORY: int = 20
+#: Certified rounds a party's replica store keeps on disk by default (node config
+#: ``chaos-keep-replicas``; it replaces STORE_KEEP_ROUNDS as the store's default): what recovery
+#: needs, the newest certified round a party holds and the one before it (a resume goes back to
+#: it when a certify cut short by a server kill left the newest without its receipt quorum).
+#: Disk per party: this many times the model's size.
+STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS

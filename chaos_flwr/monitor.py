@@ -5,8 +5,20 @@ sends nothing: the peer tells it what it heard and when (``heard_from``), what p
 and got back, what transfers it observed, and asks it which parties are suspected, which probes
 are due, and which :class:`~chaos_flwr.planner.Donor` values to plan with.
 
-- **Suspicion.** A watched party not heard from for ``suspicion_timeout_s`` is suspected. Any
-  message counts as a sign of life (heartbeats are just the messages sent when nothing else is).
+- **Suspicion.** An accrual detector (phi accrual, as Cassandra and Akka use): per watched party
+  the monitor keeps the intervals between its arrivals and, from their mean and spread, the
+  chance that a live party would still be silent after the silence observed so far; its
+  ``-log10`` is *phi*. A party is suspected when phi reaches ``phi_threshold`` **and** its
+  silence is at least the charter's ``suspicion_timeout_s`` (a floor: the detector never
+  suspects sooner than the fixed timeout did) **and** it stayed unheard across
+  ``min_missed_checks`` checks of this party at least a heartbeat interval apart. The last
+  condition is what makes a relayed federation safe: parties that hear each other only through
+  the Flower relay get each other's envelopes once per exchange, and one exchange without a
+  party's envelopes is no evidence (its previous answer may have come within a heartbeat
+  interval of the one before, so it sent no heartbeat). A party that keeps answering, however
+  slowly, is never suspected; one that stops is suspected once its silence passes what its own
+  history makes unlikely (:meth:`Monitor.suspicion_bound`). Any message counts as a sign of
+  life (heartbeats are just the messages sent when nothing else is).
 - **Latency.** Half the probe round-trip time, smoothed by an exponentially weighted moving
   average (EWMA, weight ``ewma_alpha`` for the newest sample).
 - **Bandwidth.** ``bytes / seconds`` of observed transfers, smoothed the same way.
@@ -17,12 +29,18 @@ are due, and which :class:`~chaos_flwr.planner.Donor` values to plan with.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .defaults import (
     MONITOR_DEFAULT_BANDWIDTH_BPS,
     MONITOR_EWMA_ALPHA,
+    MONITOR_HISTORY_INTERVALS,
+    MONITOR_MIN_MISSED_CHECKS,
+    MONITOR_MIN_STD_FRACTION,
+    MONITOR_MIN_STD_S,
+    MONITOR_PHI_THRESHOLD,
     MONITOR_PROBE_TIMEOUT_S,
 )
 from .errors import ConfigError
@@ -76,6 +94,24 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+def _later_chance(z: float) -> float:
+    """Chance that a normal variable exceeds its mean by ``z`` standard deviations."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def _z_of_phi(phi: float) -> float:
+    """The ``z`` at which ``-log10(_later_chance(z))`` equals ``phi`` (bisection; phi > 0)."""
+    target = 10.0**-phi
+    lo, hi = -10.0, 40.0
+    for _ in range(100):
+        mid = (lo + hi) / 2.0
+        if _later_chance(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 class Monitor:
     """Heartbeat bookkeeping, failure suspicion and link/resource estimates for one party.
 
@@ -91,11 +127,19 @@ class Monitor:
         How often each watched party is probed for its round-trip time.
     ewma_alpha : float
         Weight of the newest sample in the moving averages, in (0, 1].
+    phi_threshold : float
+        Phi at which a silent party is suspected (module docstring); default
+        :data:`~chaos_flwr.defaults.MONITOR_PHI_THRESHOLD`.
+    min_missed_checks : int
+        Checks (at least ``heartbeat_interval_s`` apart) a party must stay unheard across
+        before it can be suspected; default
+        :data:`~chaos_flwr.defaults.MONITOR_MIN_MISSED_CHECKS`.
 
     Raises
     ------
     ConfigError
-        If a timing is not a finite positive number or ``ewma_alpha`` is outside (0, 1].
+        If a timing or ``phi_threshold`` is not a finite positive number, ``ewma_alpha`` is
+        outside (0, 1], or ``min_missed_checks`` is below 1.
     """
 
     def __init__(
@@ -106,6 +150,8 @@ class Monitor:
         heartbeat_interval_s: float,
         probe_interval_s: float | None = None,
         ewma_alpha: float = MONITOR_EWMA_ALPHA,
+        phi_threshold: float = MONITOR_PHI_THRESHOLD,
+        min_missed_checks: int = MONITOR_MIN_MISSED_CHECKS,
     ) -> None:
         self.party_id = party_id
         self.suspicion_timeout_s = _positive("suspicion_timeout_s", suspicion_timeout_s)
@@ -117,6 +163,21 @@ class Monitor:
         if not (math.isfinite(ewma_alpha) and 0.0 < ewma_alpha <= 1.0):
             raise ConfigError(f"monitor setting 'ewma_alpha' must be in (0, 1], got {ewma_alpha}")
         self.ewma_alpha = float(ewma_alpha)
+        self.phi_threshold = _positive("phi_threshold", phi_threshold)
+        if (
+            isinstance(min_missed_checks, bool)
+            or not isinstance(min_missed_checks, int)
+            or (min_missed_checks < 1)
+        ):
+            raise ConfigError(
+                "monitor setting 'min_missed_checks' must be an integer >= 1, "
+                f"got {min_missed_checks!r}"
+            )
+        self.min_missed_checks = int(min_missed_checks)
+        self._z = _z_of_phi(self.phi_threshold)
+        self._intervals: dict[str, deque[float]] = {}  # party -> newest inter-arrival times
+        self._missed: dict[str, int] = {}  # watched party -> counted checks it stayed unheard
+        self._last_check: float | None = None  # the last check that counted as a chance
         self._watched: dict[str, float] = {}  # party -> last heard (or when watching began)
         self._last_heard: dict[str, float] = {}
         self._suspected: set[str] = set()
@@ -140,21 +201,33 @@ class Monitor:
                 del self._watched[pid]
                 self._suspected.discard(pid)
                 self._next_probe.pop(pid, None)
+                self._missed.pop(pid, None)
         for pid in sorted(wanted):
             if pid not in self._watched:
                 self._watched[pid] = max(self._last_heard.get(pid, now), now)
                 self._next_probe[pid] = now
+                self._missed[pid] = 0
 
     def watched(self) -> list[str]:
         """The watched parties, sorted."""
         return sorted(self._watched)
 
     def heard_from(self, party_id: str, now: float) -> None:
-        """Note a sign of life (any verified message) from ``party_id`` at ``now``."""
-        if now > self._last_heard.get(party_id, -math.inf):
+        """Note a sign of life (any verified message) from ``party_id`` at ``now``.
+
+        Arrivals at distinct times feed the party's inter-arrival history (several envelopes
+        delivered at one ``now`` are one arrival).
+        """
+        last = self._last_heard.get(party_id)
+        if last is None or now > last:
+            if last is not None:
+                hist = self._intervals.setdefault(party_id, deque(maxlen=MONITOR_HISTORY_INTERVALS))
+                hist.append(now - last)
             self._last_heard[party_id] = now
         if party_id in self._watched and now > self._watched[party_id]:
             self._watched[party_id] = now
+        if party_id in self._missed:
+            self._missed[party_id] = 0
         self._suspected.discard(party_id)
 
     def last_heard(self, party_id: str) -> float | None:
@@ -162,14 +235,58 @@ class Monitor:
         return self._last_heard.get(party_id)
 
     def check(self, now: float) -> list[str]:
-        """Parties that became suspected at ``now`` (each reported once per silence), sorted."""
-        fresh = [
-            pid
-            for pid, heard in sorted(self._watched.items())
-            if pid not in self._suspected and now - heard >= self.suspicion_timeout_s
-        ]
+        """Parties that became suspected at ``now`` (each reported once per silence), sorted.
+
+        A check at least ``heartbeat_interval_s`` after the previous counted one is a chance
+        every silent watched party missed; a party is suspected once it missed
+        ``min_missed_checks`` of them and its silence reached :meth:`suspicion_bound`.
+        """
+        counted = self._last_check is None or now - self._last_check >= self.heartbeat_interval_s
+        if counted:
+            self._last_check = now
+        fresh: list[str] = []
+        for pid, heard in sorted(self._watched.items()):
+            if pid in self._suspected or now <= heard:
+                continue
+            if counted:
+                self._missed[pid] = self._missed.get(pid, 0) + 1
+            if self._missed.get(
+                pid, 0
+            ) >= self.min_missed_checks and now - heard >= self.suspicion_bound(pid):
+                fresh.append(pid)
         self._suspected.update(fresh)
         return fresh
+
+    def interval_stats(self, party_id: str) -> tuple[float, float] | None:
+        """Mean and standard deviation of ``party_id``'s inter-arrival intervals (the std
+        floored at ``MONITOR_MIN_STD_FRACTION`` of the mean and ``MONITOR_MIN_STD_S``), or
+        ``None`` before its second arrival."""
+        hist = self._intervals.get(party_id)
+        if not hist:
+            return None
+        mean = sum(hist) / len(hist)
+        var = sum((x - mean) ** 2 for x in hist) / len(hist)
+        std = max(math.sqrt(var), MONITOR_MIN_STD_FRACTION * mean, MONITOR_MIN_STD_S)
+        return mean, std
+
+    def phi(self, party_id: str, now: float) -> float:
+        """Suspicion level of ``party_id`` at ``now``: ``-log10`` of the chance that a live
+        party with its history would still be silent (0 without history or silence)."""
+        stats = self.interval_stats(party_id)
+        heard = self._watched.get(party_id, self._last_heard.get(party_id))
+        if stats is None or heard is None or now <= heard:
+            return 0.0
+        chance = _later_chance((now - heard - stats[0]) / stats[1])
+        return math.inf if chance <= 0.0 else -math.log10(chance)
+
+    def suspicion_bound(self, party_id: str) -> float:
+        """Silence after which ``party_id`` is suspected (given enough missed checks): where
+        phi reaches ``phi_threshold`` under its history, never below ``suspicion_timeout_s``
+        (the floor alone until two arrivals gave an interval)."""
+        stats = self.interval_stats(party_id)
+        if stats is None:
+            return self.suspicion_timeout_s
+        return max(self.suspicion_timeout_s, stats[0] + self._z * stats[1])
 
     def suspected(self) -> list[str]:
         """Parties currently suspected, sorted."""

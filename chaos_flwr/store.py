@@ -42,7 +42,11 @@ from types import TracebackType
 from typing import Any
 
 from . import codec
-from .defaults import STORE_IO_CHUNK_BYTES, STORE_KEEP_ROUNDS, STORE_MAX_CERTIFICATE_BYTES
+from .defaults import (
+    STORE_DEFAULT_KEEP_REPLICAS,
+    STORE_IO_CHUNK_BYTES,
+    STORE_MAX_CERTIFICATE_BYTES,
+)
 from .errors import DecodeError, StoreError
 from .state import Manifest, TrainingState, shard_range
 
@@ -324,11 +328,16 @@ class ReplicaStore:
     directory : str or os.PathLike
         Created if missing. Leftover temporary files of interrupted writes are removed.
     keep_rounds : int, optional
-        Rounds kept after each :meth:`put` (the highest round numbers), >= 1.
+        Rounds kept after each :meth:`put` (the highest round numbers), >= 1; default
+        :data:`~chaos_flwr.defaults.STORE_DEFAULT_KEEP_REPLICAS` (the newest round and the one
+        before it: what a resume needs). On Flower a party's store keeps the node config's
+        ``chaos-keep-replicas`` (:mod:`chaos_flwr.flower.client.settings`). The disk it uses is
+        about ``keep_rounds`` times the serialised state (the model's arrays, the strategy's
+        state and a small header).
     """
 
     def __init__(
-        self, directory: str | os.PathLike[str], *, keep_rounds: int = STORE_KEEP_ROUNDS
+        self, directory: str | os.PathLike[str], *, keep_rounds: int = STORE_DEFAULT_KEEP_REPLICAS
     ) -> None:
         if isinstance(keep_rounds, bool) or not isinstance(keep_rounds, int) or keep_rounds < 1:
             raise StoreError(f"keep_rounds: got {keep_rounds!r}; give an int >= 1")

@@ -129,7 +129,10 @@ class PerMessage:
         )
 
 
-def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(tmp_path: Path) -> None:
+def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
     w = PerMessage(tmp_path, 4)
     for p in range(3):
         w.add(p)

@@ -251,7 +251,11 @@ def test_shipped_profiles_load_and_build_their_inner_strategy() -> None:
         s = ChaosStrategy.from_profile(name, poll_interval_s=0.5)
         assert type(s.inner) is cls
         assert s.phases.poll_interval_s == 0.5
-        assert s.phases.phase_timeout_s == load_profile(name).chaos["phase_timeout_s"]
+        # the shipped profiles bound the adaptive deadlines and leave the first round to the
+        # ceiling (no fixed phase timeout)
+        assert s.phases.deadline_ceiling_s == load_profile(name).chaos["deadline_ceiling_s"]
+        assert s.phases.deadline_floor_s == load_profile(name).chaos["deadline_floor_s"]
+        assert s.phases.phase_timeout_s is None
     assert ChaosStrategy.from_profile("fedprox-wan").inner.proximal_mu == 0.01  # type: ignore[attr-defined]
     assert ChaosStrategy.from_profile("fedadam-wan").joins.max_donors == 8  # an integer setting
 
@@ -369,7 +373,7 @@ def test_parties_restarted_with_their_disks_let_a_new_server_resume(tmp_path: Pa
     first = _fresh(verifier, clock).start(
         _grid(True, n=4, clock=clock, factory=factory), _initial(), num_rounds=2, timeout=60
     )
-    assert ReplicaStore(tmp_path / "p1001").rounds() == [0, 1, 2]
+    assert ReplicaStore(tmp_path / "p1001").rounds() == [1, 2]  # the default keeps two
     # one party's disk is damaged while everything is down
     victim = ReplicaStore(tmp_path / "p1002").path_of(2)
     raw = bytearray(victim.read_bytes())

@@ -130,7 +130,10 @@ def _joins(strategy: ChaosStrategy) -> list[tuple[RoundLog, JoinLog]]:
     return [(r, j) for r in strategy.rounds for j in r.joins]
 
 
-def test_two_joiners_in_one_round_pull_together_in_the_exchanges_of_one(tmp_path: Path) -> None:
+def test_two_joiners_in_one_round_pull_together_in_the_exchanges_of_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
     one = World(tmp_path / "one", 1)
     s1, ex1 = one.run()
     ((r1, j1),) = _joins(s1)

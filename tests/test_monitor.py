@@ -19,7 +19,7 @@ def make(**kw: float) -> Monitor:
 
 
 def test_silence_past_the_timeout_is_suspected_once() -> None:
-    m = make()
+    m = make(min_missed_checks=1)  # the floor alone (the missed-checks gate: test_monitor_accrual)
     m.watch(["a", "b", "me"], now=0.0)
     assert m.watched() == ["a", "b"]
     m.heard_from("a", 2.0)
@@ -35,7 +35,7 @@ def test_silence_past_the_timeout_is_suspected_once() -> None:
 
 
 def test_newly_watched_party_gets_a_full_timeout_and_unwatch_drops_suspicion() -> None:
-    m = make()
+    m = make(min_missed_checks=1)
     m.watch(["a"], 0.0)
     assert m.check(10.0) == ["a"]
     m.watch(["b"], 10.0)
@@ -101,7 +101,7 @@ def test_resource_table_keeps_newest_declaration() -> None:
 
 
 def test_donors_use_estimates_defaults_and_skip_suspects() -> None:
-    m = make()
+    m = make(min_missed_checks=1)
     m.watch(["a", "b", "c"], 0.0)
     m.observe_transfer("a", 5000, 1.0)
     m.observe_rtt("a", 0.04)

@@ -37,7 +37,7 @@ _TOP_KEYS = {"name", "description", "inner", "chaos"}
 _INNER_KEYS = {"strategy", "args"}
 #: ChaosStrategy settings a profile may set as positive seconds (keys of
 #: :data:`~chaos_flwr.flower.server.settings.FLAT_KEYS`).
-_CHAOS_KEYS = {"phase_timeout_s", "poll_interval_s"}
+_CHAOS_KEYS = {"phase_timeout_s", "poll_interval_s", "deadline_floor_s", "deadline_ceiling_s"}
 #: ChaosStrategy settings a profile may set as positive integers.
 _CHAOS_INT_KEYS = {"join_min_shard_bytes", "join_max_donors", "join_max_steps"}
 #: Inner strategy arguments that take functions: not expressible in YAML.

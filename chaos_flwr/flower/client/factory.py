@@ -45,7 +45,11 @@ def default_party_factory(context: Context) -> Party:
     a :class:`~chaos_flwr.errors.ConfigError` says which (nothing falls back to unsigned).
     """
     settings = party_settings(context)
-    store = ReplicaStore(settings.state_dir / "replicas") if settings.state_dir else None
+    store = (
+        ReplicaStore(settings.state_dir / "replicas", keep_rounds=settings.keep_replicas)
+        if settings.state_dir
+        else None
+    )
     if settings.unsigned:
         party = Party(party_id=f"unsigned-{context.node_id}", store=store)
         party.restore()

@@ -17,6 +17,13 @@ run config may name a federation folder written by
 A ``node_config`` key (``chaos-key``, ``chaos-charter``, ``chaos-state-dir``) wins over the run
 config fallback when both are present.
 
+Disk
+----
+``chaos-keep-replicas`` (``node_config``, else the run config, else ``$CHAOS_KEEP_REPLICAS``):
+how many certified rounds the party's replica store keeps; default
+:data:`~chaos_flwr.defaults.STORE_DEFAULT_KEEP_REPLICAS` (2: the newest and the one before it,
+what a resume needs). The party's disk is about that many times the model's size (README, Disk).
+
 Scripts that call ``flwr.simulation.run_simulation()``
 ---------------------------------------------------------
 ``run_simulation()`` passes no run config at all. Each ``chaos-...`` run config key therefore
@@ -35,12 +42,14 @@ from pathlib import Path
 
 from flwr.app import Context
 
+from chaos_flwr.defaults import STORE_DEFAULT_KEEP_REPLICAS
 from chaos_flwr.errors import ConfigError
 
 __all__ = [
     "CONFIG_ERROR_MARK",
     "LEFT_MARKER",
     "NODE_CHARTER",
+    "NODE_KEEP_REPLICAS",
     "NODE_KEY",
     "NODE_PARTITION_ID",
     "NODE_STATE_DIR",
@@ -49,6 +58,7 @@ __all__ = [
     "RUN_UNSIGNED",
     "PartySettings",
     "env_name",
+    "keep_replicas",
     "party_settings",
     "run_setting",
 ]
@@ -67,6 +77,9 @@ RUN_UNSIGNED = "chaos-unsigned"
 RUN_KEYS_DIR = "chaos-keys-dir"
 #: ``run_config`` key: root of the parties' state directories (``<root>/party-<partition-id>``).
 RUN_STATE_ROOT = "chaos-state-root"
+#: ``node_config`` key (run config and ``$CHAOS_KEEP_REPLICAS`` fallbacks): certified rounds the
+#: party's replica store keeps (an integer >= 1).
+NODE_KEEP_REPLICAS = "chaos-keep-replicas"
 #: ``node_config`` key Flower's simulation engine sets on every virtual SuperNode.
 NODE_PARTITION_ID = "partition-id"
 #: File in a party's state directory that says it left the federation (it stays out).
@@ -91,6 +104,9 @@ class PartySettings:
     direct_addr:
         The party's direct replica server (``node_config`` ``chaos-direct-addr``, a loopback
         ``host:port``; see :mod:`chaos_flwr.flower.direct`), or ``""`` for relay only.
+    keep_replicas:
+        Certified rounds its replica store keeps (:data:`NODE_KEEP_REPLICAS`); default
+        :data:`~chaos_flwr.defaults.STORE_DEFAULT_KEEP_REPLICAS`.
     """
 
     key_path: Path | None
@@ -98,6 +114,34 @@ class PartySettings:
     state_dir: Path | None
     unsigned: bool
     direct_addr: str = ""
+    keep_replicas: int = STORE_DEFAULT_KEEP_REPLICAS
+
+
+def keep_replicas(context: Context) -> int:
+    """Certified rounds the party's store keeps: ``node_config`` ``chaos-keep-replicas``, else
+    the run config's, else ``$CHAOS_KEEP_REPLICAS``, else the default.
+
+    Raises
+    ------
+    ConfigError
+        The value is not an integer >= 1; the message names where it came from.
+    """
+    value: object | None = context.node_config.get(NODE_KEEP_REPLICAS)
+    where = f"node_config '{NODE_KEEP_REPLICAS}'"
+    if value is None:
+        value = run_setting(context.run_config, NODE_KEEP_REPLICAS)
+        where = f"run config '{NODE_KEEP_REPLICAS}' (or ${env_name(NODE_KEEP_REPLICAS)})"
+    if value is None:
+        return STORE_DEFAULT_KEEP_REPLICAS
+    try:
+        kept = int(str(value).strip()) if not isinstance(value, bool | float) else None
+    except ValueError:
+        kept = None
+    if kept is None or kept < 1:
+        raise ConfigError(
+            f"{where} must be an integer >= 1 (certified rounds kept on disk), got {value!r}"
+        )
+    return kept
 
 
 def _path_setting(context: Context, key: str) -> Path | None:
@@ -194,8 +238,9 @@ def party_settings(context: Context) -> PartySettings:
         pid = _partition_id(context, RUN_STATE_ROOT)
         state = state_root / f"{FLOWER_FEDERATION_KEY_PREFIX}{pid}"
         src[NODE_STATE_DIR] = f"run_config '{RUN_STATE_ROOT}'"
+    kept = keep_replicas(context)
     if unsigned and key is None and charter is None:
-        return PartySettings(None, None, state, True, direct_addr)
+        return PartySettings(None, None, state, True, direct_addr, kept)
     for name, path in ((NODE_KEY, key), (NODE_CHARTER, charter), (NODE_STATE_DIR, state)):
         if path is None:
             raise ConfigError(
@@ -212,4 +257,4 @@ def party_settings(context: Context) -> PartySettings:
         raise ConfigError(f"{src[NODE_CHARTER]}: no charter file at {charter}")
     if state.exists() and not state.is_dir():
         raise ConfigError(f"{src[NODE_STATE_DIR]}: {state} exists and is not a directory")
-    return PartySettings(key, charter, state, unsigned, direct_addr)
+    return PartySettings(key, charter, state, unsigned, direct_addr, kept)

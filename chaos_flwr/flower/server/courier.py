@@ -10,6 +10,12 @@ round: the inner strategy's messages plus a ``query.chaos`` message to every oth
 It also says which nodes are eligible for sampling (:meth:`Courier.eligible`) and gives the
 inner strategy a Grid that lists only those (:class:`EligibleGrid`).
 
+Deadlines follow the federation: every reply's time (from the push to the pull that brought it)
+feeds the node's history per kind of message (:class:`~.deadlines.ReplyTimes`), and an
+exchange waits until the latest deadline of its non-suspect nodes. A node dropped for lateness
+is logged with the deadline it missed; when its reply comes after all (it is pulled with a later
+exchange), its measured time is logged and joins its history, so the next deadline covers it.
+
 Misconfigured parties stop the run: a node whose error reply says its ClientApp raised a
 :class:`~chaos_flwr.errors.ConfigError` is kept in :attr:`Courier.config_errors`; when every node
 an exchange addressed answered so, or too few nodes are left to ever reach the inner
@@ -21,9 +27,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from logging import WARNING
+from logging import INFO, WARNING
 
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -42,6 +48,7 @@ from chaos_flwr.flower.schema import (
     split_chaos,
     with_chaos,
 )
+from chaos_flwr.flower.server.deadlines import ReplyTimes
 from chaos_flwr.flower.server.logs import RoundLog
 from chaos_flwr.flower.server.settings import PhaseSettings
 from chaos_flwr.flower.server.view import ServerView
@@ -50,6 +57,7 @@ from chaos_flwr.receipts import Receipt, receipt_verifies
 __all__ = [
     "Courier",
     "EligibleGrid",
+    "LateReply",
     "PhaseSpec",
     "ReceiptVerifier",
     "keyring_verifier",
@@ -157,6 +165,50 @@ class EligibleGrid(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
+class _TimedGrid(EligibleGrid):
+    """A Grid that notes when each reply was first pulled (reply-to message id -> clock)."""
+
+    def __init__(self, grid: Grid, clock: Callable[[], float]) -> None:
+        super().__init__(grid, [])
+        self._clock = clock
+        self.seen: dict[str, float] = {}
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self._grid.pull_messages(message_ids))
+        now = self._clock()
+        for reply in replies:
+            self.seen.setdefault(reply.metadata.reply_to_message_id, now)
+        return replies
+
+
+@dataclass(frozen=True)
+class LateReply:
+    """A node dropped from an exchange for lateness whose reply came after all.
+
+    Attributes
+    ----------
+    node, kind:
+        The node and its kind of message (``"<phase>:<message type>"``).
+    deadline_s:
+        The deadline it missed.
+    measured_s:
+        When its reply was pulled, counted from the push (at a later exchange's poll).
+    """
+
+    node: int
+    kind: str
+    deadline_s: float
+    measured_s: float
+
+
+def message_kind(msg: Message) -> str:
+    """``"<Chaos phase>:<message type>"`` of an outgoing message (the key of its node's reply
+    times: a trainer's replies and a relayed-to node's are timed apart)."""
+    record = msg.content.get(CHAOS_RECORD_KEY) if msg.has_content() else None
+    phase = record.get("phase", "") if isinstance(record, ConfigRecord) else ""
+    return f"{phase if isinstance(phase, str) else ''}:{msg.metadata.message_type}"
+
+
 def min_nodes(inner: Strategy, kind: str) -> int:
     """Nodes the inner strategy's sampler waits for (it would sleep forever with fewer)."""
     need = int(getattr(inner, "min_available_nodes", 0) or 0)
@@ -221,6 +273,10 @@ class Courier:
         Node -> the reason of its last error reply, while that says its settings are wrong.
     forward_round:
         The round whose receipts go out with the next train messages.
+    times:
+        The nodes' reply times and the deadlines they give.
+    late_replies:
+        Nodes dropped for lateness whose reply came after all (newest last).
     """
 
     relay: Relay
@@ -238,6 +294,12 @@ class Courier:
     _synced: set[int] = field(default_factory=set)
     _round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = field(default_factory=dict)
     _late: dict[str, int] = field(default_factory=dict)
+    times: ReplyTimes = field(init=False)
+    late_replies: list[LateReply] = field(default_factory=list)
+    _sent: dict[str, tuple[float, str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.times = ReplyTimes(self.phases)
 
     # -- who holds what -----------------------------------------------------------------------
     def active(self) -> set[str] | None:
@@ -315,13 +377,14 @@ class Courier:
             return with_chaos(inner, record), envs
         content = RecordDict() if content is None else content
         content[CHAOS_RECORD_KEY] = record
-        # a Chaos message outlives its phase only briefly: a dead node must not come back to a
-        # backlog of stale relay traffic queued at the SuperLink
+        # a Chaos message outlives its phase only briefly (the node's deadline for it): a dead
+        # node must not come back to a backlog of stale relay traffic queued at the SuperLink
+        wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node)
         msg = Message(
             content,
             dst_node_id=node,
             message_type=CHAOS_MESSAGE_TYPE,
-            ttl=self.phases.phase_timeout_s * FLOWER_CHAOS_TTL_PHASES,
+            ttl=wait * FLOWER_CHAOS_TTL_PHASES,
         )
         return msg, envs
 
@@ -341,20 +404,27 @@ class Courier:
         # ever be waited for again (each exchange would end at its first pull, before any reply
         # could come, and no late reply could clear a suspicion), so wait for them, bounded
         wait_for = {n for n in addressed if n not in self.suspects} or set(addressed)
+        kinds: dict[int, str] = {}
+        for m in msgs:
+            kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
+        deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for))
+        timed = _TimedGrid(grid, self.clock)
+        pushed_at = self.clock()
         res = relay_exchange(
-            grid,
+            timed,
             msgs,
-            timeout_s=self.phases.deadline(timeout),
+            timeout_s=deadline,
             wait_for=wait_for,
             poll_interval_s=self.phases.poll_interval_s,
             clock=self.clock,
             sleep=self.sleep,
             late=self._late,
         )
-        self._take_late(res, addressed, log_)
         node_of_msg = dict(
             zip(res.message_ids, (m.metadata.dst_node_id for m in msgs), strict=True)
         )
+        self._time_replies(res, timed.seen, pushed_at, node_of_msg, kinds, deadline)
+        self._take_late(res, addressed, log_)
         absorbed: set[int] = set()
         for mid in res.message_ids:
             answer = res.by_message.get(mid)
@@ -401,6 +471,48 @@ class Courier:
         bad = {n: self.config_errors[n] for n in known if n in self.config_errors}
         if bad and len(known) - len(bad) < need:
             raise _misconfigured(bad, len(known), f"the inner strategy needs {need} nodes to train")
+
+    def _time_replies(
+        self,
+        res: ExchangeResult,
+        seen: Mapping[str, float],
+        pushed_at: float,
+        node_of_msg: Mapping[str, int],
+        kinds: Mapping[int, str],
+        deadline: float,
+    ) -> None:
+        """Feed the reply times of this exchange (and of late replies to earlier ones) to the
+        history; log the nodes dropped for lateness and, when it comes, their measured time."""
+        for mid, node in node_of_msg.items():
+            if mid in res.by_message and mid in seen:
+                self.times.observe(kinds[node], node, seen[mid] - pushed_at)
+        for node, reply in res.late.items():
+            mid = reply.metadata.reply_to_message_id
+            sent = self._sent.pop(mid, None)
+            if sent is None or mid not in seen:
+                continue
+            at, kind, missed = sent
+            late = LateReply(node, kind, missed, seen[mid] - at)
+            self.times.observe(kind, node, late.measured_s)
+            self.late_replies.append(late)
+            log(
+                INFO, "Chaos: node %d answered its %s message after %.1f s (the deadline it "
+                "missed was %.1f s); its next deadline covers that",
+                node, kind, late.measured_s, missed,
+            )  # fmt: skip
+        for mid in [m for m in self._sent if m not in self._late]:
+            del self._sent[mid]  # superseded or forgotten: no longer pulled
+        for mid, node in res.missing_ids.items():
+            self._sent[mid] = (pushed_at, kinds.get(node, ""), deadline)
+            if node in self.suspects:
+                continue  # a suspect is not waited for: its silence is no news
+            log(
+                WARNING, "Chaos: node %d dropped from this %s exchange: no reply by its "
+                "deadline of %.1f s (reply times so far: %s)",
+                node, kinds.get(node, "?"), deadline,
+                ", ".join(f"{t:.1f}" for t in self.times.samples(kinds.get(node, ""), node))
+                or "none",
+            )  # fmt: skip
 
     def _take_late(self, res: ExchangeResult, addressed: set[int], log_: RoundLog) -> None:
         """Absorb replies to earlier messages that missed their deadline; remember this

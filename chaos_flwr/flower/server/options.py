@@ -12,7 +12,11 @@ Run config keys (each falls back to its environment variable, e.g. ``$CHAOS_KEYS
   ``charter.yaml`` (the folder ``chaos-flwr federation new`` writes);
 - ``chaos-unsigned``: ``true`` runs without a charter (receipts are unsigned claims);
 - ``chaos-resume``: ``auto`` (default), ``fresh`` or ``require``
-  (:class:`~chaos_flwr.flower.server.settings.ResumeSettings`).
+  (:class:`~chaos_flwr.flower.server.settings.ResumeSettings`);
+- ``chaos-deadline-floor-s``, ``chaos-deadline-ceiling-s``, ``chaos-phase-timeout-s``: the
+  bounds of the adaptive exchange deadlines and the deadline before a node has any reply
+  history (:class:`~chaos_flwr.flower.server.settings.PhaseSettings`); when any is set,
+  ``run_options`` also returns ``phases``.
 
 A relative path is resolved against the working directory of the process that runs the
 ServerApp (for ``flwr run``, Flower's, not the app's folder): give absolute paths.
@@ -33,19 +37,43 @@ from chaos_flwr.flower.client.settings import (
     env_name,
     run_setting,
 )
-from chaos_flwr.flower.server.settings import RESUME_DEFAULT_MODE, RUN_RESUME, ResumeSettings
+from chaos_flwr.flower.server.settings import (
+    RESUME_DEFAULT_MODE,
+    RUN_RESUME,
+    PhaseSettings,
+    ResumeSettings,
+)
 
 if TYPE_CHECKING:
     from chaos_flwr.charter import Charter
 
-__all__ = ["RUN_CHARTER", "run_options"]
+__all__ = [
+    "RUN_CHARTER",
+    "RUN_DEADLINE_CEILING",
+    "RUN_DEADLINE_FLOOR",
+    "RUN_PHASE_TIMEOUT",
+    "run_options",
+]
 
 #: Run config key (and ``$CHAOS_CHARTER``) of the charter file the ServerApp verifies with.
 RUN_CHARTER = NODE_CHARTER
+#: Run config key (and ``$CHAOS_DEADLINE_FLOOR_S``) of ``PhaseSettings.deadline_floor_s``.
+RUN_DEADLINE_FLOOR = "chaos-deadline-floor-s"
+#: Run config key (and ``$CHAOS_DEADLINE_CEILING_S``) of ``PhaseSettings.deadline_ceiling_s``.
+RUN_DEADLINE_CEILING = "chaos-deadline-ceiling-s"
+#: Run config key (and ``$CHAOS_PHASE_TIMEOUT_S``) of ``PhaseSettings.phase_timeout_s``.
+RUN_PHASE_TIMEOUT = "chaos-phase-timeout-s"
+#: Run config key -> the ``PhaseSettings`` field it sets.
+_PHASE_KEYS = {
+    RUN_DEADLINE_FLOOR: "deadline_floor_s",
+    RUN_DEADLINE_CEILING: "deadline_ceiling_s",
+    RUN_PHASE_TIMEOUT: "phase_timeout_s",
+}
 
 
 def run_options(context: Context) -> dict[str, Any]:
-    """:class:`ChaosStrategy` keyword arguments (``charter``, ``resume``) from the run config.
+    """:class:`ChaosStrategy` keyword arguments (``charter``, ``resume``, and ``phases`` when
+    a deadline key is set) from the run config.
 
     Parameters
     ----------
@@ -56,17 +84,45 @@ def run_options(context: Context) -> dict[str, Any]:
     Returns
     -------
     dict
-        ``{"charter": Charter | None, "resume": ResumeSettings}``.
+        ``{"charter": Charter | None, "resume": ResumeSettings}``, plus
+        ``"phases": PhaseSettings`` when a deadline key is set.
 
     Raises
     ------
     ConfigError
         No charter is named (and ``chaos-unsigned`` is not set), the charter file is missing
-        or does not verify, or ``chaos-resume`` is not a mode; the message names the key.
+        or does not verify, ``chaos-resume`` is not a mode, or a deadline key is not a
+        number its setting accepts; the message names the key.
     """
     mode = run_setting(context.run_config, RUN_RESUME) or RESUME_DEFAULT_MODE
     resume = ResumeSettings(mode=str(mode).strip().lower())
-    return {"charter": _charter(context), "resume": resume}
+    out: dict[str, Any] = {"charter": _charter(context), "resume": resume}
+    phases = _phases(context)
+    if phases is not None:
+        out["phases"] = phases
+    return out
+
+
+def _phases(context: Context) -> PhaseSettings | None:
+    """The deadline settings the run config names, or ``None`` when it names none."""
+    fields: dict[str, float] = {}
+    for key, name in _PHASE_KEYS.items():
+        value = run_setting(context.run_config, key)
+        if value is None:
+            continue
+        try:
+            fields[name] = float(str(value))
+        except ValueError:
+            raise ConfigError(
+                f"run config '{key}' must be a number of seconds, got {value!r}"
+            ) from None
+    if not fields:
+        return None
+    try:
+        return PhaseSettings(**fields)
+    except ConfigError as exc:
+        named = [k for k, name in _PHASE_KEYS.items() if name in fields]
+        raise ConfigError(f"run config {', '.join(named)}: {exc}") from exc
 
 
 def _charter(context: Context) -> Charter | None:

@@ -15,10 +15,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from chaos_flwr.defaults import (
+    FLOWER_DEADLINE_CEILING_S,
+    FLOWER_DEADLINE_FLOOR_S,
+    FLOWER_DEADLINE_MARGIN,
+    FLOWER_DEADLINE_QUANTILE,
     FLOWER_JOIN_MAX_DONORS,
     FLOWER_JOIN_MAX_STEPS,
     FLOWER_JOIN_MIN_SHARD_BYTES,
-    FLOWER_PHASE_TIMEOUT_S,
     FLOWER_POLL_INTERVAL_S,
     FLOWER_RESUME_MIN_RECEIPTS,
 )
@@ -46,35 +49,86 @@ def _positive_int(owner: str, name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class PhaseSettings:
-    """How one exchange of a round waits.
+    """How one exchange of a round waits: adaptive deadlines per node.
+
+    A node's deadline in an exchange is the ``deadline_quantile`` of its own reply times to
+    that kind of message (train, evaluate, a Chaos query, per phase) times
+    ``1 + deadline_margin``, never below ``deadline_floor_s`` nor above ``deadline_ceiling_s``;
+    an exchange waits for its non-suspect nodes until the latest of their deadlines (capped by
+    ``start(timeout=...)``). A node with no reply history yet (the first round) is waited for
+    ``phase_timeout_s``, or the ceiling when none is configured: a slow deployment or a big
+    model is waited for as FedAvg waits, and a crashed node is not waited for beyond what its
+    own history allows (:class:`~chaos_flwr.flower.server.deadlines.ReplyTimes`).
 
     Attributes
     ----------
     phase_timeout_s:
-        Deadline of each exchange in seconds (capped by ``start(timeout=...)``); default
-        :data:`~chaos_flwr.defaults.FLOWER_PHASE_TIMEOUT_S`.
+        Deadline for nodes with no reply history (the first round); ``None`` (default): the
+        ceiling. Profile key ``phase_timeout_s``, run config ``chaos-phase-timeout-s``.
     poll_interval_s:
         Pause between pulls while a phase waits; default
         :data:`~chaos_flwr.defaults.FLOWER_POLL_INTERVAL_S`.
+    deadline_floor_s, deadline_ceiling_s:
+        Bounds of every adaptive deadline (the floor lowered to a smaller configured
+        ``phase_timeout_s``: :attr:`floor_s`); defaults
+        :data:`~chaos_flwr.defaults.FLOWER_DEADLINE_FLOOR_S` and
+        :data:`~chaos_flwr.defaults.FLOWER_DEADLINE_CEILING_S`. Profile keys of the same
+        name, run config ``chaos-deadline-floor-s`` / ``chaos-deadline-ceiling-s``.
+    deadline_quantile, deadline_margin:
+        The quantile of a node's reply times and the fractional margin over it; defaults
+        :data:`~chaos_flwr.defaults.FLOWER_DEADLINE_QUANTILE` and
+        :data:`~chaos_flwr.defaults.FLOWER_DEADLINE_MARGIN`.
 
     Raises
     ------
     ConfigError
-        ``phase_timeout_s`` is not > 0, or ``poll_interval_s`` is negative.
+        A timing is not > 0 (``poll_interval_s``: negative), the ceiling is below the floor,
+        the quantile is outside (0, 1] or the margin is negative.
     """
 
-    phase_timeout_s: float = FLOWER_PHASE_TIMEOUT_S
+    phase_timeout_s: float | None = None
     poll_interval_s: float = FLOWER_POLL_INTERVAL_S
+    deadline_floor_s: float = FLOWER_DEADLINE_FLOOR_S
+    deadline_ceiling_s: float = FLOWER_DEADLINE_CEILING_S
+    deadline_quantile: float = FLOWER_DEADLINE_QUANTILE
+    deadline_margin: float = FLOWER_DEADLINE_MARGIN
 
     def __post_init__(self) -> None:
-        if not self.phase_timeout_s > 0:
+        if self.phase_timeout_s is not None and not self.phase_timeout_s > 0:
             raise ConfigError(f"phase_timeout_s must be > 0, got {self.phase_timeout_s}")
         if not self.poll_interval_s >= 0:
             raise ConfigError(f"poll_interval_s must be >= 0, got {self.poll_interval_s}")
+        if not self.deadline_floor_s > 0:
+            raise ConfigError(f"deadline_floor_s must be > 0, got {self.deadline_floor_s}")
+        if not self.deadline_ceiling_s >= self.deadline_floor_s:
+            raise ConfigError(
+                f"deadline_ceiling_s ({self.deadline_ceiling_s}) must be >= deadline_floor_s "
+                f"({self.deadline_floor_s})"
+            )
+        if not 0 < self.deadline_quantile <= 1:
+            raise ConfigError(f"deadline_quantile must be in (0, 1], got {self.deadline_quantile}")
+        if not self.deadline_margin >= 0:
+            raise ConfigError(f"deadline_margin must be >= 0, got {self.deadline_margin}")
+
+    @property
+    def floor_s(self) -> float:
+        """The least an adaptive deadline is: ``deadline_floor_s``, or a configured
+        ``phase_timeout_s`` below it (a node whose history is fast is then never waited for
+        longer than the fixed timeout would have)."""
+        if self.phase_timeout_s is None:
+            return self.deadline_floor_s
+        return min(self.deadline_floor_s, self.phase_timeout_s)
+
+    @property
+    def first_deadline_s(self) -> float:
+        """The deadline for a node with no reply history: ``phase_timeout_s``, else the
+        ceiling."""
+        return self.deadline_ceiling_s if self.phase_timeout_s is None else self.phase_timeout_s
 
     def deadline(self, timeout: float) -> float:
-        """One exchange's time budget: the phase timeout, capped by the run's ``timeout``."""
-        return min(timeout, self.phase_timeout_s)
+        """The time budget of a wait with no history to go by: :attr:`first_deadline_s`,
+        capped by the run's ``timeout``."""
+        return min(timeout, self.first_deadline_s)
 
 
 @dataclass(frozen=True)
@@ -173,6 +227,8 @@ class ResumeSettings:
 FLAT_KEYS: dict[str, tuple[str, str]] = {
     "phase_timeout_s": ("phases", "phase_timeout_s"),
     "poll_interval_s": ("phases", "poll_interval_s"),
+    "deadline_floor_s": ("phases", "deadline_floor_s"),
+    "deadline_ceiling_s": ("phases", "deadline_ceiling_s"),
     "join_min_shard_bytes": ("joins", "min_shard_bytes"),
     "join_max_donors": ("joins", "max_donors"),
     "join_max_steps": ("joins", "max_steps"),

@@ -108,8 +108,9 @@ class ChaosStrategy(Strategy):
         validated, never forged), samples only parties it lists as active, verifies receipts
         with the charter's keyring, and logs membership events and their settle times.
     phases:
-        Deadline of each exchange (capped by ``start(timeout=...)``) and the pause between
-        pulls while a phase waits; default :class:`PhaseSettings()`.
+        Adaptive deadlines of the exchanges (each node's from its own reply times, between a
+        floor and a ceiling; capped by ``start(timeout=...)``) and the pause between pulls
+        while a phase waits; default :class:`PhaseSettings()`.
     joins:
         A joiner's pull (:mod:`chaos_flwr.flower.client.joiner`): smallest shard, most donors, most
         relay steps; default :class:`JoinSettings()`.
@@ -213,7 +214,13 @@ class ChaosStrategy(Strategy):
     def summary(self) -> None:
         """Log the inner strategy's summary and the Chaos settings."""
         log(INFO, "\t├──> Chaos: relay + receipts around %s", type(self.inner).__name__)
-        log(INFO, "\t│\t├── phase timeout: %.1f s", self.phases.phase_timeout_s)
+        ph = self.phases
+        log(
+            INFO, "\t│\t├── deadlines: %.0f%% quantile of each node's reply times x %.2f, in "
+            "[%.1f, %.1f] s; %.1f s before a node has any",
+            100 * ph.deadline_quantile, 1 + ph.deadline_margin, ph.deadline_floor_s,
+            ph.deadline_ceiling_s, ph.first_deadline_s,
+        )  # fmt: skip
         log(INFO, "\t│\t├── resume: chaos-resume=%s", self.resume.mode)
         log(INFO, "\t│\t└── receipts: %s", "verified" if self.receipt_verifier else "UNSIGNED")
         self.inner.summary()
@@ -250,7 +257,8 @@ class ChaosStrategy(Strategy):
         """Run the inner strategy's rounds with the Chaos phases, up to round ``num_rounds``.
 
         Same parameters and result as :meth:`flwr.serverapp.strategy.Strategy.start`;
-        ``timeout`` bounds every exchange (together with ``phases.phase_timeout_s``).
+        ``timeout`` bounds every exchange (together with the adaptive deadlines of
+        ``phases``).
 
         ``num_rounds`` is the **last round number**, absolute, not a count of rounds to run: a
         run that resumes at round 40 (``resume.mode`` ``auto`` or ``require``) with
