@@ -82,8 +82,6 @@ MEMBERSHIP_PROOF_MAX_BYTES: int = 4096
 MEMORY_CARRIER_MAX_DELIVERIES: int = 10_000_000
 
 # --- flower ----------------------------------------------------------------------------------
-#: Longest a Chaos relay phase (one send_and_receive of ``query.chaos``) waits for replies.
-FLOWER_PHASE_TIMEOUT_S: float = 30.0
 #: Pause between two pulls of replies while a Chaos phase waits (Flower's own grids use 0.1-3 s).
 FLOWER_POLL_INTERVAL_S: float = 0.02
 #: Most envelopes one relay message carries to one party; the rest wait for the next exchange.
@@ -98,8 +96,8 @@ FLOWER_RESUME_MIN_RECEIPTS: int = 1
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
 #: Direct joiner pulls (chaos_flwr.flower.direct): hosts a joiner dials (the address comes
 #: through the untrusted relay, so loopback only), bound of the probe and of all direct fetches
-#: of one joiner step (below FLOWER_PHASE_TIMEOUT_S, so the step's reply is in time), bytes per grpc
-#: request, largest request/reply (the probe's size is chaos_flwr.pull.negotiation's).
+#: of one joiner step (below FLOWER_DEADLINE_FLOOR_S, so the step's reply is in time), bytes
+#: per grpc request, largest request/reply (the probe's size is chaos_flwr.pull.negotiation's).
 FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
@@ -127,8 +125,6 @@ FLOWER_JOIN_MAX_STEPS: int = 16
 STATE_ALIGN_BYTES: int = 64
 #: Largest state header (names, dtypes, shapes, meta) the decoder accepts, in bytes.
 STATE_MAX_HEADER_BYTES: int = 64 * 1024 * 1024
-#: Rounds a replica store keeps on disk (older rounds are deleted after a put).
-STORE_KEEP_ROUNDS: int = 3
 #: Size of one read or write the replica store issues, in bytes (bounds memory when hashing).
 STORE_IO_CHUNK_BYTES: int = 4 * 1024 * 1024
 #: Largest certificate a replica file may carry, in bytes.
@@ -239,7 +235,7 @@ FLOWER_DEADLINE_MARGIN: float = 0.5
 #: Reply times kept per node and kind of message (the newest ones).
 FLOWER_DEADLINE_HISTORY: int = 20
 #: Certified rounds a party's replica store keeps on disk by default (node config
-#: ``chaos-keep-replicas``; it replaces STORE_KEEP_ROUNDS as the store's default): what recovery
+#: ``chaos-keep-replicas``): what recovery
 #: needs, the newest certified round a party holds and the one before it (a resume goes back to
 #: it when a certify cut short by a server kill left the newest without its receipt quorum).
 #: Disk per party: this many times the model's size.
