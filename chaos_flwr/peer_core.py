@@ -255,10 +255,12 @@ class PeerCore:
     # --- state -------------------------------------------------------------------------------
 
     def _reject(self, exc: ChaosError, now: float, env: Envelope | None) -> None:
+        # The log keeps the error, not its traceback: the frames would keep every refused
+        # input's decoded envelope alive (about 4 KB each, times PEER_MAX_REJECTIONS_LOGGED).
         self.rejections.append(
             Rejection(
                 at=now,
-                error=exc,
+                error=exc.with_traceback(None),
                 sender=env.sender if env is not None else None,
                 kind=env.kind if env is not None else None,
             )

@@ -109,8 +109,9 @@ class LinkNegotiation:
         out: list[Outgoing] = []
         for rid, link in list(self._pending.items()):
             other = peer.records.member(link.other)
-            if not peer.is_member or other is None or other.status != ACTIVE:
-                del self._pending[rid]  # an end is gone: the request is moot
+            moot = peer.records.covers(link.body)  # held, or superseded before it arrived
+            if moot or not peer.is_member or other is None or other.status != ACTIVE:
+                del self._pending[rid]  # an end is gone or the link moved on: the request is moot
                 continue
             if now - link.sent_at < PEER_RETRY_INTERVAL_S:
                 continue

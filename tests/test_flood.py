@@ -167,6 +167,8 @@ def test_own_envelopes_past_the_budget_are_refused_one_by_one() -> None:
         victim.handle(outs[0].data, 2.0)
     refusals = [r for r in victim.rejections if isinstance(r.error, FloodError)]
     assert len(refusals) == 7 and {r.sender for r in refusals} == {flooder.party_id}
+    # The log keeps the errors without their tracebacks (whose frames hold the envelopes).
+    assert all(r.error.__traceback__ is None for r in refusals)
     assert victim.refused_by == {flooder.party_id: 7}
     assert victim.records.link(victim.party_id, flooder.party_id).epoch == 3  # type: ignore[union-attr]
 

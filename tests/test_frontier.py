@@ -29,6 +29,7 @@ from chaos_flwr import membership as ms
 from chaos_flwr.defaults import MEMBERSHIP_MAX_COUNTER
 from chaos_flwr.errors import DecodeError, UnknownPartyError
 from chaos_flwr.membership import Record, RecordSet, SignatureCache, supersedes
+from chaos_flwr.wire import open_sealed
 
 PARTIES = len(FOUNDERS + JOINERS)
 #: At most a join and an end per charter party and one record per link.
@@ -280,3 +281,22 @@ def test_records_naming_parties_outside_the_charter_are_refused() -> None:
     with pytest.raises(UnknownPartyError, match="not a party of the charter"):
         ms.validate_record(Record.sign(ms.fail_body(FED, ghost, 0), [b]), policy)
     ms.validate_record(Record.sign(ms.fail_body(FED, a.party_id, 0), [b]), policy)
+
+
+def test_a_link_request_overtaken_by_its_link_down_is_not_sent_again() -> None:
+    # The countersigned link_up never reaches the initiator before the link_down of the same
+    # version: it is superseded there, never held, and the pending request must still end.
+    net, _ = cluster()
+    a, b = net.peers[F[0].party_id], net.peers[F[1].party_id]
+    (req,) = a.connect(b.party_id, net.now)
+    ups = b.handle(req.data, net.now)
+    downs = b.disconnect(a.party_id, net.now)
+    to_a = [o for o in downs if o.to == a.party_id] + [o for o in ups if o.to == a.party_id]
+    for o in to_a:
+        a.handle(o.data, net.now)
+    info = a.records.link(a.party_id, b.party_id)
+    assert info is not None and (info.state, info.epoch) == ("down", 1)
+    later = a.tick(net.now + 5.0)
+    keys = {a.party_id: a.identity.public_key}
+    assert "link_req" not in {open_sealed(o.data, keys).kind for o in later}
+    assert a._links == {}
