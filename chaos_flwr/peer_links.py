@@ -1,7 +1,8 @@
 """Links between two members: connect (a two-party link_up) and disconnect (a one-party link_down).
 
 The initiator of a connect signs a link_up body for the next epoch and sends it (``link_req``);
-the other end countersigns, applies and broadcasts the complete record. Either end takes a link
+the other end countersigns it only for the epoch after the one it holds, then applies and
+broadcasts the complete record. Either end takes a link
 down alone. A pending request is re-sent every ``PEER_RETRY_INTERVAL_S`` until its record is
 held, and dropped once either end is no longer an active member.
 """
@@ -95,6 +96,16 @@ class LinkNegotiation:
             record = peer.records.get(rid)
             return peer._records_to(env.sender, [record], now) if record is not None else []
         peer._active_other(env.sender, "accept a link")
+        held = peer.records.link(peer.party_id, env.sender)
+        expected = held.epoch + 1 if held is not None else 1
+        if body["epoch"] != expected:
+            # Only the next epoch: a peer never countersigns a jump (a flooder could otherwise
+            # spend this party's record budget on link_ups at ever higher epochs). A request
+            # made on an older view is refused and retried once the views agree.
+            raise PolicyError(
+                f"link request for epoch {body['epoch']}; this party holds the link at epoch "
+                f"{expected - 1} and countersigns only epoch {expected}"
+            )
         if self._accept_link is not None and not self._accept_link(env.sender):
             raise PolicyError(f"this party does not accept a link with {env.sender}")
         peer.records.cache.verify(peer._keyring[env.sender], sig, signing_bytes(body))

@@ -27,9 +27,9 @@ from test_peer import F, cluster
 
 from chaos_flwr import membership as ms
 from chaos_flwr.defaults import MEMBERSHIP_MAX_COUNTER
-from chaos_flwr.errors import DecodeError, UnknownPartyError
+from chaos_flwr.errors import DecodeError, PolicyError, UnknownPartyError
 from chaos_flwr.membership import Record, RecordSet, SignatureCache, supersedes
-from chaos_flwr.wire import open_sealed
+from chaos_flwr.wire import open_sealed, seal
 
 PARTIES = len(FOUNDERS + JOINERS)
 #: At most a join and an end per charter party and one record per link.
@@ -300,3 +300,40 @@ def test_a_link_request_overtaken_by_its_link_down_is_not_sent_again() -> None:
     keys = {a.party_id: a.identity.public_key}
     assert "link_req" not in {open_sealed(o.data, keys).kind for o in later}
     assert a._links == {}
+
+
+def test_a_link_request_is_countersigned_only_for_the_next_epoch() -> None:
+    # A jump (a flooder asking for link_ups at ever higher epochs, each spending the honest
+    # end's record budget) is refused; the next epoch is countersigned as before.
+    net, _ = cluster()
+    a, b = net.peers[F[0].party_id], net.peers[F[1].party_id]
+    held = b.records.link(a.party_id, b.party_id)
+    nxt = (held.epoch if held is not None else 0) + 1
+    for epoch, ok in ((nxt + 5, False), (nxt, True)):
+        body = ms.link_body(
+            "link_up",
+            a.policy.federation,
+            (a.party_id, a.incarnation),
+            (b.party_id, b.incarnation),
+            epoch,
+        )
+        data = seal(
+            F[0],
+            incarnation=a.incarnation,
+            seq=10**6 + epoch,
+            timestamp=net.now,
+            kind="link_req",
+            payload={"body": body, "sig": F[0].sign(ms.signing_bytes(body))},
+            to=b.party_id,
+            federation=a.federation_tag,
+        )
+        before = len(b.rejections)
+        out = b.handle(data, net.now)
+        info = b.records.link(a.party_id, b.party_id)
+        if ok:
+            assert out and info is not None and (info.epoch, info.state) == (nxt, "up")
+        else:
+            assert out == [] and len(b.rejections) == before + 1
+            assert isinstance(b.rejections[-1].error, PolicyError)
+            assert "countersigns only epoch" in str(b.rejections[-1].error)
+            assert b.records.link(a.party_id, b.party_id) == held
