@@ -759,6 +759,9 @@ def bench_long_run(
         "--flood 100000); alone, it skips the soak (give --rounds for both).",
     ),
     samples: int | None = typer.Option(None, "--samples", min=1, help="Samples along the soak."),
+    max_seconds: float | None = typer.Option(
+        None, "--max-seconds", min=1.0, help="Wall-time budget of the soak (it stops there)."
+    ),
     plot: str = typer.Option("", "--plot", help="Also draw the samples to this PNG file."),
     progress: bool | None = typer.Option(
         None, "--progress/--no-progress", help="Progress on stderr (default: unless --json)."
@@ -772,7 +775,12 @@ def bench_long_run(
     """
     from .bench.longrun import LongRunSettings, run_long_run, to_stderr
     from .bench.longrun import plot as draw
-    from .bench.settings import LONGRUN_BENCH_EVENTS, LONGRUN_BENCH_ROUNDS, LONGRUN_BENCH_SAMPLES
+    from .bench.settings import (
+        LONGRUN_BENCH_EVENTS,
+        LONGRUN_BENCH_MAX_SECONDS,
+        LONGRUN_BENCH_ROUNDS,
+        LONGRUN_BENCH_SAMPLES,
+    )
 
     if rounds is None:
         rounds = 0 if flood else LONGRUN_BENCH_ROUNDS
@@ -781,6 +789,7 @@ def bench_long_run(
         events=LONGRUN_BENCH_EVENTS if events is None else events,
         flood=flood,
         samples=LONGRUN_BENCH_SAMPLES if samples is None else samples,
+        max_seconds=LONGRUN_BENCH_MAX_SECONDS if max_seconds is None else max_seconds,
     )
     show = (not as_json) if progress is None else progress
     result = run_long_run(settings, progress=to_stderr if show else None)

@@ -169,3 +169,11 @@ def test_long_run_cli_flood_json() -> None:
     assert 0 <= held <= 40
     assert flood["flooder"] == flood["flooded"]["flooder"]
     assert set(flood) >= {"message_ratio", "rss_growth_ratio", "named_by_peers"}
+
+
+def test_long_run_soak_stops_at_its_time_budget() -> None:
+    soak = run_long_run(LongRunSettings(rounds=50, events=0, samples=5, max_seconds=1e-6))["soak"]
+    assert soak["stopped_early"] and soak["rounds"] == 1 and soak["rounds_asked"] == 50
+    assert [s["round"] for s in soak["samples"]] == [1]
+    with pytest.raises(ValueError):
+        LongRunSettings(max_seconds=0)

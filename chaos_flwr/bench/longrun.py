@@ -55,6 +55,7 @@ from chaos_flwr.bench.settings import (
     LONGRUN_BENCH_FLOOD_WARMUP_ROUNDS,
     LONGRUN_BENCH_FOUNDERS,
     LONGRUN_BENCH_HEARTBEAT_S,
+    LONGRUN_BENCH_MAX_SECONDS,
     LONGRUN_BENCH_PARTIES,
     LONGRUN_BENCH_ROUND_S,
     LONGRUN_BENCH_ROUNDS,
@@ -84,6 +85,9 @@ class LongRunSettings:
         Records the flooder mints (0: no flood part).
     parties, samples, seed:
         Federation size (``LONGRUN_BENCH_FOUNDERS`` founders), samples along the soak, seed.
+    max_seconds:
+        The soak's wall-time budget: past it the soak stops at the round reached
+        (``stopped_early`` in the JSON; its last sample is taken there).
     """
 
     rounds: int = LONGRUN_BENCH_ROUNDS
@@ -92,12 +96,15 @@ class LongRunSettings:
     parties: int = LONGRUN_BENCH_PARTIES
     samples: int = LONGRUN_BENCH_SAMPLES
     seed: int = LONGRUN_BENCH_SEED
+    max_seconds: float = LONGRUN_BENCH_MAX_SECONDS
 
     def __post_init__(self) -> None:
         for name in ("rounds", "events", "flood", "samples"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"long-run '{name}' must be an integer >= 0, got {value!r}")
+        if not self.max_seconds > 0:
+            raise ValueError(f"long-run 'max_seconds' must be > 0, got {self.max_seconds!r}")
         if self.parties < LONGRUN_BENCH_FOUNDERS + 1:
             raise ValueError(
                 f"long-run 'parties' must be >= {LONGRUN_BENCH_FOUNDERS + 1} (founders + a mover)"
@@ -387,13 +394,16 @@ def _soak(settings: LongRunSettings, progress: Progress | None) -> dict[str, Any
         samples: list[dict[str, Any]] = []
         times: list[float] = []
         events = 0
+        stopped = False
         for rnd in range(settings.rounds):
             due = (rnd + 1) * settings.events // max(1, settings.rounds)
             due -= rnd * settings.events // max(1, settings.rounds)
             for _ in range(due):
                 events += soak.event(rnd) is not None
             times.extend(fed.round(rnd).values())
-            if (rnd + 1) % every == 0 or rnd + 1 == settings.rounds:
+            late = time.perf_counter() - t_start > settings.max_seconds
+            stopped = late and rnd + 1 < settings.rounds
+            if (rnd + 1) % every == 0 or rnd + 1 == settings.rounds or stopped:
                 samples.append(_sample(fed, rnd + 1, events, times, len(samples)))
                 times = []
                 if progress is not None:
@@ -403,8 +413,12 @@ def _soak(settings: LongRunSettings, progress: Progress | None) -> dict[str, Any
                         f"state {s['state_bytes']} B, rss {s['rss_kib']} KiB, message "
                         f"{s['message_ms']} ms, rebuild {s['rebuild_ms']} ms"
                     )
+            if stopped:
+                break
         return {
-            "rounds": settings.rounds,
+            "rounds": samples[-1]["round"] if samples else 0,
+            "rounds_asked": settings.rounds,
+            "stopped_early": stopped,
             "events_asked": settings.events,
             "events": events,
             "events_by_kind": dict(sorted(soak.counts.items())),

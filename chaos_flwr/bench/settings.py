@@ -116,3 +116,6 @@ LONGRUN_BENCH_FLOOD_TAIL_ROUNDS: int = 4
 #: Flood records the flooder pushes with each of its replies (the relay delivers at most
 #: ``FLOWER_MAX_ENVELOPES_PER_MESSAGE`` envelopes per message).
 LONGRUN_BENCH_FLOOD_BATCH: int = 4096
+#: Wall-time budget of the soak, in seconds: past it the soak stops at the round it reached
+#: (the JSON says so), so a build whose costs grow with age still ends.
+LONGRUN_BENCH_MAX_SECONDS: float = 3600.0
