@@ -177,3 +177,13 @@ def test_long_run_soak_stops_at_its_time_budget() -> None:
     assert [s["round"] for s in soak["samples"]] == [1]
     with pytest.raises(ValueError):
         LongRunSettings(max_seconds=0)
+
+
+def test_refused_by_is_read_whatever_the_peer_offers() -> None:
+    from types import SimpleNamespace
+
+    from chaos_flwr.bench.longrun import _refused_by
+
+    assert _refused_by(SimpleNamespace()) == {}  # a peer without the flood budget
+    assert _refused_by(SimpleNamespace(refused_by={"p1": 3, "p2": "x"})) == {"p1": 3}
+    assert _refused_by(SimpleNamespace(refused_by=lambda: {"p1": 2})) == {"p1": 2}
