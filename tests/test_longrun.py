@@ -168,6 +168,8 @@ def test_long_run_cli_flood_json() -> None:
     )
     assert 0 <= held <= 40
     assert flood["flooder"] == flood["flooded"]["flooder"]
+    assert len(flood["flooded"]["signature_cache_entries"]) == honest
+    assert len(flood["quiet"]["rejections_logged"]) == honest
     assert set(flood) >= {"message_ratio", "rss_growth_ratio", "named_by_peers"}
 
 

@@ -26,9 +26,11 @@ Flood
 ``--flood K``: a non-founder member mints ``K`` valid link_down records (its own signature,
 rising epochs) and pushes them at the honest parties with its replies. The quiet run and the
 flooded run each run in a fresh process (so their RSS compares); the report gives the honest
-parties' median per-message time, RSS growth and saved-state size in both and their ratios,
-how many flood records the honest parties refused (all they do not hold), and whom they name
-(``Peer.refused_by`` where the peer has it).
+parties' median per-message time, RSS growth (the whole process: the relay's queues and the
+minted envelopes too; the honest peers' signature-cache entries and logged rejections are listed
+beside it) and saved-state size in both and their ratios, how many flood records the honest
+parties refused (all they do not hold), and whom they name (``Peer.refused_by`` where the peer
+has it).
 """
 
 from __future__ import annotations
@@ -492,6 +494,10 @@ def _flood_run(settings: LongRunSettings, quiet: bool) -> dict[str, Any]:
             took = fed.round(rnd)
             times.extend(took[p] for p in honest if p in took)
         held = [len(fed.parties[p].peer.records) for p in honest]
+        # what the honest peers retain besides records (bounded logs and caches): RSS also
+        # counts this process's relay queues and the flooder's minted envelopes
+        cached = [len(getattr(fed.parties[p].peer.records.cache, "_seen", ())) for p in honest]
+        logged = [len(getattr(fed.parties[p].peer, "rejections", ())) for p in honest]
         named: dict[str, int] = {}
         for p in honest:
             for who, n in _refused_by(fed.parties[p].peer).items():
@@ -503,6 +509,8 @@ def _flood_run(settings: LongRunSettings, quiet: bool) -> dict[str, Any]:
             "rss_growth_kib": _rss_kib() - rss0,
             "state_bytes": round(fed.state_bytes(honest)),
             "records_held": held,
+            "signature_cache_entries": cached,
+            "rejections_logged": logged,
             "flooder": flooder,
             "named": named,
             "relay_dropped": fed.relay.dropped,
