@@ -742,6 +742,75 @@ def bench_flower_churn(
             typer.echo(f"{key}: {value}")
 
 
+# --- bench long-run --------------------------------------------------------------------------
+# (section owned by the long-lived federations work, issue #18)
+
+
+@bench_app.command("long-run")
+def bench_long_run(
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    rounds: int | None = typer.Option(None, "--rounds", min=0, help="Rounds of the soak."),
+    events: int | None = typer.Option(None, "--events", min=0, help="Membership events."),
+    flood: int = typer.Option(
+        0,
+        "--flood",
+        min=0,
+        help="Flood mode: one party mints this many valid records (the issue's figure: "
+        "--flood 100000); alone, it skips the soak (give --rounds for both).",
+    ),
+    samples: int | None = typer.Option(None, "--samples", min=1, help="Samples along the soak."),
+    max_seconds: float | None = typer.Option(
+        None, "--max-seconds", min=1.0, help="Wall-time budget of the soak (it stops there)."
+    ),
+    plot: str = typer.Option("", "--plot", help="Also draw the samples to this PNG file."),
+    progress: bool | None = typer.Option(
+        None, "--progress/--no-progress", help="Progress on stderr (default: unless --json)."
+    ),
+) -> None:
+    """Party state size, RSS, per-message and rebuild time as rounds and events accumulate.
+
+    Prints the least-squares slopes per 1,000 rounds and events and the samples; with --flood,
+    a party mints that many valid records and the honest parties' costs are compared with a
+    quiet run. Default sizes (10,000 rounds and events) take minutes.
+    """
+    from .bench.longrun import LongRunSettings, run_long_run, to_stderr
+    from .bench.longrun import plot as draw
+    from .bench.settings import (
+        LONGRUN_BENCH_EVENTS,
+        LONGRUN_BENCH_MAX_SECONDS,
+        LONGRUN_BENCH_ROUNDS,
+        LONGRUN_BENCH_SAMPLES,
+    )
+
+    if rounds is None:
+        rounds = 0 if flood else LONGRUN_BENCH_ROUNDS
+    settings = LongRunSettings(
+        rounds=rounds,
+        events=LONGRUN_BENCH_EVENTS if events is None else events,
+        flood=flood,
+        samples=LONGRUN_BENCH_SAMPLES if samples is None else samples,
+        max_seconds=LONGRUN_BENCH_MAX_SECONDS if max_seconds is None else max_seconds,
+    )
+    show = (not as_json) if progress is None else progress
+    result = run_long_run(settings, progress=to_stderr if show else None)
+    if plot:
+        drawn = draw(result, Path(plot))
+        result["plot"] = str(drawn) if drawn is not None else None
+    if as_json:
+        _print_json(result)
+        return
+    soak = result.get("soak") or {}
+    for unit in ("rounds", "events"):
+        slopes = soak.get(f"slopes_per_1000_{unit}") or {}
+        typer.echo(f"slopes per 1,000 {unit}: " + ", ".join(f"{k} {v}" for k, v in slopes.items()))
+    if "flood" in result:
+        fl = result["flood"]
+        typer.echo(
+            f"flood of {fl['records']}: message x{fl['message_ratio']}, rss growth "
+            f"x{fl['rss_growth_ratio']}, refused {fl['refused']}, named {fl['named_by_peers']}"
+        )
+
+
 @app.command("serve-replica")
 def serve_replica(
     state_dir: str = typer.Option(..., help="The party's state directory (its chaos-state-dir)."),

@@ -23,6 +23,17 @@ receipt, a replica's certificate) and :meth:`Receipt.verify` alike.
 
 The ledger does no I/O and reads no clock; refused receipts are raised as typed errors and
 appended to :attr:`ReceiptLedger.rejections` (the log), and change nothing else.
+
+Bounded memory
+--------------
+A ledger holds at most :data:`RECEIPT_LEDGER_MAX_ROUNDS` rounds (receipts and evidence): past
+it the oldest round is dropped. Its owner may also set a window (:meth:`ReceiptLedger.window`):
+receipts of rounds outside it are ignored unverified and held rounds outside it are dropped.
+A party sets ``[held - keep + 1, held + 1]`` around the round it holds, so receipts signed for
+far-future rounds by an admitted party cannot evict the ones it needs, and a long federation's
+ledger stays the same size. Dropping an old round is safe: rounds only move forward, so a round
+below the window is never certified or taken up again (the party itself refuses a certify
+below its held round); its equivocation evidence was already reported.
 """
 
 from __future__ import annotations
@@ -65,6 +76,8 @@ _MAX_EVIDENCE_BYTES = 4 * _MAX_RECEIPT_BYTES
 _RECEIPT_KEYS = frozenset({"party", "round", "digest", "signature"})
 _EVIDENCE_KEYS = frozenset({"kind", "first", "second"})
 _EVIDENCE_KIND = "equivocation"
+#: Most rounds one ledger holds (receipts and evidence); past it the oldest round is dropped.
+RECEIPT_LEDGER_MAX_ROUNDS: int = 256
 
 
 def receipt_signing_bytes(party: str, round: int, digest: bytes) -> bytes:
@@ -356,6 +369,10 @@ class ReceiptLedger:
         The first evidence found for each conflicted round.
     rejections : list[ReceiptRejection]
         Every refused receipt or evidence (the newest ``PEER_MAX_REJECTIONS_LOGGED``).
+    floor, ceiling : int or None
+        The window (:meth:`window`): receipts of rounds outside it are ignored.
+    ignored : int
+        Receipts ignored because their round was outside the window.
     """
 
     keyring: Mapping[str, bytes]
@@ -363,6 +380,9 @@ class ReceiptLedger:
     equivocations: dict[int, Equivocation] = field(default_factory=dict)
     rejections: list[ReceiptRejection] = field(default_factory=list)
     _rounds: dict[int, dict[bytes, dict[str, Receipt]]] = field(default_factory=dict)
+    floor: int | None = None
+    ceiling: int | None = None
+    ignored: int = 0
 
     @classmethod
     def from_charter(cls, charter: Any) -> ReceiptLedger:
@@ -410,13 +430,16 @@ class ReceiptLedger:
             If the receipt does not verify under the charter's keys; it is logged in
             :attr:`rejections` and nothing else changes.
         """
+        if not self._inside(receipt.round):
+            self.ignored += 1
+            return None
         known = self._rounds.get(receipt.round, {}).get(receipt.digest, {}).get(receipt.party)
         if known == receipt:
             # the very receipt already held (its bytes were verified when it was added): the
             # relay forwards each round's receipts with several messages
             return None
         self._verify(receipt)
-        by_digest = self._rounds.setdefault(receipt.round, {})
+        by_digest = self._round(receipt.round)
         held = by_digest.get(receipt.digest, {})
         if receipt.party in held:
             return None
@@ -436,17 +459,21 @@ class ReceiptLedger:
     def add_evidence(self, evidence: Equivocation) -> None:
         """Take evidence found elsewhere (e.g. gossiped by another party).
 
-        Both receipts are verified and recorded; the round is conflicted afterwards.
+        Both receipts are verified and recorded; the round is conflicted afterwards (evidence
+        of a round outside the window is ignored, as its receipts are).
 
         Raises
         ------
         UnknownPartyError, SignatureError
             If a receipt of the evidence does not verify (logged; nothing changes).
         """
+        if not self._inside(evidence.round):
+            self.ignored += 1
+            return
         for receipt in (evidence.first, evidence.second):
             self._verify(receipt)
         for receipt in (evidence.first, evidence.second):
-            by_digest = self._rounds.setdefault(receipt.round, {})
+            by_digest = self._round(receipt.round)
             by_digest.setdefault(receipt.digest, {})[receipt.party] = receipt
         self.equivocations.setdefault(evidence.round, evidence)
 
@@ -532,6 +559,46 @@ class ReceiptLedger:
             if digest is not None:
                 return rnd, digest
         return None
+
+    def _inside(self, round: int) -> bool:
+        return (self.floor is None or round >= self.floor) and (
+            self.ceiling is None or round <= self.ceiling
+        )
+
+    def _round(self, round: int) -> dict[bytes, dict[str, Receipt]]:
+        """The receipts held for ``round``, made if new: past the cap the oldest round goes (a
+        round older than every held one is then not kept: its receipts count for this call)."""
+        by_digest = self._rounds.get(round)
+        if by_digest is None:
+            if len(self._rounds) >= RECEIPT_LEDGER_MAX_ROUNDS and round < min(self._rounds):
+                return {}
+            while len(self._rounds) >= RECEIPT_LEDGER_MAX_ROUNDS:
+                oldest = min(self._rounds)
+                del self._rounds[oldest]
+                self.equivocations.pop(oldest, None)
+            by_digest = self._rounds[round] = {}
+        return by_digest
+
+    def window(self, floor: int, ceiling: int) -> None:
+        """Keep only rounds ``floor..ceiling`` (receipts and evidence); ignore others from now.
+
+        Parameters
+        ----------
+        floor, ceiling
+            The oldest and newest round kept (``floor <= ceiling``).
+
+        Raises
+        ------
+        PolicyError
+            If ``floor > ceiling``.
+        """
+        if floor > ceiling:
+            raise PolicyError(f"ledger window {floor}..{ceiling} is empty")
+        self.floor, self.ceiling = floor, ceiling
+        for rnd in [r for r in self._rounds if not floor <= r <= ceiling]:
+            del self._rounds[rnd]
+        for rnd in [r for r in self.equivocations if not floor <= r <= ceiling]:
+            del self.equivocations[rnd]
 
     def forget_before(self, round: int) -> None:
         """Drop receipts (not evidence) of rounds older than ``round`` (bounded memory)."""

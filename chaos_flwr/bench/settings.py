@@ -81,3 +81,41 @@ SCALE_OUT_DONOR_STARTUP_S: float = 30.0
 SCALE_OUT_TIMEOUT_FACTOR: float = 10.0
 #: ... and the benchmark's shortest request timeout (PullSession ``min_timeout_s``), seconds.
 SCALE_OUT_MIN_TIMEOUT_S: float = 5.0
+
+# --- long-lived federations (``chaos-flwr bench long-run``) -----------------------------------
+#: Rounds the long-run soak drives by default (issue #18: 10,000).
+LONGRUN_BENCH_ROUNDS: int = 10_000
+#: Membership events (link flaps, leaves and rejoins, crashes and restarts) spread over them.
+LONGRUN_BENCH_EVENTS: int = 10_000
+#: Records the flooder mints for the issue's figure (``--flood 100000``; tests use fewer).
+LONGRUN_BENCH_FLOOD_RECORDS: int = 100_000
+#: Parties of the soak federation: 3 founders, the rest leave, rejoin, crash and restart.
+LONGRUN_BENCH_PARTIES: int = 5
+#: Founders of the soak federation (never leave nor crash: they sponsor the rejoins).
+LONGRUN_BENCH_FOUNDERS: int = 3
+#: Samples taken along a run (evenly spaced rounds; the slopes are fitted to them).
+LONGRUN_BENCH_SAMPLES: int = 40
+#: Seed of the soak (which links flap, which party leaves or crashes).
+LONGRUN_BENCH_SEED: int = 20261203
+#: Virtual seconds per round (the parties' clock; the charter's timers run on it).
+LONGRUN_BENCH_ROUND_S: float = 1.0
+#: Heartbeat interval of the soak charter, in virtual seconds.
+LONGRUN_BENCH_HEARTBEAT_S: float = 1.0
+#: Suspicion timeout of the soak charter, in virtual seconds.
+LONGRUN_BENCH_SUSPICION_S: float = 3.0
+#: Failure quorum of the soak charter.
+LONGRUN_BENCH_FAILURE_QUORUM: int = 2
+#: Rounds a left party stays out, and a crashed party stays down, before it comes back.
+LONGRUN_BENCH_AWAY_ROUNDS: int = 6
+#: Float32 values in the soak's training state (small: the protocol's costs are measured).
+LONGRUN_BENCH_STATE_FLOATS: int = 64
+#: Rounds before the flood starts (everyone joined and linked) and the quiet run's baseline.
+LONGRUN_BENCH_FLOOD_WARMUP_ROUNDS: int = 8
+#: Rounds after the last flood batch (the quiet run drives as many rounds in all).
+LONGRUN_BENCH_FLOOD_TAIL_ROUNDS: int = 4
+#: Flood records the flooder pushes with each of its replies (the relay delivers at most
+#: ``FLOWER_MAX_ENVELOPES_PER_MESSAGE`` envelopes per message).
+LONGRUN_BENCH_FLOOD_BATCH: int = 4096
+#: Wall-time budget of the soak, in seconds: past it the soak stops at the round it reached
+#: (the JSON says so), so a build whose costs grow with age still ends.
+LONGRUN_BENCH_MAX_SECONDS: float = 3600.0

@@ -38,6 +38,16 @@ __all__ = ["Party"]
 
 #: Errors a party keeps (:attr:`Party.errors`, newest last); older ones are dropped.
 PARTY_MAX_ERRORS: int = 256
+#: Rounds of receipts a party's ledger keeps in memory, up to its held round (the window of
+#: :meth:`ReceiptLedger.window`): above the replicas a party keeps (STORE_KEEP_ROUNDS) and the
+#: rounds it saves (FLOWER_DURABLE_LEDGER_ROUNDS), so every round it could still serve or
+#: resume from is covered.
+PARTY_LEDGER_ROUNDS: int = 16
+#: Equivocation evidence a party keeps (:attr:`Party.evidence`, newest last). Any evidence at
+#: all stops the party training, so dropping the oldest never lets a conflicted round through.
+PARTY_MAX_EVIDENCE: int = 16
+#: Finished pulls' figures a party keeps (:attr:`Party.joins_done`, newest last).
+PARTY_MAX_JOINS_DONE: int = 16
 
 
 @dataclass
@@ -131,10 +141,12 @@ class Party:
             self._ledger = ReceiptLedger(dict(self.keyring))
             try:
                 self._ledger.add_all([Receipt.decode(b) for b in saved.receipts])
-                self.evidence = [Equivocation.decode(b) for b in saved.evidence]
+                self.evidence = []
+                self._keep_evidence([Equivocation.decode(b) for b in saved.evidence])
             except ChaosError as exc:
                 raise StoreError(f"saved party state: bad receipt or evidence ({exc})") from exc
-            self._evidence_sent = min(saved.evidence_sent, len(self.evidence))
+            dropped = max(0, len(saved.evidence) - len(self.evidence))
+            self._evidence_sent = min(max(0, saved.evidence_sent - dropped), len(self.evidence))
         if not same_life:
             return
         from chaos_flwr.peer import Outgoing
@@ -142,7 +154,7 @@ class Party:
         self.pending = [Outgoing(to, data) for to, data in saved.pending]
         self._join_asked = saved.join_asked
         self._links_asked = set(saved.links_asked)
-        self.joins_done = [ConfigRecord(d) for d in saved.joins_done]
+        self.joins_done = [ConfigRecord(d) for d in saved.joins_done[-PARTY_MAX_JOINS_DONE:]]
         try:
             self.joining = saved.joiner_pull()
         except StoreError as exc:  # only the pull is lost: it starts again on the next step
@@ -335,6 +347,8 @@ class Party:
             if self._ledger is None:
                 self._ledger = ReceiptLedger(dict(self.keyring))
             ledger = self._ledger
+            if self.held_round >= 0:  # the previous rounds' receipts only, a bounded window
+                ledger.window(self.held_round - PARTY_LEDGER_ROUNDS + 1, self.held_round + 1)
             found: list[Equivocation] = []
             own = self._receipt()
             if own:
@@ -350,9 +364,18 @@ class Party:
                         self.errors.append(f"{type(exc).__name__}: {exc}")
             found += ledger.add_all(theirs)
             for ev in found:
-                self.evidence.append(ev)
                 self.errors.append(f"EquivocationError: {ev.error()}")
+            self._keep_evidence(found)
         return bool(self.evidence)
+
+    def _keep_evidence(self, found: Sequence[Equivocation]) -> None:
+        """Append ``found`` to :attr:`evidence`, keeping the newest ``PARTY_MAX_EVIDENCE``
+        (those dropped unsent are not reported: the newer ones stop training just as well)."""
+        self.evidence.extend(found)
+        extra = len(self.evidence) - PARTY_MAX_EVIDENCE
+        if extra > 0:
+            del self.evidence[:extra]
+            self._evidence_sent = max(0, self._evidence_sent - extra)
 
     def _auto_links(self, now: float) -> list[OutgoingLike]:
         """A member links up with every active member it has no live link with (the lower id
@@ -365,6 +388,13 @@ class Party:
         connect = getattr(peer, "connect", None)
         if records is None or connect is None:
             return []
+        mine = getattr(peer, "incarnation", 0)
+        # asked under incarnations that are gone can never match again: drop them (bounded)
+        self._links_asked = {
+            k
+            for k in self._links_asked
+            if k[2] == mine and getattr(records.member(k[0]), "incarnation", 0) == k[1]
+        }
         out: list[OutgoingLike] = []
         for other in records.view().active():
             if other <= self.party_id:
@@ -488,6 +518,7 @@ class Party:
             held = getattr(self.peer, "records", None)
             out["records"] = [codec.encode(r.to_wire()) for r in held or ()]
         del self.errors[:-PARTY_MAX_ERRORS]  # the newest only: garbage input cannot grow it
+        del self.joins_done[:-PARTY_MAX_JOINS_DONE]
         return out
 
 

@@ -2,16 +2,35 @@
 (:class:`JoinLog`) and the membership changes it relayed (:class:`MembershipEvent`).
 
 These are plain records: the server wing fills them (:mod:`.strategy`, :mod:`.joins`,
-:mod:`.view`) and the lab tools read them.
+:mod:`.view`) and the lab tools read them. They are windows, not archives: a ServerApp keeps
+the newest :data:`SERVER_MAX_ROUND_LOGS` round logs (:class:`RoundLogs`), a round log at most
+``FLOWER_MAX_EVIDENCE_PER_ROUND`` evidence blobs, and the view the newest
+:data:`SERVER_MAX_EVENTS` membership events, so a federation running for weeks keeps a server
+of constant size; whoever wants the whole history reads the logs as rounds finish.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from flwr.app import ConfigRecord
 
-__all__ = ["JoinLog", "MembershipEvent", "RoundLog", "read_join_stats"]
+__all__ = [
+    "SERVER_MAX_EVENTS",
+    "SERVER_MAX_ROUND_LOGS",
+    "JoinLog",
+    "MembershipEvent",
+    "RoundLog",
+    "RoundLogs",
+    "read_join_stats",
+]
+
+#: Round logs a ChaosStrategy keeps (``ChaosStrategy.rounds``, newest last).
+SERVER_MAX_ROUND_LOGS: int = 1024
+#: Membership events the server-side view keeps (``ServerView.events``, newest last; events
+#: not settled yet are kept until they settle or are this far behind).
+SERVER_MAX_EVENTS: int = 4096
 
 
 @dataclass
@@ -168,6 +187,41 @@ class RoundLog:
     failures: list[str] = field(default_factory=list)
     events: list[MembershipEvent] = field(default_factory=list)
     equivocations: list[bytes] = field(default_factory=list)
+
+
+class RoundLogs(list[RoundLog]):
+    """``ChaosStrategy.rounds``: a list that keeps only the newest ``keep`` round logs.
+
+    Parameters
+    ----------
+    keep:
+        Round logs kept (default :data:`SERVER_MAX_ROUND_LOGS`); appending past it drops the
+        oldest, counted in :attr:`dropped`.
+    """
+
+    def __init__(self, items: Iterable[RoundLog] = (), *, keep: int = SERVER_MAX_ROUND_LOGS):
+        if keep < 1:
+            raise ValueError(f"RoundLogs keep must be >= 1, got {keep}")
+        super().__init__(items)
+        self.keep = keep
+        self.dropped = 0
+        self._trim()
+
+    def _trim(self) -> None:
+        extra = len(self) - self.keep
+        if extra > 0:
+            del self[:extra]
+            self.dropped += extra
+
+    def append(self, item: RoundLog) -> None:
+        """Append ``item``; the oldest log goes when more than ``keep`` are held."""
+        super().append(item)
+        self._trim()
+
+    def extend(self, items: Iterable[RoundLog]) -> None:
+        """Extend, then keep the newest ``keep``."""
+        super().extend(items)
+        self._trim()
 
 
 def read_join_stats(jl: JoinLog, rec: ConfigRecord) -> None:

@@ -51,7 +51,7 @@ from chaos_flwr.flower.server.courier import (
     min_nodes,
 )
 from chaos_flwr.flower.server.joins import JoinRelay
-from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
 from chaos_flwr.flower.server.pull import PullReport
 from chaos_flwr.flower.server.resume import Resumed, Resumer
 from chaos_flwr.flower.server.settings import (
@@ -136,7 +136,8 @@ class ChaosStrategy(Strategy):
     Attributes
     ----------
     rounds:
-        One :class:`~chaos_flwr.flower.server.logs.RoundLog` per round (and the hello).
+        One :class:`~chaos_flwr.flower.server.logs.RoundLog` per round (and the hello), the
+        newest ``SERVER_MAX_ROUND_LOGS`` (:class:`~chaos_flwr.flower.server.logs.RoundLogs`).
     view:
         The server-side view (with a charter), else ``None``.
     last_pull:
@@ -182,7 +183,7 @@ class ChaosStrategy(Strategy):
         )
         self.join_relay = JoinRelay(self.courier, self.joins, clock)
         self.resumer = Resumer(self.courier, self.resume, clock, sleep)
-        self.rounds: list[RoundLog] = []
+        self.rounds: list[RoundLog] = RoundLogs()  # the newest SERVER_MAX_ROUND_LOGS
         self.last_pull: PullReport | None = None
         self.round_floor = -1
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from chaos_flwr import codec
 from chaos_flwr.errors import ChaosError
-from chaos_flwr.flower.server.logs import MembershipEvent
+from chaos_flwr.flower.server.logs import SERVER_MAX_EVENTS, MembershipEvent
 from chaos_flwr.membership import (
     PROOF_KIND,
     Policy,
@@ -127,7 +127,20 @@ class ServerView:
             if rid in self._has:
                 self._has[rid].add(sender)
         self._env[data] = tuple(rids)
+        self._trim()
         return fresh
+
+    def _trim(self) -> None:
+        """Keep the newest ``SERVER_MAX_EVENTS`` events (and envelope index entries)."""
+        extra = len(self.events) - SERVER_MAX_EVENTS
+        if extra > 0:
+            for event in self.events[:extra]:
+                self._by_id.pop(event.record_id, None)
+                self._has.pop(event.record_id, None)
+            del self.events[:extra]
+        if len(self._env) > SERVER_MAX_EVENTS:  # the oldest envelopes (insertion order)
+            for data in list(self._env)[: len(self._env) - SERVER_MAX_EVENTS]:
+                del self._env[data]
 
     def sync(self, values: Iterable[bytes]) -> int:
         """Fold records a party reports holding (a restarted ServerApp catching up); returns
