@@ -86,7 +86,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .defaults import PEER_PROBE_EVERY_HEARTBEATS, WIRE_MAX_ENVELOPE_BYTES
-from .errors import ChaosError, CharterError, DecodeError, PolicyError, StaleIncarnationError
+from .errors import (
+    ChaosError,
+    CharterError,
+    DecodeError,
+    FloodError,
+    PolicyError,
+    StaleIncarnationError,
+)
 from .membership import (
     PROOF_KIND,
     Policy,
@@ -104,7 +111,7 @@ from .peer_joins import JoinNegotiation, PendingJoin
 from .peer_links import LinkNegotiation, PendingLink
 from .peer_sync import AntiEntropy
 from .peer_votes import FailureVotes, Vote
-from .wire import Envelope, ReplayGuard, open_sealed
+from .wire import Envelope, ReplayGuard, open_sealed, peek_sender
 
 __all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
 
@@ -403,6 +410,14 @@ class Peer(PeerCore):
         """
         env: Envelope | None = None
         try:
+            claimed = peek_sender(data)
+            if not self.envelope_budget.allows((claimed,), now):
+                raise FloodError(
+                    f"envelope from {claimed} refused unopened: the sender is out of its "
+                    "envelope budget (a flood)",
+                    signers=(claimed,),
+                    refused=1,
+                )
             env = open_sealed(
                 data,
                 self._keyring,
@@ -424,6 +439,7 @@ class Peer(PeerCore):
             handler = self._handlers.get(env.kind)
             if handler is None:
                 raise DecodeError(f"envelope field 'kind' {env.kind!r} is not a peer message")
+            self.envelope_budget.charge((env.sender,), now)
             out = handler(env, now)
             self._guard.accept(env)
             if env.kind != PROOF_KIND:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .defaults import (
+    FLOOD_ENVELOPE_BURST,
+    FLOOD_ENVELOPES_PER_MINUTE,
     MEMBERSHIP_PROOF_MAX_BYTES,
     PEER_APPLIED_WINDOW,
     PEER_MAX_RECORDS_PER_MESSAGE,
@@ -125,6 +127,7 @@ class PeerCore:
     _dirty: bool
     _founders: tuple[str, ...]
     _budget: RecordBudget | None = None
+    _envelope_budget: RecordBudget | None = None
 
     @property
     def budget(self) -> RecordBudget:
@@ -134,6 +137,16 @@ class PeerCore:
             rate, burst = limits_of(self.charter, len(self.policy.keyring))
             self._budget = RecordBudget(self.policy.keyring, rate, burst)
         return self._budget
+
+    @property
+    def envelope_budget(self) -> RecordBudget:
+        """The per-sender budget of the envelopes this peer opens (:mod:`chaos_flwr.flood`):
+        past it a sender's envelopes are refused before their signature is checked."""
+        if self._envelope_budget is None:
+            self._envelope_budget = RecordBudget(
+                self.policy.keyring, FLOOD_ENVELOPES_PER_MINUTE, float(FLOOD_ENVELOPE_BURST)
+            )
+        return self._envelope_budget
 
     @property
     def refused_by(self) -> dict[str, int]:

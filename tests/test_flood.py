@@ -215,3 +215,71 @@ def test_an_honest_federation_with_default_limits_is_never_refused() -> None:
         assert p.refused_by == {}
         assert not any(isinstance(r.error, FloodError) for r in p.rejections)
     assert len(late.records) == 8 + len(list(itertools.combinations(ids, 2)))
+
+
+# --- envelopes: a sender past its budget is refused unopened ------------------------------------
+
+
+def test_a_flooding_sender_s_envelopes_are_refused_unopened_and_others_still_heard() -> None:
+    from chaos_flwr.defaults import FLOOD_ENVELOPE_BURST
+    from chaos_flwr.wire import seal
+
+    net = started(charter(F[:3], J))
+    honest, flooder, other = (net.peers[f.party_id] for f in F[:3])
+    checks_before = honest.records.cache.checks
+
+    def hb(who: Identity, seq: int) -> bytes:
+        peer = net.peers[who.party_id]
+        return seal(
+            who,
+            incarnation=peer.incarnation,
+            seq=seq,
+            timestamp=net.now,
+            kind="hb",
+            payload={"rd": b"x" * 32, "res": None},
+            to=honest.party_id,
+            federation=honest.federation_tag,
+        )
+
+    extra = 300
+    for seq in range(10**6, 10**6 + FLOOD_ENVELOPE_BURST + extra):
+        honest.handle(hb(F[1], seq), net.now)
+    refused = [r for r in honest.rejections if isinstance(r.error, FloodError)]
+    assert len(refused) >= extra - 1  # the budget refills a little while the flood runs
+    assert all(r.error.signers == (flooder.party_id,) for r in refused)
+    assert refused[-1].sender is None  # refused before it was opened
+    # signatures checked: about the burst, not the whole flood
+    assert honest.records.cache.checks - checks_before <= FLOOD_ENVELOPE_BURST + 5
+    assert honest.envelope_budget.refused_by[flooder.party_id] == len(refused)
+    # another sender is still heard, and the flooder again once its budget refills
+    before = len(honest.rejections)
+    honest.handle(hb(F[2], 10**7), net.now)
+    assert (
+        len(honest.rejections) == before and other.party_id not in honest.envelope_budget.refused_by
+    )
+    later = net.now + 60.0
+    honest.handle(hb(F[1], 10**7 + 1), later)
+    assert len(honest.rejections) == before
+
+
+def test_a_forger_cannot_spend_an_honest_sender_s_envelope_budget() -> None:
+    from chaos_flwr.wire import seal
+
+    net = started(charter(F[:3], J))
+    honest = net.peers[F[0].party_id]
+    victim = F[1]
+    forged = seal(  # signed by someone else, header naming the victim: fails to verify
+        F[2],
+        incarnation=0,
+        seq=1,
+        timestamp=net.now,
+        kind="hb",
+        payload={"rd": b"x" * 32, "res": None},
+        federation=honest.federation_tag,
+    )
+    forged = forged[:5] + victim.party_id.encode() + forged[22:]
+    tokens = honest.envelope_budget.tokens()[victim.party_id]
+    for _ in range(50):
+        honest.handle(forged, net.now)
+    assert honest.envelope_budget.tokens()[victim.party_id] == tokens
+    assert victim.party_id not in honest.envelope_budget.refused_by

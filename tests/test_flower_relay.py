@@ -308,3 +308,21 @@ def test_party_settings_name_the_missing_or_wrong_key(tmp_path: Path) -> None:
     assert ok.key_path == key and not ok.unsigned
     # an explicitly unsigned run needs no identity, and says so
     assert party_settings(_ctx({}, {"chaos-unsigned": True})).unsigned
+
+
+def test_a_flooding_sender_fills_only_its_own_share_of_a_receivers_queue_and_messages() -> None:
+    r = Relay(max_queue=100, max_per_message=20, max_queue_per_sender=50, max_per_sender=8)
+    r.bind("victim", 1)
+    for i in range(1000):
+        r.enqueue("victim", b"F%d" % i, sender="flooder")
+    for i in range(5):
+        r.enqueue("victim", b"H%d" % i, sender="honest")
+    assert r.pending("victim") == 55  # the flooder's newest 50, every honest envelope
+    first = r.take(1)
+    assert [e for e in first if e.startswith(b"H")] == [b"H%d" % i for i in range(5)]
+    assert len([e for e in first if e.startswith(b"F")]) == 8  # its per-message share
+    assert first[1] == b"H0"  # turns alternate between the senders
+    assert first[0] == b"F950"  # the flooder's oldest 950 were dropped
+    assert r.dropped == 950
+    r.give_back(1, first[:2])
+    assert r.take(1)[:2] == first[:2]  # given back first, in order

@@ -30,7 +30,9 @@ from flwr.serverapp import Grid
 
 from chaos_flwr.defaults import (
     FLOWER_MAX_ENVELOPES_PER_MESSAGE,
+    FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE,
     FLOWER_MAX_QUEUED_ENVELOPES,
+    FLOWER_MAX_QUEUED_PER_SENDER,
     FLOWER_POLL_INTERVAL_S,
 )
 from chaos_flwr.flower.schema import OutgoingLike, PartyReply, read_party_record
@@ -60,23 +62,37 @@ class PeerProtocol(Protocol):
 
 @dataclass
 class Relay:
-    """Routes opaque envelopes between party ids over Flower node ids.
+    """Routes opaque envelopes between party ids over Flower node ids, fairly per sender.
+
+    Each receiver has one queue per sender, and a message takes from them in turn: a party
+    that floods another fills and overflows only its own share (its oldest envelopes go first),
+    never the share of the other senders, and each message carries at most
+    ``max_per_sender`` of its envelopes.
 
     Parameters
     ----------
     max_queue:
-        Most envelopes queued for one party; past it the oldest are dropped (and counted).
+        Most envelopes queued for one party; past it the oldest of the longest sender queue are
+        dropped (and counted).
     max_per_message:
         Most envelopes delivered to a party in one message; the rest wait.
+    max_queue_per_sender:
+        Most envelopes of one sender queued for one party; past it that sender's oldest go.
+    max_per_sender:
+        Most envelopes of one sender in one message to a party.
     """
 
     max_queue: int = FLOWER_MAX_QUEUED_ENVELOPES
     max_per_message: int = FLOWER_MAX_ENVELOPES_PER_MESSAGE
+    max_queue_per_sender: int = FLOWER_MAX_QUEUED_PER_SENDER
+    max_per_sender: int = FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE
     node_of: dict[str, int] = field(default_factory=dict)
     party_of: dict[int, str] = field(default_factory=dict)
     dropped: int = 0
     routed: int = 0
-    _queues: dict[str, deque[bytes]] = field(default_factory=dict)
+    # receiver -> sender -> its envelopes; and receiver -> envelopes given back (served first)
+    _queues: dict[str, dict[str, deque[bytes]]] = field(default_factory=dict)
+    _returned: dict[str, deque[bytes]] = field(default_factory=dict)
 
     def bind(self, party: str, node_id: int) -> None:
         """Record that ``party`` is reachable on ``node_id`` (a later claim replaces it)."""
@@ -93,34 +109,59 @@ class Relay:
         """Queue ``data`` for party ``to`` (or for every known party but ``sender``)."""
         targets = [p for p in self.node_of if p != sender] if to == BROADCAST else [to]
         for target in targets:
-            q = self._queues.setdefault(target, deque())
-            if len(q) >= self.max_queue:
+            queues = self._queues.setdefault(target, {})
+            q = queues.setdefault(sender or "", deque())
+            if len(q) >= self.max_queue_per_sender:
                 q.popleft()
+                self.dropped += 1
+            elif self.pending(target) >= self.max_queue:
+                max(queues.values(), key=len).popleft()
                 self.dropped += 1
             q.append(data)
             self.routed += 1
 
     def pending(self, party: str) -> int:
         """Number of envelopes waiting for ``party``."""
-        return len(self._queues.get(party, ()))
+        queued = sum(len(q) for q in self._queues.get(party, {}).values())
+        return queued + len(self._returned.get(party, ()))
 
     def take(self, node_id: int) -> list[bytes]:
-        """Envelopes to deliver to the party on ``node_id`` now (removed from its queue)."""
+        """Envelopes to deliver to the party on ``node_id`` now (removed from its queues).
+
+        Envelopes given back come first; then the senders' queues in turn, one envelope each
+        per turn, at most ``max_per_sender`` of a sender.
+        """
         party = self.party_of.get(node_id)
-        q = self._queues.get(party) if party is not None else None
-        if not q:
+        if party is None:
             return []
-        n = min(len(q), self.max_per_message)
-        return [q.popleft() for _ in range(n)]
+        returned = self._returned.get(party)
+        out = (
+            [returned.popleft() for _ in range(min(len(returned), self.max_per_message))]
+            if returned
+            else []
+        )
+        queues = self._queues.get(party, {})
+        share = dict.fromkeys(queues, 0)
+        live = [k for k, q in queues.items() if q]
+        while live and len(out) < self.max_per_message:
+            for sender in live:
+                if len(out) >= self.max_per_message:
+                    break
+                out.append(queues[sender].popleft())
+                share[sender] += 1
+            live = [k for k in live if queues[k] and share[k] < self.max_per_sender]
+        for sender in [k for k, q in queues.items() if not q]:
+            del queues[sender]
+        return out
 
     def give_back(self, node_id: int, envelopes: Sequence[bytes]) -> None:
         """Put undelivered envelopes back at the head of the party's queue (in order)."""
         party = self.party_of.get(node_id)
         if party is None or not envelopes:
             return
-        q = self._queues.setdefault(party, deque())
+        q = self._returned.setdefault(party, deque())
         q.extendleft(reversed(list(envelopes)))
-        while len(q) > self.max_queue:
+        while self.pending(party) > self.max_queue and q:
             q.pop()
             self.dropped += 1
 
