@@ -418,6 +418,41 @@ def bench_wire(
         )
 
 
+@bench_app.command("flood")
+def bench_flood(
+    records: Annotated[
+        int | None, typer.Option("--records", help="Records one party mints.")
+    ] = None,
+    mode: Annotated[str, typer.Option("--mode", help="rec (forwarded batches) or own.")] = "rec",
+    limits: Annotated[
+        str, typer.Option("--limits", help="default, or none (no budget).")
+    ] = "default",
+) -> None:
+    """One party floods an honest peer with valid records (in process): held, refused, cost."""
+    from .bench.flood import FLOOD_BENCH_RECORDS, run_flood
+
+    if mode not in ("rec", "own") or limits not in ("default", "none"):
+        raise typer.BadParameter("--mode is rec or own; --limits is default or none")
+    _print_json(run_flood(FLOOD_BENCH_RECORDS if records is None else records, mode, limits))
+
+
+@bench_app.command("rebuild")
+def bench_rebuild(
+    sizes: Annotated[
+        list[int] | None, typer.Option("--size", help="Record count (repeat).")
+    ] = None,
+    repeats: Annotated[int | None, typer.Option("--repeats", help="Samples per size.")] = None,
+) -> None:
+    """A party rebuilt in a fresh process from its saved state: sealed vs verified, by age."""
+    import tempfile
+
+    from .bench.rebuild import BENCH_REBUILD_REPEATS, BENCH_REBUILD_SIZES, run
+
+    with tempfile.TemporaryDirectory(prefix="chaos-rebuild-") as tmp:
+        chosen = tuple(sizes) if sizes else tuple(BENCH_REBUILD_SIZES)
+        _print_json(run(chosen, BENCH_REBUILD_REPEATS if repeats is None else repeats, Path(tmp)))
+
+
 # --- simulate / bench events -----------------------------------------------------------------
 # (section owned by the simulator and the peer protocol)
 

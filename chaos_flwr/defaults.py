@@ -92,7 +92,7 @@ FLOWER_MAX_QUEUED_ENVELOPES: int = 16384
 #: and most of them one message carries: a flooding party fills its own share of a receiver's
 #: queue and messages, never the share of the others.
 FLOWER_MAX_QUEUED_PER_SENDER: int = 4096
-FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE: int = 256
+FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE: int = 64
 #: Verified receipts a state needs before a restarted ServerApp resumes from it (1: the newest
 #: state any verified party holds, e.g. after a kill mid certify; a newer round with fewer
 #: receipts is skipped, never re-certified).
@@ -208,8 +208,8 @@ FLOOD_RECORD_BURST_PER_PARTY: int = 4
 #: sender's envelopes unopened (the sender is read from the unverified header; only envelopes
 #: that verified are charged, so a forger cannot spend an honest party's budget). An honest
 #: party sends a receiver a heartbeat a second and a few envelopes per membership event.
-FLOOD_ENVELOPES_PER_MINUTE: float = 6000.0
-FLOOD_ENVELOPE_BURST: int = 1024
+FLOOD_ENVELOPES_PER_MINUTE: float = 600.0
+FLOOD_ENVELOPE_BURST: int = 512
 #: Newest ``AppliedChange`` entries a peer keeps in ``Peer.applied`` (older ones are dropped;
 #: ``Peer.applied_total`` counts them all).
 PEER_APPLIED_WINDOW: int = 10000

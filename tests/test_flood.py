@@ -283,3 +283,23 @@ def test_a_forger_cannot_spend_an_honest_sender_s_envelope_budget() -> None:
         honest.handle(forged, net.now)
     assert honest.envelope_budget.tokens()[victim.party_id] == tokens
     assert victim.party_id not in honest.envelope_budget.refused_by
+
+
+def test_the_flood_and_rebuild_benches_print_their_figures() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from chaos_flwr.cli import app
+
+    out = CliRunner().invoke(app, ["bench", "flood", "--records", "1500"])
+    assert out.exit_code == 0, out.output
+    fig = json.loads(out.output)
+    assert fig["records"] == 1500 and fig["held"] <= fig["quiet_held"] + 1
+    assert fig["refused"] > 0 and fig["signature_checks"] < 1500
+    out = CliRunner().invoke(app, ["bench", "rebuild", "--size", "50", "--repeats", "1"])
+    assert out.exit_code == 0, out.output
+    (row,) = json.loads(out.output)["rows"]
+    assert row["sealed"]["signature_checks"] == 0 < row["verified"]["signature_checks"]
+    bad = CliRunner().invoke(app, ["bench", "flood", "--mode", "loud"])
+    assert bad.exit_code != 0 and "--mode" in bad.output

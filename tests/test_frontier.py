@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from test_membership import (
     link,
     make_policy,
 )
-from test_peer import F, cluster
+from test_peer import F, J, charter, cluster
 
 from chaos_flwr import membership as ms
 from chaos_flwr.defaults import MEMBERSHIP_MAX_COUNTER
@@ -337,3 +338,48 @@ def test_a_link_request_is_countersigned_only_for_the_next_epoch() -> None:
             assert isinstance(b.rejections[-1].error, PolicyError)
             assert "countersigns only epoch" in str(b.rejections[-1].error)
             assert b.records.link(a.party_id, b.party_id) == held
+
+
+def test_the_server_view_settles_an_event_whose_record_was_superseded_on_the_way() -> None:
+    # A link_up overtaken by the link_down of its version: parties that got only the down hold
+    # the up's effect too, so the up's event settles (it used to wait for ever).
+    from chaos_flwr.flower.server.view import ServerView
+
+    ch = charter(F, J)
+    view = ServerView(ch, clock=lambda: 0.0)
+    fed = ch.federation
+    seqs = itertools.count(1)
+
+    def sent_by(who: Any, record: Record) -> bytes:
+        data = seal(
+            who,
+            incarnation=0,
+            seq=next(seqs),
+            timestamp=0.0,
+            kind="rec",
+            payload={"records": [record.to_wire()]},
+            federation=b"",
+        )
+        view.sent(data, server_round=1)
+        return data
+
+    a, b, c = F[0], F[1], F[2]
+    for who in (a, b, c):
+        sent_by(who, Record.sign(ms.join_body(fed, who.party_id, 0, 1.0), [who]))
+    everyone = {a.party_id, b.party_id, c.party_id}
+    view.settle(everyone)
+    up = Record.sign(ms.link_body("link_up", fed, (a.party_id, 0), (b.party_id, 0), 1), [a, b])
+    down = Record.sign(ms.link_body("link_down", fed, (a.party_id, 0), (b.party_id, 0), 1), [b])
+    sent_by(a, up)
+    d_env = sent_by(b, down)
+    for party in (a.party_id, c.party_id):  # c never receives the up: the down overtook it
+        view.delivered(party, [d_env])
+    view.settle(everyone)
+    by_kind = {e.kind: e for e in view.events}
+    assert by_kind["link_down"].settle_s is not None
+    assert by_kind["link_up"].settle_s is not None
+    assert up.record_id not in view.records and down.record_id in view.records
+    # a superseded record sent again is screened without a signature check
+    checks = view.cache.checks
+    sent_by(c, up)
+    assert view.cache.checks == checks + 1  # the envelope's own signature only

@@ -120,7 +120,7 @@ def test_server_view_events_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(view_mod, "SERVER_MAX_EVENTS", 3)
     view = view_mod.ServerView.__new__(view_mod.ServerView)
-    view.events, view._by_id, view._has, view._env = [], {}, {}, {}
+    view.events, view._by_id, view._has, view._env, view._body = [], {}, {}, {}, {}
     for i in range(7):
         ev = MembershipEvent("leave", f"p{i}", f"r{i}", i, float(i))
         view.events.append(ev)

@@ -25,6 +25,7 @@ from chaos_flwr.membership import (
     Record,
     RecordSet,
     SignatureCache,
+    supersedes,
     validate_record,
 )
 from chaos_flwr.wire import open_sealed
@@ -56,6 +57,10 @@ class ServerView:
         self.refused: int = 0
         self._by_id: dict[str, MembershipEvent] = {}
         self._has: dict[str, set[str]] = {}
+        # record id -> body of the events still settling: a party that applied a record
+        # superseding one of them has that one's effect too (it may never receive it: a
+        # record superseded before it arrives is not held, see "Compaction" in internals)
+        self._body: dict[str, dict[str, Any]] = {}
         self._env: dict[bytes, tuple[str, ...]] = {}
 
     # -- observation --------------------------------------------------------------------------
@@ -112,7 +117,7 @@ class ServerView:
         for record in records:
             rid = record.record_id
             rids.append(rid)
-            if rid not in self.records:
+            if not self.records.covers(record.body):  # held or superseded: no signature check
                 try:
                     validate_record(record, self.policy, self.cache)
                 except ChaosError:
@@ -123,9 +128,9 @@ class ServerView:
                     self.events.append(event)
                     self._by_id[rid] = event
                     self._has[rid] = set()
+                    self._body[rid] = record.body
                     fresh.append(event)
-            if rid in self._has:
-                self._has[rid].add(sender)
+            self._applied(sender, rid)
         self._env[data] = tuple(rids)
         self._trim()
         return fresh
@@ -137,6 +142,7 @@ class ServerView:
             for event in self.events[:extra]:
                 self._by_id.pop(event.record_id, None)
                 self._has.pop(event.record_id, None)
+                self._body.pop(event.record_id, None)
             del self.events[:extra]
         if len(self._env) > SERVER_MAX_EVENTS:  # the oldest envelopes (insertion order)
             for data in list(self._env)[: len(self._env) - SERVER_MAX_EVENTS]:
@@ -149,7 +155,7 @@ class ServerView:
         for raw in values:
             try:
                 record = Record.from_wire(codec.decode(raw))
-                if record.record_id in self.records:
+                if self.records.covers(record.body):
                     continue
                 validate_record(record, self.policy, self.cache)
             except (ChaosError, ValueError):
@@ -162,9 +168,20 @@ class ServerView:
         """``party`` answered a message that delivered ``envelopes``: it applied their records."""
         for data in envelopes:
             for rid in self._env.get(data, ()):
-                has = self._has.get(rid)
-                if has is not None:
-                    has.add(party)
+                self._applied(party, rid)
+
+    def _applied(self, party: str, rid: str) -> None:
+        """``party`` applied record ``rid``: and so every settling record ``rid`` supersedes."""
+        has = self._has.get(rid)
+        if has is None:
+            return
+        has.add(party)
+        body = self._body.get(rid)
+        if body is None:
+            return
+        for other, other_body in self._body.items():
+            if other != rid and supersedes(body, other_body):
+                self._has[other].add(party)
 
     def settle(self, live: set[str]) -> None:
         """Close the events every live member (``live`` and active) has applied."""
@@ -179,5 +196,6 @@ class ServerView:
                 done.append(rid)
         for rid in done:
             del self._has[rid]
+            self._body.pop(rid, None)
         if done and not self._has:
             self._env.clear()  # nothing left to track: drop the envelope index
