@@ -204,12 +204,6 @@ FLOOD_RECORD_BURST_BASE: int = 256
 #: signs at most three frontier records per other party: a link, a sponsorship, a fail vote)
 #: never exceeds one signer's burst.
 FLOOD_RECORD_BURST_PER_PARTY: int = 4
-#: Envelopes a peer opens from one sender per minute, and in one burst, before it refuses that
-#: sender's envelopes unopened (the sender is read from the unverified header; only envelopes
-#: that verified are charged, so a forger cannot spend an honest party's budget). An honest
-#: party sends a receiver a heartbeat a second and a few envelopes per membership event.
-FLOOD_ENVELOPES_PER_MINUTE: float = 600.0
-FLOOD_ENVELOPE_BURST: int = 512
 #: Newest ``AppliedChange`` entries a peer keeps in ``Peer.applied`` (older ones are dropped;
 #: ``Peer.applied_total`` counts them all).
 PEER_APPLIED_WINDOW: int = 10000

@@ -107,6 +107,10 @@ class RecordBudget:
             self.refused_by[s] = self.refused_by.get(s, 0) + 1
         return False
 
+    def spent(self, party: str, now: float) -> bool:
+        """Whether charter party ``party`` is out of budget at ``now`` (no token left)."""
+        return party in self._tokens and self._level(party, now) < 1.0
+
     def charge(self, signers: Iterable[str], now: float) -> None:
         """Spend one token of each charter signer of a record just taken (not below zero)."""
         for s in signers:

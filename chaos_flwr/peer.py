@@ -411,10 +411,14 @@ class Peer(PeerCore):
         env: Envelope | None = None
         try:
             claimed = peek_sender(data)
-            if not self.envelope_budget.allows((claimed,), now):
+            if self.budget.spent(claimed, now):
+                # The sender signed more records than its budget: while it stays out of budget
+                # its envelopes are refused before their signature is checked (an honest party
+                # never gets there; a forged header naming it costs it nothing).
+                self.budget.refused_by[claimed] = self.budget.refused_by.get(claimed, 0) + 1
                 raise FloodError(
                     f"envelope from {claimed} refused unopened: the sender is out of its "
-                    "envelope budget (a flood)",
+                    "record budget (a flood)",
                     signers=(claimed,),
                     refused=1,
                 )
@@ -439,7 +443,6 @@ class Peer(PeerCore):
             handler = self._handlers.get(env.kind)
             if handler is None:
                 raise DecodeError(f"envelope field 'kind' {env.kind!r} is not a peer message")
-            self.envelope_budget.charge((env.sender,), now)
             out = handler(env, now)
             self._guard.accept(env)
             if env.kind != PROOF_KIND:

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .defaults import (
-    FLOOD_ENVELOPE_BURST,
-    FLOOD_ENVELOPES_PER_MINUTE,
     MEMBERSHIP_PROOF_MAX_BYTES,
     PEER_APPLIED_WINDOW,
     PEER_MAX_RECORDS_PER_MESSAGE,
@@ -127,7 +125,6 @@ class PeerCore:
     _dirty: bool
     _founders: tuple[str, ...]
     _budget: RecordBudget | None = None
-    _envelope_budget: RecordBudget | None = None
 
     @property
     def budget(self) -> RecordBudget:
@@ -139,18 +136,9 @@ class PeerCore:
         return self._budget
 
     @property
-    def envelope_budget(self) -> RecordBudget:
-        """The per-sender budget of the envelopes this peer opens (:mod:`chaos_flwr.flood`):
-        past it a sender's envelopes are refused before their signature is checked."""
-        if self._envelope_budget is None:
-            self._envelope_budget = RecordBudget(
-                self.policy.keyring, FLOOD_ENVELOPES_PER_MINUTE, float(FLOOD_ENVELOPE_BURST)
-            )
-        return self._envelope_budget
-
-    @property
     def refused_by(self) -> dict[str, int]:
-        """Charter party id -> records refused because every signer was out of budget."""
+        """Charter party id -> records refused because every signer was out of budget, plus
+        the envelopes of that party refused unopened while it was out of budget."""
         return dict(self.budget.refused_by)
 
     @property
