@@ -310,7 +310,7 @@ def pair_figures(fedavg: Mapping[str, Any], chaos: Mapping[str, Any]) -> dict[st
         "trainers_per_round": {m: f["trainers_per_round"] for m, f in _both(fedavg, chaos)},
         "final_accuracy": {m: f["final_accuracy"] for m, f in _both(fedavg, chaos)},
         "setup_messages": {m: f["setup_messages"] for m, f in _both(fedavg, chaos)},
-        "replica_disk_bytes": chaos["replica_disk_bytes"],
+        "replica_disk_bytes": chaos.get("replica_disk_bytes"),
     }
 
 
