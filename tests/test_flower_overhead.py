@@ -198,3 +198,26 @@ def test_clientapp_processes_are_counted_in_the_round_they_started_in(tmp_path: 
     assert fig["clientapp_processes_per_round"] == [2, 1]
     assert fig["clientapp_processes_after_run"] == 1
     assert fig["supernode_messages_received"] == 3
+
+
+def test_deployment_round_checks_mark_join_and_crash_rounds_as_events() -> None:
+    from chaos_flwr.lab.deploy_churn import _event_rounds, round_checks
+
+    fig = {"join_started_after_round": 1, "join_trained_in_round": 4, "crash_in_round": 6}
+    events = _event_rounds(fig, 7)
+    assert events == {2, 3, 6, 7}
+    sent = [{"train": 3, "evaluate": 3}] * 5 + [{"train": 4, "evaluate": 4, "query.chaos": 1}] * 2
+    chaos_rounds = [{"server_round": 0}] + [
+        {"server_round": r, "trained": [1, 2, 3], "joins": [{"ok": True}] if r == 3 else []}
+        for r in range(1, 8)
+    ]
+    line = {"messages_per_round": sent, "trainers_per_round": [3] * 7, "chaos_rounds": chaos_rounds}
+    rounds = round_checks([{"round": 7}, line], events)
+    assert [r["round"] for r in rounds if r["churn_free"]] == [1, 4, 5]
+    assert rounds[0] == {
+        "round": 1,
+        "messages": {"train": 3, "evaluate": 3},
+        "sampled": 3,
+        "trainers": 3,
+        "churn_free": True,
+    }

@@ -96,6 +96,7 @@ class _Progress:
         self.mode = mode
         self.accuracy: dict[int, float] = {}
         self.strategy: Any = None
+        self.grid: CountingGrid | None = None
 
     def write(self, server_round: int) -> None:
         if self.path is None:
@@ -106,6 +107,8 @@ class _Progress:
             "time": time.time(),
             "mode": self.mode,
         }
+        if self.grid is not None:  # messages and trainers per round so far
+            line.update(self.grid.summary())
         if self.strategy is not None:
             line["chaos_rounds"] = _plain(list(self.strategy.rounds))
             line["last_pull"] = _plain(getattr(self.strategy, "last_pull", None))
@@ -142,6 +145,7 @@ def main(grid: Grid, context: Context) -> None:
     ends: list[float] = []  # wall clock (time.time) at the end of rounds 1..N
     accuracy: dict[int, float] = {}
     progress = _Progress(str(cfg.get("progress-path", "")), str(cfg["mode"]))
+    progress.grid = grid
 
     def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
