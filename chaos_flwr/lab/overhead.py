@@ -343,6 +343,7 @@ def _medians(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "min_trainers": {m: min(p["min_trainers"][m] for p in pairs) for m in MODES},
         "replica_disk_bytes": _median([p["replica_disk_bytes"] for p in pairs]),
         "ratio_median_round": ratio,
+        "ratio_runs": [p["round_time_ratio"] for p in pairs],
         "ratio_mean_round": _median([p["mean_round_ratio"] for p in pairs]),
         "accuracy_gap": (final["chaos"] or 0.0) - (final["fedavg"] or 0.0),
     }
