@@ -221,3 +221,20 @@ def test_deployment_round_checks_mark_join_and_crash_rounds_as_events() -> None:
         "trainers": 3,
         "churn_free": True,
     }
+
+
+def test_the_summary_table_lists_each_pair_and_the_medians() -> None:
+    from chaos_flwr.lab.overhead import _medians, summary_table
+
+    fedavg = run_figures(_results([0.5, 0.8, 0.8], [10.0, 20.0, 30.0], [5, 5, 5]))
+    chaos = run_figures(_results([0.6, 0.7, 0.85], [12.0, 24.0, 36.0], [5, 4, 5]))
+    chaos["replica_disk_bytes"] = 1234
+    pairs = [pair_figures(fedavg, chaos), pair_figures(fedavg, fedavg)]
+    fig = {"engine": "simulation", "model_bytes": 99, "rounds": 3, "poll_interval_s": 0.1}
+    fig |= {"signed": True, "loadavg": {"before": 1.0, "after": 2.0}, "pairs": pairs}
+    fig |= _medians(pairs)
+    assert fig["min_trainers"] == {"fedavg": 5, "chaos": 4}
+    assert fig["time_to_accuracy_ratio"] == pytest.approx((1.8 + 1.0) / 2)
+    lines = summary_table(fig).splitlines()
+    assert [ln.split()[0] for ln in lines[2:5]] == ["1", "2", "med"]
+    assert "1.800" in lines[2] and "0.800,0.850" in lines[2]
