@@ -238,3 +238,12 @@ def test_the_summary_table_lists_each_pair_and_the_medians() -> None:
     lines = summary_table(fig).splitlines()
     assert [ln.split()[0] for ln in lines[2:5]] == ["1", "2", "med"]
     assert "1.800" in lines[2] and "0.800,0.850" in lines[2]
+
+
+def test_the_cli_refuses_an_unknown_engine_before_running_anything() -> None:
+    from typer.testing import CliRunner
+
+    from chaos_flwr.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "flower-overhead", "--engine", "ray"])
+    assert res.exit_code == 2 and "engine must be one of" in res.output
