@@ -729,24 +729,39 @@ def status(
 
 @bench_app.command("flower-overhead")
 def bench_flower_overhead(
-    rounds: int = typer.Option(10, help="Federated rounds of each run."),
-    timeout_s: float = typer.Option(300.0, help="Wall-time bound of each run."),
-    poll_interval_s: float = typer.Option(0.02, help="ChaosStrategy's pull interval."),
-    signed: bool = typer.Option(False, help="Signed parties (keys + charter), as in real use."),
-    repeats: int = typer.Option(1, help="FedAvg/Chaos run pairs; the ratio is their median."),
+    engine: str = typer.Option("simulation", help="simulation or deployment (127.0.0.1)."),
+    rounds: int = typer.Option(6, help="Federated rounds of each run."),
+    model_mib: float = typer.Option(0.0, help="Example model size in MiB (0: its own, 27 KB)."),
+    repeats: int = typer.Option(1, help="Interleaved FedAvg/Chaos pairs; figures are medians."),
+    signed: bool = typer.Option(True, help="Signed parties (keys + default charter)."),
+    poll_interval_s: float = typer.Option(
+        0.0, help="Both modes' poll interval (0: the engine's own, 0.1 s sim, 3 s deployment)."
+    ),
+    timeout_s: float = typer.Option(1800.0, help="Wall-time bound of each run."),
+    as_json: bool = typer.Option(False, "--json/--no-json", help="Print all figures as JSON."),
 ) -> None:
-    """Per-round wall time of ChaosStrategy over plain FedAvg in simulation (JSON)."""
-    from chaos_flwr.lab.overhead import measure_overhead
+    """ChaosStrategy over plain FedAvg: round time, time to accuracy, ClientApp work per round,
+    trainers per round, accuracy and replica disk (a table, or JSON with --json)."""
+    from chaos_flwr.errors import ConfigError
+    from chaos_flwr.lab.overhead import OverheadSpec, measure_overhead, summary_table
 
-    _print_json(
-        measure_overhead(
-            rounds,
-            timeout_s=timeout_s,
-            poll_interval_s=poll_interval_s,
-            signed=signed,
+    try:
+        spec = OverheadSpec(
+            engine=engine,
+            rounds=rounds,
+            model_mib=model_mib or None,
             repeats=repeats,
+            signed=signed,
+            poll_interval_s=poll_interval_s or None,
+            timeout_s=timeout_s,
         )
-    )
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    fig = measure_overhead(spec)
+    if as_json:
+        _print_json(fig)
+    else:
+        typer.echo(summary_table(fig))
 
 
 @bench_app.command("flower-churn")

@@ -3,12 +3,14 @@
 A SuperLink and signed SuperNodes on 127.0.0.1 (node config ``chaos-key``, ``chaos-charter``,
 ``chaos-state-dir``); a SuperNode started mid-run joins, another is killed with SIGKILL, then the
 ServerApp process is killed mid-round and a new run resumes from the parties' replicas. Every
-process is stopped by pid. The deployment engine polls every 3 s and starts a ClientApp process
-per message, so this one test takes minutes.
+process is stopped by pid. Churn-free rounds send exactly FedAvg's messages and lose no trainer.
+The deployment engine polls every 3 s and starts a ClientApp process per message, so this one
+test takes minutes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -58,6 +60,17 @@ def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) 
     assert fig["resumed_trained"] and victim not in fig["resumed_trained"]
     assert joiner in fig["resumed_trained"]  # its durable state survived the server restart too
     assert 0 < fig["restart_to_first_round_s"] < 660
+    # a churn-free round sends exactly FedAvg's messages (one ClientApp process each: a train
+    # and an evaluate message per node), and no round before the crash lost a trainer
+    rounds = fig["rounds_run1"]
+    free = [r for r in rounds if r["churn_free"]]
+    assert free, rounds
+    for r in free:
+        assert r["messages"] == {"train": r["sampled"], "evaluate": r["sampled"]}, r
+    before_crash = [r for r in rounds if r["round"] < fig["crash_in_round"]]
+    assert all(r["trainers"] == r["sampled"] > 0 for r in before_crash), before_crash
+    for prev, r in itertools.pairwise(before_crash):
+        assert r["sampled"] >= prev["sampled"], (prev, r)
     # nothing left behind
     assert fig["pids_alive"] == []
     new = [p for p in descendants(os.getpid()) if p not in before]

@@ -27,7 +27,7 @@ from chaos_flwr.lab.settings import (
     FLOWER_DEPLOY_TIMEOUT_S,
 )
 
-__all__ = ["measure_deploy_churn"]
+__all__ = ["measure_deploy_churn", "round_checks"]
 
 #: Pull interval of the ServerApp in the deployment runs.
 _DEPLOY_POLL_INTERVAL_S = 0.2
@@ -60,6 +60,42 @@ def _sampled_parties(line: dict[str, Any]) -> set[str]:
         if rlog.get("server_round") == line.get("round"):
             return {nodes[int(n)] for n in rlog.get("trained", []) if int(n) in nodes}
     return set()
+
+
+def round_checks(lines: list[dict[str, Any]], events: set[int]) -> list[dict[str, Any]]:
+    """Per finished round of a run (from its last progress line): the messages the ServerApp
+    sent, the nodes sampled to train, the trainers whose reply came, and ``churn_free``: no
+    join pull ran in it and it is not in ``events`` (rounds of a join or a crash)."""
+    if not lines:
+        return []
+    last = lines[-1]
+    sent = list(last.get("messages_per_round") or [])
+    replies = list(last.get("trainers_per_round") or [])
+    out: list[dict[str, Any]] = []
+    for rlog in last.get("chaos_rounds") or []:
+        rnd = int(rlog.get("server_round", 0))
+        if rnd < 1 or rnd > len(sent):
+            continue
+        out.append(
+            {
+                "round": rnd,
+                "messages": {str(k): int(v) for k, v in sent[rnd - 1].items()},
+                "sampled": len(rlog.get("trained") or []),
+                "trainers": replies[rnd - 1] if rnd <= len(replies) else 0,
+                "churn_free": not rlog.get("joins") and rnd not in events,
+            }
+        )
+    return out
+
+
+def _event_rounds(fig: dict[str, Any], last_round: int) -> set[int]:
+    """Rounds of the first run a membership event touched: from the joiner's start until it
+    trained, and from the crash on."""
+    start = int(fig["join_started_after_round"]) + 1
+    trained = fig.get("join_trained_in_round")
+    crash = int(fig["crash_in_round"])
+    join_end = int(trained) if trained is not None else crash
+    return set(range(start, join_end)) | set(range(crash, last_round + 1))
 
 
 @dataclass(frozen=True)
@@ -263,6 +299,9 @@ def measure_deploy_churn(
             "run1": read_progress(plan.progress1),
             "run2": read_progress(plan.progress2),
         }
+        run1_lines = out["progress"]["run1"]
+        last_round = max((int(x["round"]) for x in run1_lines), default=0)
+        out["rounds_run1"] = round_checks(run1_lines, _event_rounds(out, last_round))
     pids = cluster.close()
     out["pids_seen"] = len(pids)
     out["pids_alive"] = [p for p in pids if alive(p)]

@@ -29,14 +29,29 @@ from chaos_flwr.lab.launch import (
     supernode_cmd,
     wait_health,
 )
-from chaos_flwr.lab.processes import descendants, kill_tree_now, serverapp_pids, stop_process_tree
+from chaos_flwr.lab.processes import _cmdline as cmdline
+from chaos_flwr.lab.processes import (
+    descendants,
+    kill_tree_now,
+    serverapp_pids,
+    stop_process_tree,
+)
 from chaos_flwr.lab.settings import (
+    FLOWER_CLIENTAPP_SAMPLE_S,
     FLOWER_RUN_TIMEOUT_S,
     FLOWER_STOP_GRACE_S,
     FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
 )
 
-__all__ = ["DeploymentCluster", "run_deployment_app"]
+__all__ = ["DeploymentCluster", "clientapp_pids", "run_deployment_app"]
+
+#: What a ClientApp process's command line holds (the SuperNode starts one per message).
+CLIENTAPP_MARK = "flwr-clientapp"
+
+
+def clientapp_pids(roots: list[int]) -> list[int]:
+    """ClientApp processes below the processes ``roots`` (e.g. the SuperNodes), now."""
+    return [p for r in roots for p in descendants(r) if CLIENTAPP_MARK in cmdline(p)]
 
 
 def run_deployment_app(
@@ -47,9 +62,14 @@ def run_deployment_app(
     timeout_s: float = FLOWER_RUN_TIMEOUT_S,
     startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
     keep_home: Path | None = None,
+    clientapps: dict[int, float] | None = None,
 ) -> SimulationRun:
     """Run a Flower app on the deployment engine: a SuperLink and one SuperNode per entry of
     ``node_configs``, all on 127.0.0.1 (insecure, loopback only), stopped by pid afterwards.
+
+    When ``clientapps`` is given, the ClientApp processes below the SuperNodes are sampled
+    every :data:`~chaos_flwr.lab.settings.FLOWER_CLIENTAPP_SAMPLE_S` while the run goes, and
+    each one's pid is stored with the wall-clock time (``time.time``) it was first seen.
 
     Each SuperNode gets its entry as ``--node-config`` (e.g. ``partition-id``,
     ``num-partitions`` and the party settings ``chaos-key``/``chaos-charter``/
@@ -81,8 +101,10 @@ def run_deployment_app(
     try:
         link = spawn(superlink_cmd(port, home / "state.db"), "superlink.log")
         wait_health(port, link, startup_timeout_s, logs / "superlink.log")
-        for i, node_config in enumerate(node_configs):
-            spawn(supernode_cmd(port, node_config), f"supernode-{i}.log")
+        nodes = [
+            spawn(supernode_cmd(port, node_config), f"supernode-{i}.log").pid
+            for i, node_config in enumerate(node_configs)
+        ]
         t0 = time.monotonic()
         proc = subprocess.Popen(
             deployment_run_cmd(app, config),
@@ -93,13 +115,7 @@ def run_deployment_app(
             start_new_session=True,
         )
         started.append(proc)
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise TransportError(
-                f"timeout_s: flwr run did not finish within {timeout_s:.0f} s on the deployment "
-                "engine; all its processes were stopped"
-            ) from None
+        out = _wait_sampling(proc, timeout_s, nodes, clientapps)
         wall = time.monotonic() - t0
         return SimulationRun(proc.returncode, read_results(results), wall, out, pids)
     finally:
@@ -107,6 +123,32 @@ def run_deployment_app(
             pids.extend(stop_process_tree(p))
         if keep_home is None:
             shutil.rmtree(home, ignore_errors=True)
+
+
+def _wait_sampling(
+    proc: subprocess.Popen[str],
+    timeout_s: float,
+    nodes: list[int],
+    clientapps: dict[int, float] | None,
+) -> str:
+    """Wait for ``flwr run`` (its output), noting new ClientApp processes below ``nodes``."""
+    deadline = time.monotonic() + timeout_s
+    step = FLOWER_CLIENTAPP_SAMPLE_S if clientapps is not None else timeout_s
+    while True:
+        if clientapps is not None:
+            for pid in clientapp_pids(nodes):
+                clientapps.setdefault(pid, time.time())
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError(
+                f"timeout_s: flwr run did not finish within {timeout_s:.0f} s on the deployment "
+                "engine; all its processes were stopped"
+            )
+        try:
+            out, _ = proc.communicate(timeout=min(step, left))
+        except subprocess.TimeoutExpired:
+            continue  # communicate() may be called again without losing output
+        return out or ""
 
 
 class DeploymentCluster:

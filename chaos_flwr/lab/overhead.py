@@ -1,166 +1,375 @@
-"""Per-round wall time of ChaosStrategy over plain FedAvg on the simulation engine.
+"""The cost of ChaosStrategy over plain FedAvg, on Flower's simulation or deployment engine.
 
-Both runs use the same example app, data, seed and number of rounds; the only difference is
-the run config ``mode`` (``fedavg`` or ``chaos``). Chaos parties run without identities here
-(``chaos-unsigned``): simulated SuperNodes have no per-node key settings, and the figure
-measured is the carrier's cost (extra records, relay bookkeeping, receipts), not signing.
+Both runs of a pair use the same example app, data, seed, model size, rounds, exchange bound
+and poll interval (the engine's own: Chaos pulls as often as Flower's grid does); the only
+difference is the run config ``mode`` (``fedavg`` or ``chaos``). Pairs are interleaved (FedAvg,
+Chaos, FedAvg, Chaos, ...) so that a drift in the machine's load hits both modes alike.
+
+Per pair: the ratio of the median round times, the time-to-accuracy ratio (wall time from the
+ServerApp's start until the run first reaches the final accuracy plain FedAvg reached), the
+ClientApp work per round (simulation: messages the ServerApp sends per round, counted by the
+same Grid wrapper in both modes; deployment: ClientApp processes the SuperNodes start per round,
+one per message), the fewest trainers in any round, the final accuracies and the bytes the
+parties' replicas hold on disk after a Chaos run.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
+import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.defaults import FLOWER_POLL_INTERVAL_S
-from chaos_flwr.errors import TransportError
+from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.example import example_dir
-from chaos_flwr.lab.settings import FLOWER_EXAMPLE_SUPERNODES, FLOWER_RUN_TIMEOUT_S
-from chaos_flwr.lab.simulation import run_simulation_app
+from chaos_flwr.lab.settings import (
+    FLOWER_ENGINE_POLL_S,
+    FLOWER_EXAMPLE_SUPERNODES,
+    FLOWER_OVERHEAD_DEFAULT_HIDDEN,
+    FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S,
+    FLOWER_OVERHEAD_ROUNDS,
+    FLOWER_OVERHEAD_RUN_TIMEOUT_S,
+)
 
-__all__ = ["measure_overhead"]
+__all__ = ["OverheadSpec", "hidden_for_mib", "measure_overhead", "pair_figures"]
+
+ENGINES = ("simulation", "deployment")
+MODES = ("fedavg", "chaos")
+MIB = 1 << 20
+#: The example's MLP (64 -> h -> h -> 10, float32): parameters = h^2 + (64 + 1 + 1 + 10) h + 10.
+_IN, _OUT, _FLOAT_BYTES = 64, 10, 4
 
 
-def measure_overhead(
-    rounds: int = 10,
-    *,
-    app_dir: Path | None = None,
-    num_supernodes: int = FLOWER_EXAMPLE_SUPERNODES,
-    poll_interval_s: float = FLOWER_POLL_INTERVAL_S,
-    timeout_s: float = FLOWER_RUN_TIMEOUT_S,
-    signed: bool = False,
-    repeats: int = 1,
-) -> dict[str, Any]:
-    """Run the example as plain FedAvg and as ChaosStrategy(FedAvg); return the figures.
+def hidden_for_mib(mib: float) -> int:
+    """The example's layer width whose float32 model is closest to ``mib`` MiB (at least 1)."""
+    if not mib > 0:
+        raise ConfigError(f"model_mib must be > 0, got {mib}")
+    params = mib * MIB / _FLOAT_BYTES
+    b = _IN + 2 + _OUT  # the linear term's coefficient (weights in, biases, weights out)
+    return max(1, round((-b + math.sqrt(b * b + 4 * (params - _OUT))) / 2))
 
-    Parameters
-    ----------
-    rounds:
-        Federated rounds of each run.
-    poll_interval_s:
-        ChaosStrategy's pull interval (plain FedAvg uses Flower's own ``send_and_receive``,
-        which pulls every 0.1 s on the simulation engine).
-    signed:
-        Chaos parties with identities (keys and a charter from
-        :func:`chaos_flwr.flower.keys.make_federation`, every SuperNode a founder): receipts
-        signed and verified, the server keeps its view of the signed records. Otherwise the
-        parties run unsigned (the carrier's cost only).
-    repeats:
-        FedAvg/Chaos run pairs, interleaved (one of each, then the next pair).
+
+@dataclass(frozen=True)
+class OverheadSpec:
+    """What to measure: engine, rounds, model size, pairs, signing and bounds."""
+
+    engine: str = "simulation"
+    rounds: int = FLOWER_OVERHEAD_ROUNDS
+    model_mib: float | None = None
+    repeats: int = 1
+    signed: bool = True
+    num_supernodes: int = FLOWER_EXAMPLE_SUPERNODES
+    poll_interval_s: float | None = None
+    timeout_s: float = FLOWER_OVERHEAD_RUN_TIMEOUT_S
+    exchange_timeout_s: float = FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S
+    app_dir: Path | None = None
+    extra_config: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.rounds < 2 or self.repeats < 1:
+            raise ConfigError("rounds must be >= 2 and repeats >= 1")
+
+    @property
+    def poll_s(self) -> float:
+        """The poll interval of both modes: given, or the engine's own."""
+        return self.poll_interval_s or FLOWER_ENGINE_POLL_S[self.engine]
+
+    @property
+    def hidden(self) -> int:
+        """The example model's layer width for ``model_mib`` (its own default if None)."""
+        if self.model_mib is None:
+            return FLOWER_OVERHEAD_DEFAULT_HIDDEN
+        return hidden_for_mib(self.model_mib)
+
+
+def measure_overhead(spec: OverheadSpec) -> dict[str, Any]:
+    """Run ``spec.repeats`` interleaved FedAvg/Chaos pairs; return per-pair and median figures.
 
     Returns
     -------
     dict
-        Per mode the last run's figures plus ``median_round_s_runs`` (the median of rounds
-        2..N of every run; round 1 includes Ray's start-up); ``ratio_median_round`` is the
-        median over the pairs of Chaos over FedAvg, ``ratio_runs`` each pair's ratio (and the
-        same of the rounds' means: ``ratio_mean_round``, ``ratio_mean_round_runs``). Chaos
-        runs add ``phase_s`` (median train / certify / join exchange times of rounds 2..N).
-        ``loadavg`` is the 1-minute load average before and after.
+        The issue's keys (``engine``, ``model_bytes``, ``round_time_ratio``,
+        ``time_to_accuracy_ratio``, ``clientapp_per_round``, ``min_trainers``,
+        ``final_accuracy``; medians over the pairs, ``min_trainers`` the fewest over all runs),
+        ``replica_disk_bytes``, ``pairs`` (each pair's figures), ``fedavg``/``chaos`` (the last
+        run of each mode in full), ``loadavg`` (1-minute load before and after) and the old
+        keys ``ratio_median_round``, ``ratio_mean_round`` and ``accuracy_gap``.
     """
-    import os
-    import tempfile
-
-    app = app_dir or example_dir()
+    app = spec.app_dir or example_dir()
     out: dict[str, Any] = {
-        "rounds": rounds,
-        "supernodes": num_supernodes,
-        "chaos_poll_interval_s": poll_interval_s,
-        "signed": signed,
-        "repeats": repeats,
+        "engine": spec.engine,
+        "rounds": spec.rounds,
+        "supernodes": spec.num_supernodes,
+        "poll_interval_s": spec.poll_s,
+        "hidden": spec.hidden,
+        "signed": spec.signed,
+        "repeats": spec.repeats,
         "loadavg": {"before": os.getloadavg()[0]},
     }
-    ratios: list[float] = []
-    mean_ratios: list[float] = []
-    runs: dict[str, list[float]] = {"fedavg": [], "chaos": []}
-    means: dict[str, list[float]] = {"fedavg": [], "chaos": []}
+    pairs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="chaos-overhead-") as tmp:
-        extra = _identity_config(Path(tmp), num_supernodes, signed)
-        for rep in range(repeats):
-            for mode in ("fedavg", "chaos"):
-                cfg: dict[str, object] = {
-                    "mode": mode,
-                    "num-server-rounds": rounds,
-                    "poll-interval-s": poll_interval_s,
-                    **extra,
-                }
-                if signed:  # fresh replicas per run: every run starts at round 0
-                    cfg["chaos-state-root"] = str(Path(tmp) / f"state-{rep}-{mode}")
-                fig = _one_run(app, cfg, num_supernodes, timeout_s)
-                runs[mode].append(fig["median_round_s"])
-                means[mode].append(fig["mean_round_s"])
-                out[mode] = fig
-            ratios.append(runs["chaos"][-1] / runs["fedavg"][-1])
-            mean_ratios.append(means["chaos"][-1] / means["fedavg"][-1])
-    _summarise(out, runs, means, (ratios, mean_ratios))
+        keys = _keys(Path(tmp), spec)
+        for rep in range(spec.repeats):
+            runs: dict[str, dict[str, Any]] = {}
+            for mode in MODES:
+                work = Path(tmp) / f"run-{rep}-{mode}"
+                runs[mode] = _one_run(app, spec, mode, keys, work)
+                out[mode] = runs[mode]
+            pairs.append(pair_figures(runs["fedavg"], runs["chaos"]))
     out["loadavg"]["after"] = os.getloadavg()[0]
+    out["model_bytes"] = out["chaos"]["model_bytes"]
+    out["pairs"] = pairs
+    out.update(_medians(pairs))
     return out
 
 
-def _identity_config(tmp: Path, num_supernodes: int, signed: bool) -> dict[str, object]:
-    """Run config of the parties' identities: none, or keys with every SuperNode a founder."""
-    if not signed:
-        return {"chaos-unsigned": True}
+def _keys(tmp: Path, spec: OverheadSpec) -> Path | None:
+    """Keys and the shipped default charter, every SuperNode a founder (None: unsigned)."""
+    if not spec.signed:
+        return None
     from chaos_flwr.flower.keys import make_federation
 
-    keys = make_federation(tmp / "keys", num_supernodes, founders=num_supernodes, seed="overhead")
-    return {"chaos-unsigned": False, "chaos-keys-dir": str(keys)}
+    n = spec.num_supernodes
+    return make_federation(tmp / "keys", n, founders=n, seed="overhead")
+
+
+def _run_config(spec: OverheadSpec, mode: str, keys: Path | None, work: Path) -> dict[str, object]:
+    cfg: dict[str, object] = {
+        "mode": mode,
+        "num-server-rounds": spec.rounds,
+        "poll-interval-s": spec.poll_s,
+        "hidden": spec.hidden,
+        "round-timeout-s": spec.exchange_timeout_s,
+        "phase-timeout-s": spec.exchange_timeout_s,
+        "results-path": str(work / "results.json"),
+        **spec.extra_config,
+    }
+    if keys is None:
+        cfg["chaos-unsigned"] = True
+    else:
+        cfg["chaos-unsigned"] = False
+        cfg["chaos-keys-dir"] = str(keys)
+        cfg["chaos-state-root"] = str(work / "state")  # fresh replicas: every run starts at 0
+    return cfg
 
 
 def _one_run(
-    app: Path, cfg: dict[str, object], num_supernodes: int, timeout_s: float
+    app: Path, spec: OverheadSpec, mode: str, keys: Path | None, work: Path
 ) -> dict[str, Any]:
-    """Run the example once with ``cfg``; return its figures (TransportError if it failed)."""
-    run = run_simulation_app(
-        app, run_config=cfg, num_supernodes=num_supernodes, timeout_s=timeout_s
-    )
-    if run.returncode != 0 or not run.results:
-        raise TransportError(
-            f"the {cfg['mode']} run failed (exit {run.returncode}):\n{run.log[-2000:]}"
+    """Run the example once in ``mode``; return its figures (TransportError if it failed)."""
+    work.mkdir(parents=True)
+    cfg = _run_config(spec, mode, keys, work)
+    clientapps: dict[int, float] = {}
+    if spec.engine == "simulation":
+        from chaos_flwr.lab.simulation import run_simulation_app
+
+        run = run_simulation_app(
+            app, run_config=cfg, num_supernodes=spec.num_supernodes, timeout_s=spec.timeout_s
         )
-    return _run_figures(run.results)
+        state_root = work / "state"
+    else:
+        from chaos_flwr.lab.deployment import run_deployment_app
+
+        nodes = _node_configs(spec.num_supernodes, keys, work / "state")
+        run = run_deployment_app(
+            app, node_configs=nodes, run_config=cfg, timeout_s=spec.timeout_s,
+            keep_home=work / "home", clientapps=clientapps,
+        )  # fmt: skip
+        state_root = work / "state"
+    if run.returncode != 0 or not run.results:
+        raise TransportError(f"the {mode} run failed (exit {run.returncode}):\n{run.log[-2000:]}")
+    fig = run_figures(run.results)
+    fig["replica_disk_bytes"] = _disk_bytes(state_root)
+    if spec.engine == "deployment":
+        fig.update(_clientapp_figures(run.results, clientapps, work / "home" / "logs"))
+        fig["clientapp_per_round"] = fig["clientapp_processes_per_round_median"]
+    return fig
 
 
-def _run_figures(results: Mapping[str, Any]) -> dict[str, Any]:
-    """One run's figures from the JSON its ServerApp wrote (round 1 left out of the medians)."""
+def _node_configs(n: int, keys: Path | None, state: Path) -> list[Mapping[str, object]]:
+    """One SuperNode per partition; signed ones carry their key, the charter, a state dir."""
+    from chaos_flwr.flower.keys import charter_path, key_path
+
+    out: list[Mapping[str, object]] = []
+    for i in range(n):
+        node: dict[str, object] = {"partition-id": i, "num-partitions": n}
+        if keys is not None:
+            node["chaos-key"] = str(key_path(keys, i))
+            node["chaos-charter"] = str(charter_path(keys))
+            node["chaos-state-dir"] = str(state / f"party-{i}")
+        out.append(node)
+    return out
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes of every file below ``root`` (0 if it does not exist)."""
+    if not root.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _sum_counts(counts: Mapping[str, int]) -> int:
+    return sum(int(v) for v in counts.values())
+
+
+def run_figures(results: Mapping[str, Any]) -> dict[str, Any]:
+    """One run's figures from the JSON its ServerApp wrote (round 1 left out of the round
+    time medians: it includes the engine's start-up)."""
     walls = list(results["round_wall_s"])
-    med = statistics.median(walls[1:]) if len(walls) > 1 else walls[0]
-    mean = statistics.fmean(walls[1:]) if len(walls) > 1 else walls[0]
+    per_round = [_sum_counts(c) for c in results.get("messages_per_round") or []]
+    trainers = list(results.get("trainers_per_round") or [])
     fig: dict[str, Any] = {
         "final_accuracy": results["final_accuracy"],
         "accuracy": results["accuracy"],
         "round_wall_s": walls,
-        "median_round_s": med,
-        "mean_round_s": mean,
+        "median_round_s": statistics.median(walls[1:]),
+        "mean_round_s": statistics.fmean(walls[1:]),
         "total_wall_s": results["total_wall_s"],
+        "round_end_s": results.get("round_end_s") or [],
+        "model_bytes": results.get("model_bytes"),
+        "setup_messages": results.get("setup_messages") or {},
+        "messages_per_round": results.get("messages_per_round") or [],
+        "messages_per_round_total": per_round,
+        "trainers_per_round": trainers,
+        "min_trainers": min(trainers) if trainers else 0,
+        "clientapp_per_round": statistics.median(per_round) if per_round else None,
     }
     chaos_rounds = [r for r in results.get("chaos_rounds") or [] if r.get("round", 0) >= 2]
     if chaos_rounds:
         fig["phase_s"] = {
-            k: statistics.median(float(r.get(k, 0.0)) for r in chaos_rounds)
+            k: statistics.median(float(r.get(k) or 0.0) for r in chaos_rounds)
             for k in ("train_s", "certify_s", "join_s")
         }
         fig["unsigned_receipts"] = max(r["unsigned_receipts"] for r in chaos_rounds)
         fig["holders"] = min(r["holders"] for r in chaos_rounds)
+        fig["missing"] = max(r["missing"] for r in chaos_rounds)
     return fig
 
 
-def _summarise(
-    out: dict[str, Any],
-    runs: Mapping[str, list[float]],
-    means: Mapping[str, list[float]],
-    ratios: tuple[Sequence[float], Sequence[float]],
-) -> None:
-    """Add the per-mode run lists and the Chaos/FedAvg ratios to ``out``."""
-    median_ratios, mean_ratios = ratios
-    for mode in ("fedavg", "chaos"):
-        out[mode]["median_round_s_runs"] = runs[mode]
-        out[mode]["mean_round_s_runs"] = means[mode]
-    out["ratio_runs"] = list(median_ratios)
-    out["ratio_median_round"] = statistics.median(median_ratios)
-    # rounds end on 0.1 s polling steps, so a run's median is one of a few values; the mean
-    # of rounds 2..N is the finer figure
-    out["ratio_mean_round_runs"] = list(mean_ratios)
-    out["ratio_mean_round"] = statistics.median(mean_ratios)
-    out["accuracy_gap"] = out["chaos"]["final_accuracy"] - out["fedavg"]["final_accuracy"]
+def _clientapp_figures(
+    results: Mapping[str, Any], clientapps: Mapping[int, float], logs: Path
+) -> dict[str, Any]:
+    """ClientApp processes the SuperNodes started, per round by when they were first seen
+    (before the first train message: setup), and the messages their logs say they received."""
+    ends = list(results.get("round_end_at") or [])
+    first = results.get("first_train_at") or 0.0
+    setup, per_round, after = 0, [0] * len(ends), 0
+    for seen in clientapps.values():
+        if seen < first:
+            setup += 1
+            continue
+        idx = next((i for i, end in enumerate(ends) if seen <= end), None)
+        if idx is None:
+            after += 1
+        else:
+            per_round[idx] += 1
+    received = sum(
+        log.read_text("utf-8", "replace").count("Receiving: ")
+        for log in sorted(logs.glob("supernode-*.log"))
+    )
+    return {
+        "clientapp_processes": len(clientapps),
+        "clientapp_processes_setup": setup,
+        "clientapp_processes_per_round": per_round,
+        "clientapp_processes_after_run": after,
+        "clientapp_processes_per_round_median": statistics.median(per_round) if ends else None,
+        "supernode_messages_received": received,
+    }
+
+
+def _time_to(fig: Mapping[str, Any], target: float) -> float | None:
+    """Seconds from the ServerApp's start until the run's accuracy first reached ``target``."""
+    acc = fig["accuracy"]
+    for rnd, end in enumerate(fig["round_end_s"], start=1):
+        value = acc.get(str(rnd))
+        if value is not None and value >= target:
+            return float(end)
+    return None
+
+
+def pair_figures(fedavg: Mapping[str, Any], chaos: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of one FedAvg/Chaos pair (the issue's JSON keys)."""
+    target = float(fedavg["final_accuracy"])
+    t_fedavg, t_chaos = _time_to(fedavg, target), _time_to(chaos, target)
+    tta = t_chaos / t_fedavg if t_chaos is not None and t_fedavg else None
+    return {
+        "round_time_ratio": chaos["median_round_s"] / fedavg["median_round_s"],
+        "mean_round_ratio": chaos["mean_round_s"] / fedavg["mean_round_s"],
+        "median_round_s": {"fedavg": fedavg["median_round_s"], "chaos": chaos["median_round_s"]},
+        "time_to_accuracy_s": {"fedavg": t_fedavg, "chaos": t_chaos},
+        "time_to_accuracy_ratio": tta,
+        "clientapp_per_round": {m: f["clientapp_per_round"] for m, f in _both(fedavg, chaos)},
+        "messages_per_round": {m: f["messages_per_round_total"] for m, f in _both(fedavg, chaos)},
+        "min_trainers": {m: f["min_trainers"] for m, f in _both(fedavg, chaos)},
+        "trainers_per_round": {m: f["trainers_per_round"] for m, f in _both(fedavg, chaos)},
+        "final_accuracy": {m: f["final_accuracy"] for m, f in _both(fedavg, chaos)},
+        "setup_messages": {m: f["setup_messages"] for m, f in _both(fedavg, chaos)},
+        "replica_disk_bytes": chaos.get("replica_disk_bytes"),
+    }
+
+
+def _both(
+    fedavg: Mapping[str, Any], chaos: Mapping[str, Any]
+) -> list[tuple[str, Mapping[str, Any]]]:
+    return [("fedavg", fedavg), ("chaos", chaos)]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    """Median of the values; None if any is None (a run that never got there)."""
+    if not values or any(v is None for v in values):
+        return None
+    return statistics.median(float(v) for v in values if v is not None)
+
+
+def _medians(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Medians over the pairs (``min_trainers``: the fewest of any run)."""
+    per_mode = {
+        key: {m: _median([p[key][m] for p in pairs]) for m in MODES}
+        for key in ("clientapp_per_round", "final_accuracy")
+    }
+    ratio = _median([p["round_time_ratio"] for p in pairs])
+    final = per_mode["final_accuracy"]
+    return {
+        "round_time_ratio": ratio,
+        "time_to_accuracy_ratio": _median([p["time_to_accuracy_ratio"] for p in pairs]),
+        "time_to_accuracy_reached": sum(p["time_to_accuracy_ratio"] is not None for p in pairs),
+        **per_mode,
+        "min_trainers": {m: min(p["min_trainers"][m] for p in pairs) for m in MODES},
+        "replica_disk_bytes": _median([p["replica_disk_bytes"] for p in pairs]),
+        "ratio_median_round": ratio,
+        "ratio_runs": [p["round_time_ratio"] for p in pairs],
+        "ratio_mean_round": _median([p["mean_round_ratio"] for p in pairs]),
+        "accuracy_gap": (final["chaos"] or 0.0) - (final["fedavg"] or 0.0),
+    }
+
+
+def summary_table(fig: Mapping[str, Any]) -> str:
+    """The figures as a plain-text table (one line per pair, then the medians)."""
+    head = (
+        f"engine={fig['engine']} model={fig['model_bytes']} B rounds={fig['rounds']} "
+        f"poll={fig['poll_interval_s']} s signed={fig['signed']} "
+        f"load {fig['loadavg']['before']:.2f} -> {fig['loadavg']['after']:.2f}"
+    )
+    cols = "pair  round_ratio  tta_ratio  clientapp/rnd(f,c)  min_trainers(f,c)  acc(f,c)"
+    lines = [head, cols]
+
+    def row(name: str, p: Mapping[str, Any]) -> str:
+        tta = p["time_to_accuracy_ratio"]
+        ca, mt, acc = p["clientapp_per_round"], p["min_trainers"], p["final_accuracy"]
+        return (
+            f"{name:<5} {p['round_time_ratio']:>11.3f}  "
+            f"{'never' if tta is None else f'{tta:.3f}':>9}  "
+            f"{ca['fedavg']!s:>8},{ca['chaos']!s:<9}  {mt['fedavg']:>8},{mt['chaos']:<8}  "
+            f"{acc['fedavg']:.3f},{acc['chaos']:.3f}"
+        )
+
+    lines += [row(str(i + 1), p) for i, p in enumerate(fig["pairs"])]
+    lines.append(row("med", fig))
+    lines.append(f"replica disk (chaos): {fig['replica_disk_bytes']} B")
+    return "\n".join(lines)

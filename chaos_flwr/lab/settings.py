@@ -13,6 +13,9 @@ FLOWER_SUPERLINK_STARTUP_TIMEOUT_S: float = 30.0
 FLOWER_RUN_TIMEOUT_S: float = 300.0
 #: Grace between SIGTERM and SIGKILL when the runner stops the processes it started.
 FLOWER_STOP_GRACE_S: float = 5.0
+#: How often the deployment runner looks for new ClientApp processes below the SuperNodes
+#: (when asked to count them), in seconds; each lives for seconds (it imports the app).
+FLOWER_CLIENTAPP_SAMPLE_S: float = 0.25
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 
@@ -52,3 +55,17 @@ FLOWER_DEPLOY_JOIN_ROUNDS: int = 3
 #: Phase deadline of the resumed run of the deployment figure, in phase deadlines (its hello
 #: waits while SuperNodes work through the killed run's queued messages).
 FLOWER_DEPLOY_RESUME_PHASES: float = 3.0
+
+# --- the overhead bench (chaos-flwr bench flower-overhead) -----------------------------------
+#: How often Flower's own grids pull replies: the simulation engine's in-memory grid polls
+#: every 0.1 s, the deployment engine's grid every 3 s. Chaos polls at the same interval.
+FLOWER_ENGINE_POLL_S: dict[str, float] = {"simulation": 0.1, "deployment": 3.0}
+#: Rounds of each run of the overhead bench.
+FLOWER_OVERHEAD_ROUNDS: int = 6
+#: Wall-time bound of each run of the overhead bench, in seconds (a 64 MiB model on 2 cores).
+FLOWER_OVERHEAD_RUN_TIMEOUT_S: float = 1800.0
+#: Bound of every exchange, both modes (FedAvg's ``round-timeout-s``, Chaos's first-round
+#: deadline ``phase-timeout-s``): the same wait for a node with no history.
+FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S: float = 300.0
+#: Example model layer width when no size is asked for (the example's own, about 27 KB).
+FLOWER_OVERHEAD_DEFAULT_HIDDEN: int = 64

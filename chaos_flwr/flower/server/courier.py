@@ -5,7 +5,11 @@ exchanges, takes the parties' Chaos records off their replies (routing their env
 feeding the server-side view, noting their receipts), and keeps who is *suspect* (missed a
 deadline or answered with an error: not waited for, not sampled, until it answers again) and
 who holds which certified state (by its receipt). :meth:`Courier.phase` is one exchange of a
-round: the inner strategy's messages plus a ``query.chaos`` message to every other known node.
+round: the inner strategy's messages plus a ``query.chaos`` message to the other known nodes
+that need one: in the train phase only those unknown, not yet synced or not members (envelopes
+waiting for the others go with their certify message of the same round; with every node
+sampled, a churn-free round sends only the inner strategy's messages); in the certify phase
+those not sampled for evaluation (they get the new state).
 
 It also says which nodes are eligible for sampling (:meth:`Courier.eligible`) and gives the
 inner strategy a Grid that lists only those (:class:`EligibleGrid`).
@@ -579,9 +583,9 @@ class Courier:
     ) -> tuple[list[Message], float]:
         """Run one exchange; return the inner strategy's replies (Chaos records removed).
 
-        Known nodes the inner strategy did not address get a ``query.chaos`` message; it
-        carries ``spec.arrays`` (and the strategy state) only to ``spec.receivers`` (default:
-        all of them).
+        Known nodes the inner strategy did not address get a ``query.chaos`` message (in the
+        train phase only those that need one: :meth:`_has_news`); it carries ``spec.arrays``
+        (and the strategy state) only to ``spec.receivers`` (default: all of them).
         """
         msgs: list[Message] = []
         taken: dict[int, list[bytes]] = {}
@@ -593,6 +597,8 @@ class Courier:
         for node in known:
             if node in taken:
                 continue
+            if spec.phase == "relay" and not self._has_news(node):
+                continue  # churn-free: the round sends only the inner strategy's messages
             gets = spec.arrays is not None and (spec.receivers is None or node in spec.receivers)
             content = RecordDict()
             if gets:
@@ -608,6 +614,18 @@ class Courier:
         inner_order = [m.metadata.dst_node_id for m in inner_msgs]
         inner_replies = [res.replies[n] for n in inner_order if n in res.replies]
         return inner_replies, res.elapsed_s
+
+    def _has_news(self, node: int) -> bool:
+        """Whether a node the inner strategy did not sample needs a relay query in the train
+        phase: it is unknown, not yet synced, or not an active member (a joiner). Envelopes
+        that merely wait for it (e.g. heartbeats) go with its certify message of the same
+        round, which every node gets."""
+        party = self.relay.party_of.get(node)
+        if party is None:
+            return True
+        if self.view is None:
+            return False
+        return node not in self._synced or party not in self.view.active()
 
     # -- receipts -----------------------------------------------------------------------------
     def note_receipt(

@@ -7,7 +7,10 @@ on them, so a churn-free round costs about what the inner strategy's round costs
    *eligible* nodes (those whose party holds the current state, by its receipt, and, when a view
    source is given, that the signed view lists as active). Every message carries the relay
    envelopes for its party; other known nodes get a ``query.chaos`` message with theirs in the
-   same push. The phase waits for the non-suspect nodes only, and never past its deadline.
+   same push, only for an event (an unknown node, a first sync, a joiner); their other
+   envelopes go with the certify phase: with every node sampled, a churn-free round sends
+   exactly the inner strategy's messages. The phase waits for the non-suspect nodes only, and
+   never past its deadline.
 2. **certify + evaluate**: the inner strategy's ``configure_evaluate`` messages carry the new
    state; nodes not sampled for evaluation get it in a ``query.chaos`` certify message. Every
    reply carries the party's receipt (round, digest), signed by the party's key.

@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from multi_institution.counting import CountingGrid
 from multi_institution.task import evaluate, load_global_test, make_model
 
 torch.set_num_threads(1)
@@ -95,6 +96,7 @@ class _Progress:
         self.mode = mode
         self.accuracy: dict[int, float] = {}
         self.strategy: Any = None
+        self.grid: CountingGrid | None = None
 
     def write(self, server_round: int) -> None:
         if self.path is None:
@@ -105,6 +107,8 @@ class _Progress:
             "time": time.time(),
             "mode": self.mode,
         }
+        if self.grid is not None:  # messages and trainers per round so far
+            line.update(self.grid.summary())
         if self.strategy is not None:
             line["chaos_rounds"] = _plain(list(self.strategy.rounds))
             line["last_pull"] = _plain(getattr(self.strategy, "last_pull", None))
@@ -131,18 +135,25 @@ class _FiledRounds(list):  # type: ignore[type-arg]
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run the federation for ``num-server-rounds`` rounds."""
+    t_main = time.monotonic()
+    grid = CountingGrid(grid)  # messages and trainers per round, for the results JSON
     cfg = context.run_config
     seed = int(cfg["seed"])
     model = make_model(seed, int(cfg["hidden"]))
     test_data = load_global_test(seed)
     marks: list[float] = []
+    ends: list[float] = []  # wall clock (time.time) at the end of rounds 1..N
     accuracy: dict[int, float] = {}
     progress = _Progress(str(cfg.get("progress-path", "")), str(cfg["mode"]))
+    progress.grid = grid
 
     def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, test_data)
         marks.append(time.monotonic())
+        if server_round >= 1:
+            ends.append(time.time())
+            grid.round_done(server_round)
         accuracy[server_round] = acc
         progress.accuracy[server_round] = acc
         filed = progress.strategy is not None and any(
@@ -181,6 +192,11 @@ def main(grid: Grid, context: Context) -> None:
             "final_accuracy": accuracy[max(accuracy)],
             "round_wall_s": [b - a for a, b in itertools.pairwise(marks)],
             "total_wall_s": total,
+            # seconds from the ServerApp's start to the end of rounds 1..N (time to accuracy)
+            "round_end_s": [m - t_main for m in marks[1:]],
+            "round_end_at": ends,
+            "model_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+            **grid.summary(),
         }
         chaos_rounds = getattr(strategy, "rounds", None)
         if chaos_rounds is not None:

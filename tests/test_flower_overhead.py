@@ -1,0 +1,249 @@
+"""A churn-free Chaos round sends the messages plain FedAvg sends; the overhead bench's figures.
+
+The message counts come from the in-process fake Grid (signed parties, the default charter);
+the bench's arithmetic (model size, time to accuracy, ClientApp processes per round) from
+hand-made results. No timing is asserted here: speed figures come from the bench's JSON.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_grid import FakeGrid
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
+
+from chaos_flwr.charter import load_charter
+from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower.client import default_party_factory, enable
+from chaos_flwr.flower.keys import charter_path, make_federation
+from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
+from chaos_flwr.lab.overhead import (
+    OverheadSpec,
+    _clientapp_figures,
+    hidden_for_mib,
+    pair_figures,
+    run_figures,
+)
+
+N = 5
+ROUNDS = 4
+
+
+@pytest.fixture(autouse=True)
+def _flower_env(flower_env: Path) -> None:
+    """Every test here runs Flower offline with a private FLWR_HOME (tests/conftest.py)."""
+
+
+class CountingFakeGrid(FakeGrid):
+    """Counts pushed messages by type in the round ``evaluate_fn`` last opened (0 = setup)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_round: dict[int, Counter[str]] = {}
+        self.round = 0
+        self.started = False
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        msgs = list(messages)
+        for m in msgs:
+            self.started = self.started or m.metadata.message_type == "train"
+            slot = self.round if self.started else 0
+            self.per_round.setdefault(slot, Counter())[m.metadata.message_type] += 1
+        return super().push_messages(msgs)
+
+    def round_done(self, server_round: int, _arrays: ArrayRecord) -> None:
+        self.round = server_round + 1
+
+
+def _initial() -> ArrayRecord:
+    rng = np.random.default_rng(3)
+    return ArrayRecord({"w": Array(rng.normal(size=(4, 64)).astype(np.float32))})
+
+
+def _app() -> ClientApp:
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        k = int(ctx.node_config["partition-id"]) + 1
+        out = {n: Array((a.numpy() * 0.9 + 0.01 * k).astype(np.float32))
+               for n, a in msg.content["arrays"].items()}  # fmt: skip
+        metrics = MetricRecord({"num-examples": k})
+        return Message(RecordDict({"arrays": ArrayRecord(out), "metrics": metrics}), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, ctx: Context) -> Message:
+        metrics = MetricRecord(
+            {"s": float(msg.content["arrays"]["w"].numpy().sum()), "num-examples": 1}
+        )
+        return Message(RecordDict({"metrics": metrics}), reply_to=msg)
+
+    enable(app, party_factory=default_party_factory)
+    return app
+
+
+def _run(tmp: Path, chaos: bool, fraction: float) -> CountingFakeGrid:
+    keys = make_federation(tmp / "fed", N, founders=N, seed="overhead-test")
+    grid = CountingFakeGrid()
+    app = _app()
+    for p in range(N):
+        grid.add_node(
+            app,
+            node_config={"partition-id": p},
+            run_config={"chaos-keys-dir": str(keys), "chaos-state-root": str(tmp / "state")},
+        )
+    inner = FedAvg(
+        fraction_train=fraction, fraction_evaluate=fraction,
+        min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2,
+    )  # fmt: skip
+    strategy = inner if not chaos else ChaosStrategy(
+        inner, charter=load_charter(charter_path(keys)), phases=PhaseSettings(phase_timeout_s=5.0)
+    )  # fmt: skip
+    random.seed(11)  # the same sample for both modes
+    strategy.start(grid, _initial(), num_rounds=ROUNDS, timeout=30, evaluate_fn=_done(grid))
+    return grid
+
+
+def _done(grid: CountingFakeGrid):  # type: ignore[no-untyped-def]
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> None:
+        grid.round_done(server_round, arrays)
+
+    return evaluate_fn
+
+
+def test_a_churn_free_chaos_round_sends_exactly_fedavgs_messages(tmp_path: Path) -> None:
+    plain = _run(tmp_path / "plain", chaos=False, fraction=1.0)
+    chaos = _run(tmp_path / "chaos", chaos=True, fraction=1.0)
+    want = {"train": N, "evaluate": N}
+    for rnd in range(1, ROUNDS + 1):
+        assert dict(plain.per_round[rnd]) == want
+        assert dict(chaos.per_round[rnd]) == want, (rnd, chaos.per_round[rnd])
+    assert 0 not in plain.per_round
+    # before round 1 only the hello and the initial state's certification (one per node each)
+    assert dict(chaos.per_round[0]) == {"query.chaos": 2 * N}
+
+
+def test_sampled_rounds_send_fedavgs_messages_plus_one_per_unsampled_node(
+    tmp_path: Path,
+) -> None:
+    # FedAvg samples 3 of 5 nodes for each exchange; the 2 others get the new state (certify
+    # query, which also carries their envelopes) and no relay query in the train phase
+    plain = _run(tmp_path / "plain", chaos=False, fraction=0.6)
+    chaos = _run(tmp_path / "chaos", chaos=True, fraction=0.6)
+    for rnd in range(1, ROUNDS + 1):
+        p, c = plain.per_round[rnd], chaos.per_round[rnd]
+        assert c["train"] == p["train"] == 3 and c["evaluate"] == p["evaluate"] == 3
+        assert c["query.chaos"] == N - 3, (rnd, c)
+
+
+# -- the bench's arithmetic ---------------------------------------------------------------------
+def _model_bytes(hidden: int) -> int:
+    return 4 * (64 * hidden + hidden + hidden * hidden + hidden + hidden * 10 + 10)
+
+
+@pytest.mark.parametrize("mib", [1, 16, 64])
+def test_hidden_for_mib_sizes_the_example_model_to_within_half_a_percent(mib: int) -> None:
+    size = _model_bytes(hidden_for_mib(mib))
+    assert abs(size - mib * (1 << 20)) / (mib * (1 << 20)) < 0.005
+
+
+def test_bad_specs_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        hidden_for_mib(0)
+    with pytest.raises(ConfigError):
+        OverheadSpec(engine="ray")
+    assert OverheadSpec(engine="deployment").poll_s == 3.0
+    assert OverheadSpec().poll_s == 0.1
+
+
+def _results(acc: list[float], ends: list[float], trainers: list[int]) -> dict[str, object]:
+    return {
+        "final_accuracy": acc[-1],
+        "accuracy": {str(r): a for r, a in enumerate([0.1, *acc])},
+        "round_wall_s": [b - a for a, b in zip([0.0, *ends], ends, strict=False)],
+        "total_wall_s": ends[-1],
+        "round_end_s": ends,
+        "messages_per_round": [{"train": 5, "evaluate": 5}] * len(acc),
+        "trainers_per_round": trainers,
+    }
+
+
+def test_time_to_accuracy_is_when_a_run_first_reaches_fedavgs_final_accuracy() -> None:
+    fedavg = run_figures(_results([0.5, 0.8, 0.8], [10.0, 20.0, 30.0], [5, 5, 5]))
+    chaos = run_figures(_results([0.6, 0.7, 0.85], [12.0, 24.0, 36.0], [5, 4, 5]))
+    pair = pair_figures(fedavg, chaos)
+    assert pair["time_to_accuracy_s"] == {"fedavg": 20.0, "chaos": 36.0}
+    assert pair["time_to_accuracy_ratio"] == pytest.approx(1.8)
+    assert pair["round_time_ratio"] == pytest.approx(1.2)
+    assert pair["min_trainers"] == {"fedavg": 5, "chaos": 4}
+    assert pair["clientapp_per_round"] == {"fedavg": 10, "chaos": 10}
+    never = run_figures(_results([0.5, 0.6, 0.7], [10.0, 20.0, 30.0], [5, 5, 5]))
+    assert pair_figures(fedavg, never)["time_to_accuracy_ratio"] is None
+
+
+def test_clientapp_processes_are_counted_in_the_round_they_started_in(tmp_path: Path) -> None:
+    (tmp_path / "supernode-0.log").write_text("Receiving: train message\nReceiving: evaluate\n")
+    (tmp_path / "supernode-1.log").write_text("Receiving: train message\n")
+    results = {"first_train_at": 100.0, "round_end_at": [110.0, 120.0]}
+    seen = {1: 99.0, 2: 101.0, 3: 109.0, 4: 111.0, 5: 125.0}
+    fig = _clientapp_figures(results, seen, tmp_path)
+    assert fig["clientapp_processes_setup"] == 1
+    assert fig["clientapp_processes_per_round"] == [2, 1]
+    assert fig["clientapp_processes_after_run"] == 1
+    assert fig["supernode_messages_received"] == 3
+
+
+def test_deployment_round_checks_mark_join_and_crash_rounds_as_events() -> None:
+    from chaos_flwr.lab.deploy_churn import _event_rounds, round_checks
+
+    fig = {"join_started_after_round": 1, "join_trained_in_round": 4, "crash_in_round": 6}
+    events = _event_rounds(fig, 7)
+    assert events == {2, 3, 6, 7}
+    sent = [{"train": 3, "evaluate": 3}] * 5 + [{"train": 4, "evaluate": 4, "query.chaos": 1}] * 2
+    chaos_rounds = [{"server_round": 0}] + [
+        {"server_round": r, "trained": [1, 2, 3], "joins": [{"ok": True}] if r == 3 else []}
+        for r in range(1, 8)
+    ]
+    line = {"messages_per_round": sent, "trainers_per_round": [3] * 7, "chaos_rounds": chaos_rounds}
+    rounds = round_checks([{"round": 7}, line], events)
+    assert [r["round"] for r in rounds if r["churn_free"]] == [1, 4, 5]
+    assert rounds[0] == {
+        "round": 1,
+        "messages": {"train": 3, "evaluate": 3},
+        "sampled": 3,
+        "trainers": 3,
+        "churn_free": True,
+    }
+
+
+def test_the_summary_table_lists_each_pair_and_the_medians() -> None:
+    from chaos_flwr.lab.overhead import _medians, summary_table
+
+    fedavg = run_figures(_results([0.5, 0.8, 0.8], [10.0, 20.0, 30.0], [5, 5, 5]))
+    chaos = run_figures(_results([0.6, 0.7, 0.85], [12.0, 24.0, 36.0], [5, 4, 5]))
+    chaos["replica_disk_bytes"] = 1234
+    pairs = [pair_figures(fedavg, chaos), pair_figures(fedavg, fedavg)]
+    fig = {"engine": "simulation", "model_bytes": 99, "rounds": 3, "poll_interval_s": 0.1}
+    fig |= {"signed": True, "loadavg": {"before": 1.0, "after": 2.0}, "pairs": pairs}
+    fig |= _medians(pairs)
+    assert fig["min_trainers"] == {"fedavg": 5, "chaos": 4}
+    assert fig["time_to_accuracy_ratio"] == pytest.approx((1.8 + 1.0) / 2)
+    lines = summary_table(fig).splitlines()
+    assert [ln.split()[0] for ln in lines[2:5]] == ["1", "2", "med"]
+    assert "1.800" in lines[2] and "0.800,0.850" in lines[2]
+
+
+def test_the_cli_refuses_an_unknown_engine_before_running_anything() -> None:
+    from typer.testing import CliRunner
+
+    from chaos_flwr.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "flower-overhead", "--engine", "ray"])
+    assert res.exit_code == 2 and "engine must be one of" in res.output
