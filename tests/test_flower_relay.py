@@ -326,3 +326,14 @@ def test_a_flooding_sender_fills_only_its_own_share_of_a_receivers_queue_and_mes
     assert r.dropped == 950
     r.give_back(1, first[:2])
     assert r.take(1)[:2] == first[:2]  # given back first, in order
+
+
+def test_a_queue_full_of_given_back_envelopes_still_takes_new_ones() -> None:
+    r = Relay(max_queue=3, max_per_message=3)
+    r.bind("b", 2)
+    for i in range(3):
+        r.enqueue("b", bytes([i]), sender="a")
+    r.give_back(2, r.take(2))  # the whole queue is given back
+    r.enqueue("b", b"new", sender="c")  # the oldest given-back envelope makes room
+    assert r.dropped == 1 and r.pending("b") == 3
+    assert r.take(2) == [b"\x01", b"\x02", b"new"]

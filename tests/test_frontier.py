@@ -379,6 +379,16 @@ def test_the_server_view_settles_an_event_whose_record_was_superseded_on_the_way
     assert by_kind["link_down"].settle_s is not None
     assert by_kind["link_up"].settle_s is not None
     assert up.record_id not in view.records and down.record_id in view.records
+    # a flood of ever higher link records: each party keeps one applied body per link, and a
+    # node claiming an id outside the charter is not tracked
+    for epoch in range(2, 202):
+        flood = ms.link_body("link_down", fed, (a.party_id, 0), (b.party_id, 0), epoch)
+        d_env = sent_by(b, Record.sign(flood, [b]))
+        view.delivered(c.party_id, [d_env])
+        view.delivered("p" + f"{epoch:016x}", [d_env])
+    link = (min(a.party_id, b.party_id), max(a.party_id, b.party_id))
+    assert len(view._seen[(c.party_id, link)]) == 1
+    assert all(party in {a.party_id, b.party_id, c.party_id} for party, _ in view._seen)
     # a superseded record sent again is screened without a signature check
     checks = view.cache.checks
     sent_by(c, up)

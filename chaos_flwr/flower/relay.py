@@ -115,7 +115,8 @@ class Relay:
                 q.popleft()
                 self.dropped += 1
             elif self.pending(target) >= self.max_queue:
-                max(queues.values(), key=len).popleft()
+                longest = max(queues.values(), key=len)
+                (longest if longest else self._returned[target]).popleft()
                 self.dropped += 1
             q.append(data)
             self.routed += 1

@@ -36,6 +36,13 @@ __all__ = ["ServerView"]
 _RECORD_KINDS = {"rec", "join_done"}
 
 
+def _about(body: dict[str, Any]) -> tuple[str, ...]:
+    """What a record is about: its link ``(a, b)`` or its subject (supersession stays inside)."""
+    if body["kind"] in ("link_up", "link_down"):
+        return (str(body["a"]), str(body["b"]))
+    return (str(body["subject"]),)
+
+
 class ServerView:
     """Records -> view, as the ServerApp relays them (see module docstring).
 
@@ -61,6 +68,9 @@ class ServerView:
         # superseding one of them has that one's effect too (it may never receive it: a
         # record superseded before it arrives is not held, see "Compaction" in internals)
         self._body: dict[str, dict[str, Any]] = {}
+        # (party, subject or link) -> the frontier of the settling records it applied there
+        # (bounded by the charter: parties x (members + links) x at most two bodies)
+        self._seen: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
         self._env: dict[bytes, tuple[str, ...]] = {}
 
     # -- observation --------------------------------------------------------------------------
@@ -171,17 +181,23 @@ class ServerView:
                 self._applied(party, rid)
 
     def _applied(self, party: str, rid: str) -> None:
-        """``party`` applied record ``rid``: and so every settling record ``rid`` supersedes."""
+        """``party`` applied record ``rid`` (a settling one): note it in the party's frontier of
+        applied records about the same subject or link, which covers every record it
+        supersedes. Constant work: at most two bodies per party and subject or link."""
         has = self._has.get(rid)
-        if has is None:
-            return
-        has.add(party)
         body = self._body.get(rid)
-        if body is None:
+        if has is None or body is None or party not in self.keyring:
+            return  # (a node's claimed id that is no charter party is not tracked)
+        has.add(party)
+        seen = self._seen.setdefault((party, _about(body)), [])
+        if any(b == body or supersedes(b, body) for b in seen):
             return
-        for other, other_body in self._body.items():
-            if other != rid and supersedes(body, other_body):
-                self._has[other].add(party)
+        seen[:] = [b for b in seen if not supersedes(body, b)] + [body]
+
+    def _covered(self, party: str, body: dict[str, Any]) -> bool:
+        """Whether ``party`` applied this record or one that supersedes it."""
+        seen = self._seen.get((party, _about(body)), ())
+        return any(b == body or supersedes(b, body) for b in seen)
 
     def settle(self, live: set[str]) -> None:
         """Close the events every live member (``live`` and active) has applied."""
@@ -190,8 +206,9 @@ class ServerView:
         done: list[str] = []
         for rid, has in self._has.items():
             event = self._by_id[rid]
-            need = active - {event.subject}
-            if need <= has:
+            need = active - {event.subject} - has
+            body = self._body[rid]
+            if all(self._covered(party, body) for party in need):
                 event.settle_s = now - event.first_seen
                 done.append(rid)
         for rid in done:
