@@ -1,6 +1,6 @@
 """A record flood into one honest peer: what it holds, and what the flood costs it.
 
-``python -m chaos_flwr.bench.flood [--records N] [--mode rec|own] [--limits default|none]``
+``chaos-flwr bench flood [--records N] [--mode rec|own] [--limits default|none]``
 prints one JSON object. Three founders bootstrap in process (signed, as any run); the flooder
 (``f2``) mints ``N`` valid link_down records of its link to the honest victim (``f0``), one per
 epoch, signed by itself alone, and delivers them to the victim: in ``rec`` envelopes of
@@ -18,8 +18,6 @@ charter limits so large that nothing is refused (the frontier alone).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import time
@@ -171,17 +169,3 @@ def run_flood(n: int, mode: str, limits: str) -> dict[str, Any]:
         "quiet_peak_mib": quiet_mem["peak_mib"],
         "load_1m": round(os.getloadavg()[0], 2),
     }
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Run the flood benchmark and print its JSON."""
-    parser = argparse.ArgumentParser(prog="python -m chaos_flwr.bench.flood")
-    parser.add_argument("--records", type=int, default=FLOOD_BENCH_RECORDS)
-    parser.add_argument("--mode", choices=("rec", "own"), default="rec")
-    parser.add_argument("--limits", choices=("default", "none"), default="default")
-    args = parser.parse_args(argv)
-    print(json.dumps(run_flood(args.records, args.mode, args.limits)))
-
-
-if __name__ == "__main__":
-    main()

@@ -14,24 +14,22 @@ Each size is measured twice: ``sealed`` (the party's own sealed file under its c
 records taken up without signature checks, see :mod:`chaos_flwr.flower.durable`) and
 ``verified`` (the same file with its charter digest cleared, so every record is verified again,
 as before sealed loads). Medians of ``repeats`` fresh processes; the JSON names the load
-average. Run: ``python -m chaos_flwr.bench.rebuild --sizes 1000 10000 100000``.
+average. Run: ``chaos-flwr bench rebuild --size 1000 --size 10000 --size 100000``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "measure_once", "prepare", "run"]
+__all__ = ["measure_once", "prepare", "run"]
 
 #: Record-set sizes measured by default.
 BENCH_REBUILD_SIZES: tuple[int, ...] = (1_000, 10_000)
@@ -164,19 +162,3 @@ def run(sizes: tuple[int, ...], repeats: int, work: Path) -> dict[str, Any]:
         "loadavg": list(os.getloadavg()),
         "rows": rows,
     }
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Command line: print the figures as JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(BENCH_REBUILD_SIZES))
-    parser.add_argument("--repeats", type=int, default=BENCH_REBUILD_REPEATS)
-    parser.add_argument("--work", type=Path, default=None, help="keep the states here")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="chaos-rebuild-") as tmp:
-        work = args.work or Path(tmp)
-        print(json.dumps(run(tuple(args.sizes), args.repeats, work), indent=1))
-
-
-if __name__ == "__main__":
-    main()
