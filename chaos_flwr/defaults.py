@@ -245,3 +245,10 @@ FLOWER_DEADLINE_HISTORY: int = 20
 #: it when a certify cut short by a server kill left the newest without its receipt quorum).
 #: Disk per party: this many times the model's size.
 STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS
+
+# --- verifiable rounds (chaos_flwr.rounds) -----------------------------------------------------
+#: Rota positions past the charter's auditor count whose audits also count (a view that differs
+#: by one member, or a crashed auditor, still lets a round become final).
+AUDIT_ROTA_SPARE: int = 1
+#: Audited states a party's round guard remembers (the newest; older ones are never a base).
+ROUNDS_MAX_AUDITS_KEPT: int = 16

@@ -154,3 +154,9 @@ class FloodError(ChaosError):
         super().__init__(message)
         self.signers: tuple[str, ...] = signers
         self.refused: int = refused
+
+
+class ProofError(ChaosError):
+    """A certify's proof does not hold (:mod:`chaos_flwr.rounds`): its base is not the held
+    state, its round is not the base's next, a commitment does not verify, too few updates, a
+    different aggregation rule, or a base that is not final. The party takes up nothing."""

@@ -391,6 +391,14 @@ class Peer(PeerCore):
 
     # --- driving -----------------------------------------------------------------------------
 
+    def reconcile(self, other: str, now: float) -> list[Outgoing]:
+        """Exchange records with ``other`` (an inventory; it sends what this party lacks and
+        fetches what it lacks): called when ``other`` signed a view that differs from this
+        party's (:mod:`chaos_flwr.rounds`). Rate-limited per party; a non-party gets nothing."""
+        if other not in self._keyring:
+            return []
+        return self._sync.offer(other, now)
+
     def handle(self, data: bytes, now: float) -> list[Outgoing]:
         """Process one received envelope.
 

@@ -79,6 +79,16 @@ class AntiEntropy:
         self._inv_sent[env.sender] = now
         return [peer._send(env.sender, "inv", {"ids": sorted(peer.records.ids())}, now)]
 
+    def offer(self, other: str, now: float) -> list[Outgoing]:
+        """Offer ``other`` this party's inventory now (a view divergence was seen; at most once
+        per ``PEER_ANTI_ENTROPY_INTERVAL_S`` per party, like a differing heartbeat's)."""
+        peer = self._peer
+        last = self._inv_sent.get(other, -math.inf)
+        if other == peer.party_id or now - last < PEER_ANTI_ENTROPY_INTERVAL_S:
+            return []
+        self._inv_sent[other] = now
+        return [peer._send(other, "inv", {"ids": sorted(peer.records.ids())}, now)]
+
     def on_inv(self, env: Envelope, now: float) -> list[Outgoing]:
         """An inventory: send the records it lacks, fetch those this party lacks."""
         peer = self._peer

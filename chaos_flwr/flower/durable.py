@@ -155,6 +155,10 @@ class SavedParty:
         how much evidence was already reported.
     charter:
         Digest of the charter the records were verified under (``b""``: unknown).
+    rounds:
+        The verifiable rounds' state of :class:`~chaos_flwr.flower.client.party.Party`: its
+        last commitment, the audits it keeps and sends, the round it rolled back from
+        (checked field by field when taken up).
     sealed:
         Set by :func:`load` (never saved): the file's seal was checked against the party's
         key, so the records are this party's own verified records.
@@ -175,6 +179,7 @@ class SavedParty:
     evidence: list[bytes] = field(default_factory=list)
     evidence_sent: int = 0
     charter: bytes = b""
+    rounds: dict[str, Any] = field(default_factory=dict)
     sealed: bool = field(default=False, compare=False)
 
     def to_value(self) -> dict[str, Any]:
@@ -198,6 +203,7 @@ class SavedParty:
             "evidence": list(self.evidence),
             "evidence_sent": self.evidence_sent,
             "charter": self.charter,
+            "rounds": dict(self.rounds),
         }
 
     @classmethod
@@ -222,6 +228,7 @@ class SavedParty:
                 evidence=[_typed(x, bytes) for x in value["evidence"]],
                 evidence_sent=_typed(value["evidence_sent"], int),
                 charter=_typed(value.get("charter", b""), bytes),
+                rounds=_typed(value.get("rounds", {}), dict),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise StoreError(f"saved party state: malformed field ({exc!r})") from exc

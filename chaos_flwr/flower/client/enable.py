@@ -33,6 +33,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower.client import proofs
 from chaos_flwr.flower.client.factory import default_party_factory
 from chaos_flwr.flower.client.registry import Parties, PartyFactory, register
 from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK, NODE_PARTITION_ID
@@ -103,7 +104,13 @@ def _wrap(
         arrays = message.content.array_records
         first = next(iter(arrays.values()), None)
         party = parties(context)
-        out = party.process(record, first)
+        commitment = b""
+        if reply.has_content() and message.metadata.message_type.startswith("train"):
+            # signed over what the aggregation reads, on the state it trained from
+            commitment = proofs.commit(party, record, reply.content)
+        out = party.process(record, first, message.content)
+        if commitment:
+            out["commit"] = commitment
         party.persist()
         if reply.has_content():
             content = RecordDict(dict(reply.content.items()))
@@ -166,7 +173,7 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
             extra[PULL_DATA_KEY] = ctl
             for donor, req in requests.items():
                 extra[donor_key(donor)] = req
-        out = party.process(record, first)
+        out = party.process(record, first, message.content)
         content = RecordDict({CHAOS_RECORD_KEY: out})
         if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
             served = party.serve(record, request)

@@ -258,6 +258,10 @@ class JoiningParty(Protocol):
 
     def _hold(self, state: TrainingState) -> None: ...
 
+    def max_signed_round(self) -> int: ...
+
+    def signed_digest(self, rnd: int) -> bytes | None: ...
+
 
 def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
     """The shard floor and the size hint a start record names (each ignored unless an int
@@ -293,6 +297,13 @@ def join_step(
     if rnd == party.held_round and digest == party.held_digest:
         party.joining = None
         return ConfigRecord({"status": "done", "error": "already held"}), {}
+    signed = party.max_signed_round()
+    if rnd <= signed and rnd != party.held_round and party.signed_digest(rnd) != digest:
+        # a signing party never takes up (and signs) a second state of a round it signed,
+        # nor a state below it that it did not sign: refused before a byte moves
+        why = f"ProofError: round {rnd} is not above round {signed}, which this party signed"
+        party.errors.append(why)
+        return ConfigRecord({"status": "failed", "error": why}), {}
     now = party.clock()
     pull = party.joining
     if control.get("op") == "start" or pull is None or pull.server_round != rnd:

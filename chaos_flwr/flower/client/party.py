@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
-from chaos_flwr.flower.client import donor, joiner
+from chaos_flwr.flower.client import donor, joiner, proofs
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
 from chaos_flwr.flower.relay import PeerProtocol
@@ -33,6 +33,7 @@ from chaos_flwr.store import ReplicaStore
 if TYPE_CHECKING:
     from chaos_flwr.flower.durable import SavedParty
     from chaos_flwr.receipts import Equivocation, ReceiptLedger
+    from chaos_flwr.rounds import RoundGuard
 
 __all__ = ["Party"]
 
@@ -46,6 +47,8 @@ PARTY_LEDGER_ROUNDS: int = 16
 #: Equivocation evidence a party keeps (:attr:`Party.evidence`, newest last). Any evidence at
 #: all stops the party training, so dropping the oldest never lets a conflicted round through.
 PARTY_MAX_EVIDENCE: int = 16
+#: Audits a party saves between messages (of the state it holds, and those not yet sent).
+PARTY_MAX_AUDITS_SAVED: int = 16
 #: Finished pulls' figures a party keeps (:attr:`Party.joins_done`, newest last).
 PARTY_MAX_JOINS_DONE: int = 16
 
@@ -98,6 +101,14 @@ class Party:
     _bytes_round: int = field(default=-1, repr=False)
     lifetime: str = ""
     _saved_as: tuple[int, int] | None = field(default=None, repr=False)
+    #: Verifiable rounds (:mod:`.proofs`): the round guard, the party's commitment of the
+    #: round it trained (round, update digest), audits it signed and not yet sent, audits it
+    #: keeps of the states it holds, and the newest round it rolled back from (-1: none).
+    guard: RoundGuard | None = field(default=None, repr=False)
+    committed: tuple[int, bytes] | None = None
+    audits_out: list[bytes] = field(default_factory=list)
+    audits_kept: list[bytes] = field(default_factory=list)
+    rolled_from: int = -1
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
@@ -124,7 +135,27 @@ class Party:
             evidence=[ev.encode() for ev in self.evidence],
             evidence_sent=self._evidence_sent,
             charter=bytes(getattr(peer, "federation_tag", b"")),
+            rounds=self._rounds_saved(),
         )
+
+    def _rounds_saved(self) -> dict[str, object]:
+        """The verifiable rounds' part of the saved state (bounded)."""
+        kept = self.audits_of_held() + [b for b in self.audits_out if b not in self.audits_kept]
+        return {
+            "committed": [] if self.committed is None else list(self.committed),
+            "audits": kept[-PARTY_MAX_AUDITS_SAVED:],
+            "audits_out": list(self.audits_out),
+            "rolled_from": self.rolled_from,
+        }
+
+    def audits_of_held(self) -> list[bytes]:
+        """Encoded audits this party knows of the state it holds (a restarted ServerApp
+        collects them on its first message: the next certify's proof needs them)."""
+        guard = self.guard
+        if guard is None or self.held_round < 0:
+            return list(self.audits_kept)
+        found = guard.audits.get((self.held_round, self.held_digest), {})
+        return [a.encode() for _, a in sorted(found.items())]
 
     def take_up(self, saved: SavedParty, *, same_life: bool) -> None:
         """Take up a saved state: the ledger and evidence always; when ``same_life`` also the
@@ -147,6 +178,7 @@ class Party:
                 raise StoreError(f"saved party state: bad receipt or evidence ({exc})") from exc
             dropped = max(0, len(saved.evidence) - len(self.evidence))
             self._evidence_sent = min(max(0, saved.evidence_sent - dropped), len(self.evidence))
+        self._take_up_rounds(saved.rounds)
         if not same_life:
             return
         from chaos_flwr.peer import Outgoing
@@ -160,6 +192,22 @@ class Party:
         except StoreError as exc:  # only the pull is lost: it starts again on the next step
             self.joining = None
             self.errors.append(f"{exc}; the pull starts again")
+
+    def _take_up_rounds(self, value: Mapping[str, object]) -> None:
+        committed = value.get("committed")
+        if isinstance(committed, list) and len(committed) == 2:
+            rnd, dig = committed
+            if isinstance(rnd, int) and isinstance(dig, bytes):
+                self.committed = (rnd, dig)
+        audits = value.get("audits")
+        if isinstance(audits, list):
+            self.audits_kept = [b for b in audits if isinstance(b, bytes)][-PARTY_MAX_AUDITS_SAVED:]
+        out = value.get("audits_out")
+        if isinstance(out, list):
+            self.audits_out = [b for b in out if isinstance(b, bytes)][-PARTY_MAX_AUDITS_SAVED:]
+        rolled = value.get("rolled_from")
+        if isinstance(rolled, int) and not isinstance(rolled, bool):
+            self.rolled_from = rolled
 
     def is_current(self) -> bool:
         """Whether the state file is still the one this party object last saved (another
@@ -258,6 +306,59 @@ class Party:
             return b""
         return self.signer(receipt_signing_bytes(self.party_id, self.held_round, self.held_digest))
 
+    def hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None:
+        """Take up ``state`` (its checks passed): hold it, store it with the signed receipt."""
+        self._hold(state, arrays)
+
+    def max_signed_round(self) -> int:
+        """The newest round this party signed a receipt for (-1 for a party that signs
+        nothing: it never refuses a pull for that reason)."""
+        return proofs.max_signed(self) if self.signer is not None else -1
+
+    def signed_digest(self, rnd: int) -> bytes | None:
+        """The digest this party holds (and signed) for round ``rnd``, if it keeps one."""
+        if rnd == self.held_round and self.held_digest:
+            return self.held_digest
+        if self.store is not None:
+            try:
+                if rnd in self.store.rounds():
+                    with self.store.open(rnd, verify=False) as replica:
+                        return bytes(replica.state_digest)
+            except StoreError:
+                return None
+        return None
+
+    def rollback_base(self) -> bool:
+        """Whether the held state is where the party rolled back to from a refuted one."""
+        return self.rolled_from > self.held_round >= 0
+
+    def roll_back(self) -> None:
+        """The held state was audited false: go back to the newest older replica (its base),
+        keeping in mind the round it left (it never signs that round number again)."""
+        if self.held_round < 0:
+            return
+        self.rolled_from = max(self.rolled_from, self.held_round)
+        older: list[int] = []
+        if self.store is not None:
+            try:
+                older = [r for r in self.store.rounds() if r < self.held_round]
+            except StoreError:
+                older = []
+        state: TrainingState | None = None
+        if older and self.store is not None:
+            try:
+                state = self.store.get(max(older))
+            except StoreError as exc:
+                self.errors.append(f"StoreError: {exc}")
+        if state is None:  # nothing to go back to: it holds nothing and pulls as a joiner
+            self.held_round, self.held_digest = -1, b""
+            self.held_state, self.held_arrays = None, None
+            return
+        self.held_round = state.round
+        self.held_digest = state.digest()
+        self.held_state = state
+        self.held_arrays = to_array_record(state)
+
     def _hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None:
         self.held_round = state.round
         self.held_digest = state.digest()
@@ -268,18 +369,6 @@ class Party:
                 self.store.put(state, certificate=self._receipt())
             except StoreError as exc:  # the replica stays in memory only; say so
                 self.errors.append(f"StoreError: {exc}")
-
-    def _signed_digest(self, rnd: int) -> bytes | None:
-        """The digest this party already holds (and signed) for round ``rnd``, if any."""
-        if rnd == self.held_round and self.held_digest:
-            return self.held_digest
-        if self.store is not None and rnd in self.store.rounds():
-            try:
-                with self.store.open(rnd, verify=False) as replica:
-                    return replica.state_digest
-            except StoreError:
-                return None
-        return None
 
     def _own_receipt_ok(self, state: TrainingState, certificate: bytes) -> bool:
         """Whether ``certificate`` is this party's signed receipt for ``state``."""
@@ -453,8 +542,16 @@ class Party:
             return True  # an unsigned run: nothing to check receipts with
         return receipt_verifies(self.keyring, party, rnd, digest, blob)
 
-    def process(self, record: ConfigRecord | None, arrays: ArrayRecord | None) -> ConfigRecord:
-        """Handle the Chaos record of one incoming message; return the reply's Chaos record."""
+    def process(
+        self,
+        record: ConfigRecord | None,
+        arrays: ArrayRecord | None,
+        content: RecordDict | None = None,
+    ) -> ConfigRecord:
+        """Handle the Chaos record of one incoming message; return the reply's Chaos record.
+
+        ``content`` is the message's RecordDict (audit material rides on train messages).
+        """
         now = self.clock()
         outgoing: list[OutgoingLike] = list(self.pending)
         self.pending.clear()
@@ -469,37 +566,10 @@ class Party:
             outgoing.extend(self._auto_links(now))
         if self.peer is not None:
             outgoing.extend(self.peer.tick(now))
+        if record is not None and content is not None and record.get("phase") == "relay":
+            proofs.audit(self, record, content)
         if record is not None and record.get("phase") == "certify" and arrays is not None:
-            rnd = record.get("round", -1)
-            sstate = record.get("strategy-state", b"")
-            if (
-                isinstance(rnd, int)
-                and not isinstance(rnd, bool)
-                and rnd >= 0
-                and isinstance(sstate, bytes)
-                and not self.left
-            ):
-                state = from_array_record(arrays, round=rnd, strategy_state=sstate)
-                # a signing party never signs two states of one round, nor goes back a round
-                # (an unsigned party's "receipts" prove nothing, so it takes what it is sent)
-                signed = self._signed_digest(rnd) if self.signer is not None else None
-                if signed is not None and signed != state.digest():
-                    # it signed another state for this round: it never signs a second one
-                    # (the relay showed the round two ways; the held state stays)
-                    self.errors.append(
-                        f"EquivocationError: round {rnd} offered with digest "
-                        f"{state.digest().hex()[:16]} after this party signed "
-                        f"{signed.hex()[:16]}; refused"
-                    )
-                elif self.signer is not None and rnd < self.held_round:
-                    # rounds only move forward: an older round (its replica possibly pruned,
-                    # so not checkable above) is never taken up again
-                    self.errors.append(
-                        f"PolicyError: certify of round {rnd} below the held round "
-                        f"{self.held_round}; refused"
-                    )
-                else:
-                    self._hold(state, arrays)
+            self._certify(record, arrays)
         receipt = self._receipt()
         out = party_record(
             self.party_id,
@@ -509,6 +579,11 @@ class Party:
             receipt=receipt,
         )
         self.check_receipts(record)
+        if self.audits_out:
+            out["audits"] = list(self.audits_out)
+            self.audits_out.clear()
+        if record is not None and record.get("sync"):
+            out["audits-held"] = self.audits_of_held()
         if len(self.evidence) > self._evidence_sent:
             out["evidence"] = [ev.encode() for ev in self.evidence]
             self._evidence_sent = len(self.evidence)
@@ -520,6 +595,22 @@ class Party:
         del self.errors[:-PARTY_MAX_ERRORS]  # the newest only: garbage input cannot grow it
         del self.joins_done[:-PARTY_MAX_JOINS_DONE]
         return out
+
+
+    def _certify(self, record: ConfigRecord, arrays: ArrayRecord) -> None:
+        """Take up a certified state: a signing party only when its proof holds
+        (:func:`.proofs.take_certify`); an unsigned party's receipts prove nothing, so it
+        takes what it is sent."""
+        if self.left:
+            return
+        if proofs.guard_of(self) is not None:
+            proofs.take_certify(self, record, arrays)
+            return
+        rnd = record.get("round", -1)
+        sstate = record.get("strategy-state", b"")
+        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
+            if isinstance(sstate, bytes):
+                self._hold(from_array_record(arrays, round=rnd, strategy_state=sstate), arrays)
 
 
 def _envelopes(record: ConfigRecord) -> Sequence[bytes]:

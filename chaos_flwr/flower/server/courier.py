@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.proto.node_pb2 import NodeInfo
@@ -54,6 +55,8 @@ from chaos_flwr.flower.schema import (
 )
 from chaos_flwr.flower.server.deadlines import ReplyTimes
 from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
+from chaos_flwr.flower.updates import pack_updates
 from chaos_flwr.flower.server.settings import PhaseSettings
 from chaos_flwr.flower.server.view import ServerView
 from chaos_flwr.receipts import Receipt, receipt_verifies
@@ -236,6 +239,11 @@ class PhaseSpec:
         state comes from parties.
     strategy_state:
         The inner strategy's state, sent with the certified state.
+    fields:
+        More fields of every message's Chaos record (a certify's proof).
+    audit:
+        The audit due with this exchange: its fields and committed updates go to the
+        auditors' messages (a train phase; :mod:`.proofs`).
     """
 
     phase: str
@@ -244,6 +252,8 @@ class PhaseSpec:
     arrays: ArrayRecord | None = None
     receivers: frozenset[int] | None = None
     strategy_state: bytes = b""
+    fields: tuple[tuple[str, Any], ...] = ()
+    audit: AuditJob | None = None
 
 
 @dataclass
@@ -281,6 +291,8 @@ class Courier:
         The nodes' reply times and the deadlines they give.
     late_replies:
         Nodes dropped for lateness whose reply came after all (newest last).
+    proofs:
+        The verifiable rounds' commitments and audits (with a charter), else ``None``.
     """
 
     relay: Relay
@@ -298,6 +310,7 @@ class Courier:
     _synced: set[int] = field(default_factory=set)
     _round_receipts: dict[int, dict[tuple[str, bytes], bytes]] = field(default_factory=dict)
     _late: dict[str, int] = field(default_factory=dict)
+    proofs: RoundProofs | None = None
     times: ReplyTimes = field(init=False)
     late_replies: list[LateReply] = field(default_factory=list)
     _sent: dict[str, tuple[float, str, float]] = field(default_factory=dict)
@@ -377,10 +390,21 @@ class Courier:
         if spec.phase == "relay" and fwd:
             # the previous round's receipts, so that parties can compare them with their own
             record["receipts"] = [fwd[p] for p in sorted(fwd)]
+        for key, value in spec.fields:
+            record[key] = value
+        audit = spec.audit if self._audits(node, spec) else None
+        if audit is not None:
+            for key, value in audit.fields:
+                record[key] = value
         if inner is not None:
-            return with_chaos(inner, record), envs
+            msg = with_chaos(inner, record)
+            if audit is not None:
+                pack_updates(audit.updates, msg.content)
+            return msg, envs
         content = RecordDict() if content is None else content
         content[CHAOS_RECORD_KEY] = record
+        if audit is not None:
+            pack_updates(audit.updates, content)
         # a Chaos message outlives its phase only briefly (the node's deadline for it): a dead
         # node must not come back to a backlog of stale relay traffic queued at the SuperLink
         wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node)
@@ -391,6 +415,11 @@ class Courier:
             ttl=wait * FLOWER_CHAOS_TTL_PHASES,
         )
         return msg, envs
+
+    def _audits(self, node: int, spec: PhaseSpec) -> bool:
+        """Whether ``node``'s party is one of the auditors ``spec`` asks."""
+        party = self.relay.party_of.get(node)
+        return spec.audit is not None and party is not None and party in spec.audit.parties
 
     # -- exchanges ----------------------------------------------------------------------------
     def exchange(
@@ -553,6 +582,8 @@ class Courier:
         except DecodeError as exc:
             log(WARNING, "Chaos: malformed record from node %d: %s", node, exc)
             return
+        if self.proofs is not None:
+            self.proofs.absorb(node, record)
         evidence = record.get("evidence")
         if isinstance(evidence, list) and evidence:
             who = pr.party or str(node)
@@ -597,7 +628,7 @@ class Courier:
         for node in known:
             if node in taken:
                 continue
-            if spec.phase == "relay" and not self._has_news(node):
+            if spec.phase == "relay" and not self._has_news(node) and not self._audits(node, spec):
                 continue  # churn-free: the round sends only the inner strategy's messages
             gets = spec.arrays is not None and (spec.receivers is None or node in spec.receivers)
             content = RecordDict()

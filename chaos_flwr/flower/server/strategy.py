@@ -55,6 +55,7 @@ from chaos_flwr.flower.server.courier import (
 )
 from chaos_flwr.flower.server.joins import JoinRelay
 from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
+from chaos_flwr.flower.server.proofs import Chosen, RoundProofs
 from chaos_flwr.flower.server.pull import PullReport
 from chaos_flwr.flower.server.resume import Resumed, Resumer
 from chaos_flwr.flower.server.settings import (
@@ -83,6 +84,7 @@ class _Held:
     server_round: int
     arrays: ArrayRecord
     digest: bytes
+    strategy_state: bytes = b""
 
 
 @dataclass
@@ -184,6 +186,8 @@ class ChaosStrategy(Strategy):
         self.courier = Courier(
             self.relay, self.phases, receipt_verifier, self.view, view_source, clock, sleep
         )
+        if charter is not None and receipt_verifier is not None:
+            self.courier.proofs = RoundProofs.from_charter(charter)
         self.join_relay = JoinRelay(self.courier, self.joins, clock)
         self.resumer = Resumer(self.courier, self.resume, clock, sleep)
         self.rounds: list[RoundLog] = RoundLogs()  # the newest SERVER_MAX_ROUND_LOGS
@@ -303,7 +307,13 @@ class ChaosStrategy(Strategy):
                 "last round number (absolute, not a count); give num_rounds=%d or more to train",
                 first - 1, num_rounds, first,
             )  # fmt: skip
-        for rnd in range(first, num_rounds + 1):
+        verified = self.courier.proofs is not None
+        for attempt in range(first, num_rounds + 1):
+            # verified rounds: a round is its base + 1, so a round that was not certified
+            # (nobody trained, too few signed updates, its base's audit missing) is tried again
+            rnd = held.server_round + 1 if verified else attempt
+            if rnd > num_rounds:
+                break
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             held = self._round(run, rnd, held)
@@ -335,7 +345,7 @@ class ChaosStrategy(Strategy):
                 grid, rnd, digest, found.hello, run.timeout, size
             )
             self._finish(found.hello)
-            return _Held(rnd, arrays, digest)
+            return _Held(rnd, arrays, digest, sstate)
         if mode == RESUME_REQUIRE:
             raise ResumeError(
                 f"chaos-resume=require: no certified state could be resumed ({found.why}); "
@@ -351,13 +361,23 @@ class ChaosStrategy(Strategy):
         """Certify the initial state on every node that answers, numbered 0 or above every
         round a party already signed (a fresh start never reuses a round number)."""
         round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
+        proofs = self.courier.proofs
+        if proofs is not None and round0 > 0:
+            log(
+                WARNING, "Chaos: parties signed rounds up to %d, but a verified federation starts "
+                "only at round 0 (a party that signed a round takes no new initial state): "
+                "only parties that hold nothing take it up",
+                self.round_floor,
+            )  # fmt: skip
+            round0 = 0
         log(
             INFO, "Chaos: chaos-resume=%s: starting from the initial state as round %d (%s)",
             self.resume.mode, round0, why,
         )  # fmt: skip
         digest = certified_digest(initial_arrays, round0)
         log0 = RoundLog(round0, digest=digest)
-        spec = PhaseSpec("certify", round0, digest, arrays=initial_arrays)
+        genesis = proofs.certify_fields((-1, b""), []) if proofs is not None else ()
+        spec = PhaseSpec("certify", round0, digest, arrays=initial_arrays, fields=genesis)
         _, log0.certify_s = self.courier.phase(
             run.grid, [], known, spec, timeout=run.timeout, log_=log0
         )
@@ -372,7 +392,12 @@ class ChaosStrategy(Strategy):
         rlog = RoundLog(rnd)
         known = list(grid.get_node_ids())
         prev_holders = set(courier.holding(known, held.server_round, held.digest))
-        arrays = self._train(run, rnd, rlog, known, held)
+        trained = self._train(run, rnd, rlog, known, held)
+        if trained is None:  # nothing to certify: the round is tried again
+            restore_strategy_state(self.inner, held.strategy_state)
+            self._finish(rlog)
+            return held
+        arrays, fields, chosen = trained
         sstate = strategy_state_of(self.inner)
         state = certified_state(arrays, rnd, sstate)
         digest = state.digest()
@@ -388,11 +413,13 @@ class ChaosStrategy(Strategy):
                     rnd, arrays, run.evaluate_config, EligibleGrid(grid, sorted(receivers))
                 )
             )
-        spec = PhaseSpec("certify", rnd, digest, arrays, frozenset(receivers), sstate)
+        spec = PhaseSpec("certify", rnd, digest, arrays, frozenset(receivers), sstate, fields)
         eval_replies, rlog.certify_s = courier.phase(
             grid, eval_msgs, known, spec, timeout=run.timeout, log_=rlog
         )
         courier.certified(rnd)
+        if courier.proofs is not None:
+            courier.proofs.certified(rnd, digest, (held.server_round, held.digest), chosen)
         rlog.holders = courier.holder_parties(rnd, digest)
         size = state.serialized_size()
         rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
@@ -405,12 +432,13 @@ class ChaosStrategy(Strategy):
             if res is not None:
                 run.result.evaluate_metrics_serverapp[rnd] = res
         self._finish(rlog)
-        return _Held(rnd, arrays, digest)
+        return _Held(rnd, arrays, digest, sstate)
 
     def _train(
         self, run: _Run, rnd: int, rlog: RoundLog, known: list[int], held: _Held
-    ) -> ArrayRecord:
-        """The train exchange on the eligible nodes; returns the aggregated arrays."""
+    ) -> tuple[ArrayRecord, tuple[tuple[str, Any], ...], list[Chosen]] | None:
+        """The train exchange on the eligible nodes: the aggregated arrays, the certify's proof
+        fields and the updates used; ``None`` when there is nothing to certify."""
         eligible = self.courier.eligible(known, held.digest, held.server_round)
         rlog.eligible = eligible
         need = min_nodes(self.inner, "train")
@@ -426,19 +454,33 @@ class ChaosStrategy(Strategy):
                 )
             )
         rlog.trained = [m.metadata.dst_node_id for m in train_msgs]
-        spec = PhaseSpec("relay", held.server_round, held.digest)
+        proofs = self.courier.proofs
+        active = sorted(self.view.active()) if self.view is not None else []
+        audit = proofs.audit_job(active) if proofs is not None else None
+        spec = PhaseSpec("relay", held.server_round, held.digest, audit=audit)
         train_replies, rlog.train_s = self.courier.phase(
             run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog
         )
-        arrays = held.arrays
-        if train_msgs:
-            agg_arrays, agg_metrics = self.inner.aggregate_train(rnd, train_replies)
-            if agg_arrays is not None:
-                arrays = agg_arrays
-                run.result.arrays = agg_arrays
-            if agg_metrics is not None:
-                run.result.train_metrics_clientapp[rnd] = agg_metrics
-        return arrays
+        base = (held.server_round, held.digest)
+        chosen: list[Chosen] = []
+        if proofs is not None and train_msgs:
+            chosen = proofs.select(rnd, base, self.relay.party_of, train_replies)
+            train_replies = [c.reply for c in chosen]
+            why = _not_certifiable(proofs, base, active, len(chosen))
+            if why:
+                rlog.skipped = why
+                log(WARNING, "Chaos: round %d is not certified (%s); it is tried again", rnd, why)
+                return None
+        if not train_msgs:
+            return None if proofs is not None else (held.arrays, (), [])
+        agg_arrays, agg_metrics = self.inner.aggregate_train(rnd, train_replies)
+        if agg_metrics is not None:
+            run.result.train_metrics_clientapp[rnd] = agg_metrics
+        if agg_arrays is None:
+            return None if proofs is not None else (held.arrays, (), [])
+        run.result.arrays = agg_arrays
+        fields = proofs.certify_fields(base, chosen) if proofs is not None else ()
+        return agg_arrays, fields, chosen
 
     def _receivers(self, grid: Grid, candidates: set[int]) -> set[int]:
         """Who gets the new state: live, non-suspect ``candidates``; if none, every live node
@@ -457,3 +499,17 @@ class ChaosStrategy(Strategy):
             rlog.leaves = [e.subject for e in rlog.events if e.kind == "leave"]
             rlog.failures = [e.subject for e in rlog.events if e.kind == "fail"]
         self.rounds.append(rlog)
+
+
+def _not_certifiable(
+    proofs: RoundProofs, base: tuple[int, bytes], active: list[str], updates: int
+) -> str:
+    """Why a round on ``base`` with ``updates`` signed updates cannot be certified ("": it can)."""
+    if updates < proofs.min_updates:
+        return f"{updates} signed update(s) < {proofs.min_updates} the charter asks for"
+    verdict = proofs.verdict(base[0], base[1], active)
+    if verdict is False:
+        return f"round {base[0]} was audited false"
+    if verdict is None:
+        return f"the audit of round {base[0]} has not come in"
+    return ""

@@ -1,0 +1,289 @@
+"""A signing party's side of the verifiable rounds (:mod:`chaos_flwr.rounds`) in a ClientApp.
+
+- :func:`commit`: with its train reply the party signs a commitment to its update (base = the
+  state it holds, which the arrays it trained on must be).
+- :func:`take_certify`: before it takes up and signs a certified state it checks the certify's
+  proof with its :class:`~chaos_flwr.rounds.RoundGuard` and the state's digest; a refused
+  certify is logged in :attr:`Party.errors` with its typed error and changes nothing. A party
+  whose in-time update was left out of the set logs it (not refused: stragglers are normal);
+  a trainer whose signed view differs from the party's is logged with its signed commitment
+  as evidence, and the party exchanges records with it (:meth:`chaos_flwr.peer.Peer.reconcile`).
+- :func:`audit`: a party the rota names as an auditor of a round recomputes its aggregate from
+  the committed updates the message carries and signs an :class:`~chaos_flwr.rounds.Audit`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from chaos_flwr.defaults import AUDIT_ROTA_SPARE
+from chaos_flwr.errors import ChaosError, DecodeError, EquivocationError, ProofError, StoreError
+from chaos_flwr.flower.updates import unpack_updates, update_digest, weight_of
+from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard, auditors_of
+from chaos_flwr.state import TrainingState, from_array_record
+
+if TYPE_CHECKING:
+    from chaos_flwr.flower.client.party import Party
+
+__all__ = ["audit", "commit", "guard_of", "max_signed", "proof_of", "take_certify"]
+
+#: Audits a party sends with one reply (its own, newest last).
+PARTY_MAX_AUDITS_OUT: int = 8
+
+
+def guard_of(party: Party) -> RoundGuard | None:
+    """The party's round guard (built once from its charter), or ``None`` for a party that
+    does not sign (an unsigned run takes what it is sent)."""
+    if party.signer is None or party.keyring is None or party.peer is None:
+        return None
+    if party.guard is None:
+        charter = getattr(party.peer, "charter", None)
+        policy = getattr(charter, "round_policy", None)
+        pol = policy() if callable(policy) else None
+        party.guard = RoundGuard(
+            party=party.party_id,
+            federation=bytes(getattr(party.peer, "federation_tag", b"")),
+            keyring=dict(party.keyring),
+            rule_id=getattr(pol, "rule_id", b""),
+            min_updates=getattr(pol, "min_updates", 1),
+            auditors=getattr(pol, "auditors", 0),
+        )
+        party.guard.note_audits(party.audits_kept)
+    return party.guard
+
+
+def _active(party: Party) -> list[str]:
+    records = getattr(party.peer, "records", None)
+    return list(records.active()) if records is not None else []
+
+
+def _view_digest(party: Party) -> bytes:
+    records = getattr(party.peer, "records", None)
+    return bytes(records.view().digest) if records is not None else b""
+
+
+def max_signed(party: Party) -> int:
+    """The newest round this party signed a receipt for: its held round or any replica it keeps
+    (after a restart, or a rollback, the store still names the rounds it signed)."""
+    newest = party.held_round
+    if party.store is not None:
+        try:
+            rounds = party.store.rounds()
+        except StoreError:
+            rounds = []
+        newest = max([newest, *rounds])
+    return max(newest, party.rolled_from)
+
+
+def _int(record: ConfigRecord, key: str) -> int:
+    value = record.get(key, None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProofError(f"certify field {key!r} must be an int (the message carries no proof)")
+    return value
+
+
+def _blobs(record: ConfigRecord, key: str) -> tuple[bytes, ...]:
+    value = record.get(key, [])
+    if not isinstance(value, list):
+        raise ProofError(f"certify field {key!r} must be a list of bytes")
+    out = tuple(b for b in value if isinstance(b, bytes))
+    if len(out) != len(value):
+        raise ProofError(f"certify field {key!r} must be a list of bytes")
+    return out
+
+
+def proof_of(record: ConfigRecord) -> CertifyProof:
+    """The proof a certify record carries (:class:`ProofError` if it carries none)."""
+    digest, base_digest, rule = (record.get(k, None) for k in ("digest", "base-digest", "rule"))
+    if not isinstance(digest, bytes) or not isinstance(base_digest, bytes):
+        raise ProofError("certify fields 'digest' and 'base-digest' must be bytes")
+    return CertifyProof(
+        round=_int(record, "round"),
+        digest=digest,
+        base_round=_int(record, "base-round"),
+        base_digest=base_digest,
+        rule_id=rule if isinstance(rule, bytes) else b"",
+        commitments=_blobs(record, "commits"),
+        audits=_blobs(record, "audits"),
+    )
+
+
+def commit(party: Party, record: ConfigRecord, reply: RecordDict) -> bytes:
+    """The signed commitment of a train reply (``b""`` when the party signs nothing or holds
+    no state to have trained from)."""
+    if guard_of(party) is None or party.held_round < 0 or party.left or party.signer is None:
+        return b""
+    base = (party.held_round, party.held_digest)
+    if (record.get("round"), record.get("digest")) != base:
+        party.errors.append(
+            f"ProofError: train message names round {record.get('round')!r}, not the state this "
+            f"party holds (round {party.held_round}); no commitment"
+        )
+        return b""
+    digest = update_digest(reply)
+    assert party.guard is not None
+    c = Commitment(
+        party=party.party_id,
+        federation=party.guard.federation,
+        round=party.held_round + 1,
+        base_round=party.held_round,
+        base_digest=party.held_digest,
+        update=digest,
+        weight=weight_of(reply),
+        view=_view_digest(party),
+    ).signed(party.signer)
+    party.committed = (c.round, digest)
+    return c.encode()
+
+
+def _refuse(party: Party, exc: ChaosError) -> None:
+    party.errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> None:
+    """Check a certify and take up its state (module docstring); refusals are logged."""
+    guard = guard_of(party)
+    assert guard is not None
+    sstate = record.get("strategy-state", b"")
+    try:
+        proof = proof_of(record)
+        if not isinstance(sstate, bytes):
+            raise ProofError("certify field 'strategy-state' must be bytes")
+        held = (party.held_round, party.held_digest) if party.held_round >= 0 else None
+        commits = guard.check(
+            proof, held=held, max_signed=max_signed(party), active=_active(party), rollback=party.rollback_base()
+        )
+        state = from_array_record(arrays, round=proof.round, strategy_state=sstate)
+        if state.digest() != proof.digest:
+            raise ProofError(
+                f"certify of round {proof.round}: the state it carries does not hash to the "
+                "digest it names"
+            )
+    except EquivocationError as exc:  # the base was audited false: roll back to its base
+        _refuse(party, exc)
+        party.roll_back()
+        return
+    except (ProofError, DecodeError) as exc:
+        _refuse(party, exc)
+        return
+    _note_commitments(party, proof, commits)
+    party.hold(state, arrays)
+
+
+def _note_commitments(party: Party, proof: CertifyProof, commits: list[Commitment]) -> None:
+    """Log an in-time update of this party that was left out, and views that differ."""
+    mine = party.committed
+    if mine is not None and mine[0] == proof.round:
+        if party.party_id not in {c.party for c in commits}:
+            party.errors.append(
+                f"UpdateLeftOut: this party's update of round {proof.round} "
+                f"({mine[1].hex()[:16]}) is not among the {len(commits)} the aggregate used"
+            )
+    own = _view_digest(party)
+    for c in commits:
+        if c.view and own and c.view != own and c.party != party.party_id:
+            party.errors.append(
+                f"ViewDivergence: {c.party} trained round {c.round} under view "
+                f"{c.view.hex()[:16]}, this party's is {own.hex()[:16]} (evidence: its signed "
+                f"commitment {c.encode().hex()}); exchanging records with it"
+            )
+            reconcile = getattr(party.peer, "reconcile", None)
+            if reconcile is not None:
+                party.pending.extend(reconcile(c.party, party.clock()))
+
+
+def _base_state(party: Party, round_: int, digest: bytes) -> TrainingState:
+    if party.store is None:
+        raise ProofError(f"audit of round {round_ + 1}: no replica store to read the base from")
+    state: TrainingState = party.store.get(round_)
+    if state.digest() != digest:
+        raise ProofError(f"audit of round {round_ + 1}: the replica of its base is another state")
+    return state
+
+
+def audit(party: Party, record: ConfigRecord, content: RecordDict) -> None:
+    """Audit the round named by a message's ``audit-*`` fields if this party is one of its
+    rota auditors (the signed audit goes out with the reply; a false aggregate is logged)."""
+    guard = guard_of(party)
+    if guard is None or not any(k.startswith("chaos-upd.") for k in content):
+        return
+    try:
+        proof = CertifyProof(
+            round=_int(record, "audit-round"),
+            digest=_bytes(record, "audit-digest"),
+            base_round=_int(record, "audit-base-round"),
+            base_digest=_bytes(record, "audit-base-digest"),
+            rule_id=guard.rule_id,
+            commitments=_blobs(record, "audit-commits"),
+        )
+        active = _active(party)
+        spare = 0 if guard.auditors is None else AUDIT_ROTA_SPARE
+        rota = auditors_of(proof.round, active, None if guard.auditors is None else guard.auditors + spare)
+        if party.party_id not in rota:
+            raise ProofError(f"audit of round {proof.round}: this party is not on its rota")
+        if (party.held_round, party.held_digest) != (proof.round, proof.digest):
+            raise ProofError(f"audit of round {proof.round}: this party does not hold that state")
+        commits = guard.commitments(proof, active)
+        verdict, recomputed = _recompute(party, guard, proof, commits, unpack_updates(content))
+    except ChaosError as exc:
+        _refuse(party, exc)
+        return
+    signed = Audit(
+        party=party.party_id,
+        federation=guard.federation,
+        round=proof.round,
+        digest=proof.digest,
+        ok=verdict,
+        recomputed=recomputed,
+    ).signed(party.signer)
+    blob = signed.encode()
+    guard.note_audits([blob])
+    party.audits_out.append(blob)
+    del party.audits_out[:-PARTY_MAX_AUDITS_OUT]
+    if not verdict:
+        party.errors.append(
+            f"EquivocationError: round {proof.round} is a false aggregate (certified "
+            f"{proof.digest.hex()[:16]}, recomputed {recomputed.hex()[:16]}); refuted"
+        )
+        party.roll_back()
+
+
+def _bytes(record: ConfigRecord, key: str) -> bytes:
+    value = record.get(key, None)
+    if not isinstance(value, bytes):
+        raise ProofError(f"field {key!r} must be bytes")
+    return value
+
+
+def _recompute(
+    party: Party,
+    guard: RoundGuard,
+    proof: CertifyProof,
+    commits: list[Commitment],
+    updates: dict[str, RecordDict],
+) -> tuple[bool, bytes]:
+    """Recompute the round's aggregate with the charter's rule; ``(right?, digest)``."""
+    from chaos_flwr.flower.rule import recompute, states_match
+
+    charter: Any = getattr(party.peer, "charter", None)
+    policy = charter.round_policy() if charter is not None else None
+    if policy is None or policy.rule is None:
+        raise ProofError(f"audit of round {proof.round}: the charter names no aggregation rule")
+    ordered: list[RecordDict] = []
+    for c in commits:  # sorted by party id: the order the ServerApp aggregates in
+        content = updates.get(c.party)
+        if content is None:
+            raise ProofError(f"audit of round {proof.round}: the update of {c.party} is missing")
+        if update_digest(content) != c.update:
+            raise ProofError(
+                f"audit of round {proof.round}: the update of {c.party} is not the one it committed"
+            )
+        ordered.append(content)
+    base = _base_state(party, proof.base_round, proof.base_digest)
+    mine = party.held_state
+    result = recompute(policy.rule, base, proof.round, ordered)
+    if result.digest() == proof.digest:
+        return True, proof.digest
+    return (mine is not None and states_match(result, mine)), result.digest()

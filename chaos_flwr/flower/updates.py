@@ -1,0 +1,114 @@
+"""A trainer's update as the verifiable rounds see it: its digest, its weight, and how the
+committed updates of a round travel to its auditors.
+
+:func:`update_digest` is the one definition of what a commitment
+(:class:`chaos_flwr.rounds.Commitment`) binds: every record of the train reply that the
+aggregation can read (all of them but Chaos's own), in the reply's order, each array's dtype,
+shape, storage type and bytes, each metric and config value. The trainer signs it; the ServerApp
+checks it before it aggregates the update; an auditor checks it before it recomputes.
+
+Audit material (:func:`pack_updates` / :func:`unpack_updates`) rides on the certify message of
+the round to its auditors: the records of update ``i`` under ``chaos-upd.<party>.<key>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from chaos_flwr import codec
+from chaos_flwr.errors import DecodeError
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+
+__all__ = [
+    "UPDATE_RECORD_PREFIX",
+    "WEIGHT_KEY",
+    "pack_updates",
+    "unpack_updates",
+    "update_digest",
+    "update_records",
+    "weight_of",
+]
+
+#: Prefix of the keys of audit material in a certify message's RecordDict.
+UPDATE_RECORD_PREFIX = "chaos-upd."
+#: The metric a FedAvg-family aggregation weighs an update by (Flower's default
+#: ``weighted_by_key``); a commitment's weight is its value.
+WEIGHT_KEY = "num-examples"
+_DOMAIN = b"chaos-flwr/update/v1\x00"
+
+
+def _is_chaos(key: str) -> bool:
+    return key == CHAOS_RECORD_KEY or key.startswith("chaos-")
+
+
+def update_records(content: RecordDict) -> dict[str, ArrayRecord | MetricRecord | ConfigRecord]:
+    """The records of a train reply that make up the update (all but Chaos's own), in order."""
+    return {k: v for k, v in content.items() if not _is_chaos(k)}
+
+
+def _value_bytes(value: object) -> bytes:
+    try:
+        return codec.encode(value)
+    except (TypeError, ValueError):
+        return repr(value).encode()
+
+
+def update_digest(content: RecordDict | Mapping[str, object]) -> bytes:
+    """SHA-256 of an update (module docstring): 32 bytes."""
+    h = hashlib.sha256(_DOMAIN)
+    items = content.items()
+    for key, record in items:
+        if _is_chaos(key):
+            continue
+        h.update(codec.encode([key, type(record).__name__]))
+        if isinstance(record, ArrayRecord):
+            for name, arr in record.items():
+                h.update(codec.encode([name, str(arr.dtype), list(arr.shape), arr.stype]))
+                h.update(len(arr.data).to_bytes(8, "big"))
+                h.update(arr.data)
+        elif isinstance(record, MetricRecord | ConfigRecord):
+            for name, value in record.items():
+                h.update(codec.encode(name))
+                h.update(_value_bytes(value))
+        else:
+            h.update(_value_bytes(record))
+    return h.digest()
+
+
+def weight_of(content: RecordDict, key: str = WEIGHT_KEY) -> int:
+    """The update's weight: the integer ``key`` metric of its (first) MetricRecord, else 0."""
+    for record in content.values():
+        if isinstance(record, MetricRecord) and key in record:
+            value = record[key]
+            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                return int(value)
+    return 0
+
+
+def pack_updates(updates: Sequence[tuple[str, RecordDict]], into: RecordDict) -> None:
+    """Put the updates ``(party, content)`` into a message's RecordDict as audit material."""
+    for party, content in updates:
+        for key, record in update_records(content).items():
+            into[f"{UPDATE_RECORD_PREFIX}{party}.{key}"] = record
+
+
+def unpack_updates(content: RecordDict) -> dict[str, RecordDict]:
+    """The audit material of a message: party -> its update's RecordDict (in arrival order).
+
+    Raises
+    ------
+    DecodeError
+        A key that names no party.
+    """
+    out: dict[str, RecordDict] = {}
+    for key, record in content.items():
+        if not key.startswith(UPDATE_RECORD_PREFIX):
+            continue
+        party, dot, name = key[len(UPDATE_RECORD_PREFIX) :].partition(".")
+        if not dot or not party or not name:
+            raise DecodeError(f"audit material key {key!r} is not 'chaos-upd.<party>.<key>'")
+        out.setdefault(party, RecordDict())[name] = record
+    return out
