@@ -245,3 +245,18 @@ FLOWER_DEADLINE_HISTORY: int = 20
 #: it when a certify cut short by a server kill left the newest without its receipt quorum).
 #: Disk per party: this many times the model's size.
 STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS
+
+# --- the aggregation rule the charter fixes (issue 14, helper "rule") ------------------------
+#: Fewest signed update commitments a certify must carry when the charter's ``rounds`` section
+#: leaves ``min_updates`` out.
+ROUND_DEFAULT_MIN_UPDATES: int = 1
+#: Auditors per round when the charter fixes an aggregation rule and leaves ``auditors`` out.
+ROUND_DEFAULT_AUDITORS: int = 1
+#: Auditors per round when the charter fixes no aggregation rule (nothing to recompute).
+ROUND_DEFAULT_AUDITORS_WITHOUT_RULE: int = 0
+#: Relative tolerance with which a recomputed aggregate matches a certified one when their
+#: digests differ (arithmetic that is not bitwise deterministic across machines: BLAS, SIMD
+#: summation order); see :func:`chaos_flwr.flower.rule.states_match`.
+RULE_RTOL: float = 1e-6
+#: Absolute tolerance of the same comparison (for values near zero).
+RULE_ATOL: float = 1e-8

@@ -154,3 +154,9 @@ class FloodError(ChaosError):
         super().__init__(message)
         self.signers: tuple[str, ...] = signers
         self.refused: int = refused
+
+
+class AuditError(ChaosError):
+    """An aggregate cannot be recomputed with the federation's rule (e.g. the rule's strategy
+    aggregates the given updates to nothing), or a recomputed aggregate differs from the one
+    certified."""
