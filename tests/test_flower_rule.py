@@ -259,6 +259,15 @@ def fedavg_plain() -> Any:
 def test_build_strategy_refuses_bad_args() -> None:
     with pytest.raises(ConfigError, match=r"args\.nope is not an argument of FedAvg"):
         build_strategy(AggregationRule(strategy="FedAvg", args={"nope": 1}))
+    with pytest.raises(ConfigError, match=r"args\.tau of FedAdam must be a number"):
+        build_strategy(AggregationRule(strategy="FedAdam", args={"tau": "1e-3"}))
+    with pytest.raises(ConfigError, match=r"args\.min_train_nodes of FedAvg must be an integer"):
+        build_strategy(AggregationRule(strategy="FedAvg", args={"min_train_nodes": 2.0}))
+    with pytest.raises(ConfigError, match="must be a number"):
+        build_strategy(AggregationRule(strategy="FedAvg", args={"fraction_train": True}))
+    assert (
+        build_strategy(AggregationRule(strategy="FedAvg", args={"fraction_train": 1})) is not None
+    )
     with pytest.raises(ConfigError, match="train_metrics_aggr_fn"):
         build_strategy(AggregationRule(strategy="FedAvg", args={"train_metrics_aggr_fn": "x"}))
 

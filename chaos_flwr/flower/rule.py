@@ -108,13 +108,31 @@ def _arg_names(cls: type[Strategy]) -> list[str]:
     ]
 
 
+def _kind(value: object) -> str | None:
+    """The scalar kind of a value or argument default (``None``: no scalar default)."""
+    for kind, types in (("a bool", bool), ("an integer", int), ("a number", float)):
+        if isinstance(value, types):
+            return kind
+    return "a string" if isinstance(value, str) else None
+
+
+#: The kinds of value an argument with a default of each kind takes (an int for a float).
+_ACCEPTED: dict[str, frozenset[str | None]] = {
+    "a bool": frozenset({"a bool"}),
+    "an integer": frozenset({"an integer"}),
+    "a number": frozenset({"an integer", "a number"}),
+    "a string": frozenset({"a string"}),
+}
+
+
 def build_strategy(rule: AggregationRule) -> Strategy:
     """Instantiate the rule's Flower strategy with its arguments.
 
     Raises
     ------
     ConfigError
-        If an argument is not a scalar argument of the strategy, or the strategy refuses it.
+        If an argument is not a scalar argument of the strategy, is not of the kind its default
+        is (a number, an integer, a bool, a string), or the strategy refuses it.
     """
     cls = _strategy_class(rule)
     allowed = _arg_names(cls)
@@ -124,6 +142,14 @@ def build_strategy(rule: AggregationRule) -> Strategy:
             f"aggregation rule: args.{unknown[0]} is not an argument of {rule.strategy} "
             f"(unknown: {unknown}); allowed: {allowed}"
         )
+    defaults = inspect.signature(cls.__init__).parameters
+    for key, value in rule.args.items():
+        expected = _kind(defaults[key].default)
+        if expected is not None and _kind(value) not in _ACCEPTED[expected]:
+            raise ConfigError(
+                f"aggregation rule: args.{key} of {rule.strategy} must be {expected}, got "
+                f"{value!r} (a YAML float needs a dot: 1.0e-3, not 1e-3)"
+            )
     try:
         strategy = cls(**rule.args)
     except (TypeError, ValueError) as exc:
