@@ -23,6 +23,12 @@ message that names the field path) and signed by the federation's founders::
     limits:                          # optional; absent: the defaults (chaos_flwr.defaults)
       records_per_minute: 600        # new records a receiver takes per signer and minute
       record_burst: 1000             # ... and in one burst beyond that rate
+    rounds:                          # optional; absent: no aggregation rule (see RoundRules)
+      rule:                          # the inner strategy every party recomputes with
+        strategy: FedAdam            # a class of flwr.serverapp.strategy (SUPPORTED_STRATEGIES)
+        args: {eta: 0.01, beta_1: 0.9}   # its constructor keyword arguments (scalars)
+      min_updates: 2                 # fewest signed update commitments a certify carries
+      auditors: 1                    # auditors per round (an int >= 0, or "all")
     signatures:                      # party id -> base64 Ed25519 signature
       p0123456789abcdef: ...
 
@@ -34,8 +40,15 @@ with ``founder_signatures_required``. A charter is refused
 (:class:`~chaos_flwr.errors.CharterError`) when a founder's signature is missing (beyond that
 number) or does not verify, or when it carries a signature of a key that is not a founder.
 
-An absent ``limits`` section (or ``null``) is left out of the body, so charters written before
-it existed keep their digests and signatures.
+An absent ``limits`` or ``rounds`` section (or ``null``) is left out of the body, so charters
+written before it existed keep their digests and signatures; so are the ``null`` fields inside
+``rounds``.
+
+The ``rounds`` section fixes how rounds are verified: the **aggregation rule** (an inner Flower
+strategy and its arguments) any party recomputes an aggregate with, the fewest signed update
+commitments a certify carries, and the number of auditors per round. :meth:`Charter.round_policy`
+resolves it, with the defaults, into a :class:`RoundPolicy`; its ``rule_id`` names the rule in
+signed messages.
 
 The admission policy: founders are members by their own signature; a party of the
 ``allowlist`` joins with ``admission.sponsors_required`` signatures of members. Keys that are
@@ -46,12 +59,14 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -65,6 +80,9 @@ from .defaults import (
     CHARTER_DEFAULT_SPONSORS_REQUIRED,
     CHARTER_DEFAULT_SUSPICION_TIMEOUT_S,
     CHARTER_MAX_FILE_BYTES,
+    ROUND_DEFAULT_AUDITORS,
+    ROUND_DEFAULT_AUDITORS_WITHOUT_RULE,
+    ROUND_DEFAULT_MIN_UPDATES,
 )
 from .errors import CharterError, SignatureError
 from .identity import (
@@ -81,11 +99,16 @@ from .localfile import read_local_file
 __all__ = [
     "CHARTER_DOMAIN",
     "CHARTER_VERSION",
+    "RULE_DOMAIN",
+    "SUPPORTED_STRATEGIES",
     "Admission",
+    "AggregationRule",
     "Charter",
     "Limits",
     "Member",
     "Replication",
+    "RoundPolicy",
+    "RoundRules",
     "load_charter",
 ]
 
@@ -93,6 +116,25 @@ __all__ = [
 CHARTER_DOMAIN = b"chaos-flwr/charter/v1\x00"
 #: Schema version this build reads and writes.
 CHARTER_VERSION = 1
+#: Domain separation prefix of an aggregation rule's id (:attr:`RoundPolicy.rule_id`).
+RULE_DOMAIN = b"chaos-flwr/rule/v1\x00"
+#: Classes of ``flwr.serverapp.strategy`` an aggregation rule may name: those whose aggregate
+#: a party can recompute from the committed updates and the certified state alone (FedAvgM's
+#: server momentum and the differential-privacy wrappers' noise are not carried or not
+#: reproducible, so they are not listed).
+SUPPORTED_STRATEGIES: tuple[str, ...] = (
+    "FedAvg",
+    "FedProx",
+    "FedAdam",
+    "FedYogi",
+    "FedAdagrad",
+    "Krum",
+    "MultiKrum",
+    "FedMedian",
+    "FedTrimmedAvg",
+)
+#: Range of integer rule arguments (the canonical codec's signed 64-bit integers).
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 _NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
 _FEDERATION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -176,6 +218,110 @@ class Limits(BaseModel):
     record_burst: int | None = Field(default=None, ge=1)
 
 
+class AggregationRule(BaseModel):
+    """The federation's aggregation rule: an inner Flower strategy and its arguments.
+
+    Attributes
+    ----------
+    strategy : str
+        A class name of ``flwr.serverapp.strategy`` listed in :data:`SUPPORTED_STRATEGIES`.
+    args : dict[str, int | float | bool | str]
+        The strategy's constructor keyword arguments (finite numbers, bools, strings); the
+        arguments left out take the strategy's defaults.
+    """
+
+    model_config = _STRICT
+
+    strategy: str
+    args: dict[str, int | float | bool | str] = Field(default_factory=dict)
+
+    @field_validator("strategy")
+    @classmethod
+    def _supported(cls, value: str) -> str:
+        if value not in SUPPORTED_STRATEGIES:
+            raise ValueError(
+                f"unknown or unsupported strategy {value!r}; use one of "
+                f"{', '.join(SUPPORTED_STRATEGIES)}"
+            )
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _scalar_args(
+        cls, value: dict[str, int | float | bool | str]
+    ) -> dict[str, int | float | bool | str]:
+        for key, arg in value.items():
+            if not key.isidentifier():
+                raise ValueError(f"{key!r} is not an argument name")
+            if isinstance(arg, float) and not math.isfinite(arg):
+                raise ValueError(f"{key}: {arg!r} is not a finite number")
+            if isinstance(arg, int) and not _I64_MIN <= arg <= _I64_MAX:
+                raise ValueError(f"{key}: {arg} does not fit a signed 64-bit integer")
+        return value
+
+    @property
+    def rule_id(self) -> bytes:
+        """SHA-256 of :data:`RULE_DOMAIN` + ``codec.encode({"strategy": ..., "args": ...})``."""
+        value = {"strategy": self.strategy, "args": dict(self.args)}
+        return hashlib.sha256(RULE_DOMAIN + codec.encode(value)).digest()
+
+
+class RoundRules(BaseModel):
+    """The charter's ``rounds`` section: how rounds are verified.
+
+    A field left ``None`` takes its default (see :meth:`Charter.round_policy`).
+
+    Attributes
+    ----------
+    rule : AggregationRule or None
+        The aggregation rule every party recomputes an aggregate with (``None``: no rule).
+    min_updates : int or None
+        Fewest signed update commitments a certify must carry (``None``:
+        ``ROUND_DEFAULT_MIN_UPDATES``).
+    auditors : int, ``"all"`` or None
+        Auditors per round (``None``: ``ROUND_DEFAULT_AUDITORS`` with a rule,
+        ``ROUND_DEFAULT_AUDITORS_WITHOUT_RULE`` without one). Audits recompute with the rule, so
+        auditors without a rule are refused.
+    """
+
+    model_config = _STRICT
+
+    rule: AggregationRule | None = None
+    min_updates: int | None = Field(default=None, ge=1)
+    auditors: Annotated[int, Field(ge=0)] | Literal["all"] | None = None
+
+    @model_validator(mode="after")
+    def _auditors_need_rule(self) -> RoundRules:
+        if self.rule is None and self.auditors not in (None, 0):
+            raise ValueError(
+                f"auditors ({self.auditors!r}) needs a rule: auditors recompute the aggregate "
+                "with rounds.rule"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """The charter's ``rounds`` section with its defaults applied (:meth:`Charter.round_policy`).
+
+    Attributes
+    ----------
+    rule : AggregationRule or None
+        The aggregation rule, or ``None`` when the charter fixes none.
+    rule_id : bytes
+        :attr:`AggregationRule.rule_id` (32 bytes), ``b""`` without a rule.
+    min_updates : int
+        Fewest signed update commitments a certify must carry.
+    auditors : int or None
+        Auditors per round; ``None`` means every active party.
+    """
+
+    rule: AggregationRule | None
+    rule_id: bytes
+    min_updates: int
+    auditors: int | None
+
+
 class Charter(BaseModel):
     """A federation charter (see the module docstring for the file format and signing rules).
 
@@ -202,6 +348,8 @@ class Charter(BaseModel):
     founder_signatures_required: int | None = Field(default=None, ge=1)
     #: Optional; ``None`` is left out of the body (digests of older charters are unchanged).
     limits: Limits | None = None
+    #: Optional; ``None`` is left out of the body (digests of older charters are unchanged).
+    rounds: RoundRules | None = None
     signatures: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("signatures")
@@ -268,6 +416,7 @@ class Charter(BaseModel):
         replicas: int = CHARTER_DEFAULT_REPLICAS,
         keep_rounds: int = CHARTER_DEFAULT_KEEP_ROUNDS,
         founder_signatures_required: int | None = None,
+        rounds: RoundRules | None = None,
         sign: bool = True,
     ) -> Charter:
         """Build a charter in memory (tests, simulations, ``chaos-flwr charter init``).
@@ -283,6 +432,8 @@ class Charter(BaseModel):
         sponsors_required, failure_quorum, heartbeat_interval_s, suspicion_timeout_s, replicas,
         keep_rounds, founder_signatures_required
             The policy fields (see the module docstring).
+        rounds
+            The ``rounds`` section (aggregation rule, minimum updates, auditors), or ``None``.
         sign
             Sign with every founder given as an :class:`~chaos_flwr.identity.Identity`.
 
@@ -309,6 +460,8 @@ class Charter(BaseModel):
             "founder_signatures_required": founder_signatures_required,
             "signatures": {},
         }
+        if rounds is not None:
+            data["rounds"] = rounds.model_dump(mode="python")
         charter = cls.from_dict(data, verify=False, source="Charter.create")
         if sign:
             for founder in founders:
@@ -363,11 +516,16 @@ class Charter(BaseModel):
 
     def body(self) -> dict[str, Any]:
         """The signed content: every field but ``signatures``, as codec values."""
-        return self.model_dump(mode="python", exclude=self._left_out({"signatures"}))
+        return self._dump({"signatures"})
 
-    def _left_out(self, fields: set[str]) -> set[str]:
-        """``fields`` plus the optional sections that are absent (never in body or file)."""
-        return fields | ({"limits"} if self.limits is None else set())
+    def _dump(self, fields: set[str]) -> dict[str, Any]:
+        """The fields but ``fields`` and the optional sections that are absent (never in body
+        or file); inside ``rounds``, the ``None`` fields are left out too."""
+        absent = {name for name in ("limits", "rounds") if getattr(self, name) is None}
+        data = self.model_dump(mode="python", exclude=fields | absent)
+        if self.rounds is not None:
+            data["rounds"] = self.rounds.model_dump(mode="python", exclude_none=True)
+        return data
 
     @cached_property
     def _body_bytes(self) -> bytes:
@@ -491,6 +649,32 @@ class Charter(BaseModel):
                 return m
         return None
 
+    def round_policy(self) -> RoundPolicy:
+        """The ``rounds`` section with its defaults applied.
+
+        Returns
+        -------
+        RoundPolicy
+            The rule (or ``None``) and its id (``b""`` without a rule), the fewest update
+            commitments a certify carries, and the auditors per round (``None``: all).
+        """
+        rounds = self.rounds or RoundRules()
+        rule = rounds.rule
+        if rounds.auditors == "all":
+            auditors: int | None = None
+        elif rounds.auditors is not None:
+            auditors = rounds.auditors
+        else:
+            auditors = (
+                ROUND_DEFAULT_AUDITORS if rule is not None else ROUND_DEFAULT_AUDITORS_WITHOUT_RULE
+            )
+        return RoundPolicy(
+            rule=rule,
+            rule_id=rule.rule_id if rule is not None else b"",
+            min_updates=rounds.min_updates or ROUND_DEFAULT_MIN_UPDATES,
+            auditors=auditors,
+        )
+
     # --- files ------------------------------------------------------------------------------
 
     def to_yaml(self) -> str:
@@ -500,7 +684,7 @@ class Charter(BaseModel):
             f"# digest sha256:{self.digest.hex()}\n"
         )
         return header + yaml.safe_dump(
-            self.model_dump(mode="python", exclude=self._left_out(set())),
+            self._dump(set()),
             sort_keys=False,
             allow_unicode=True,
         )

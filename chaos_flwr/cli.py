@@ -131,6 +131,16 @@ def _members(paths: list[Path]) -> list[Any]:
     return members
 
 
+def _rounds_of(rule_profile: str | None) -> Any:
+    """The charter's ``rounds`` section fixing the profile's inner strategy as the rule."""
+    if rule_profile is None:
+        return None
+    from .charter import RoundRules
+    from .flower.rule import rule_of_profile
+
+    return RoundRules(rule=rule_of_profile(rule_profile))
+
+
 @charter_app.command("init")
 def charter_init(
     federation: Annotated[str, typer.Option("--federation", help="Name of the federation.")],
@@ -164,6 +174,14 @@ def charter_init(
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
+    rule_profile: Annotated[
+        str | None,
+        typer.Option(
+            "--rule-profile",
+            help="Profile (name or path) whose inner strategy is the "
+            "aggregation rule (rounds.rule).",
+        ),
+    ] = None,
 ) -> None:
     """Write an unsigned charter; each founder then runs 'chaos-flwr charter sign'."""
     from . import defaults as d
@@ -192,6 +210,7 @@ def charter_init(
             replicas=d.CHARTER_DEFAULT_REPLICAS if replicas is None else replicas,
             keep_rounds=d.CHARTER_DEFAULT_KEEP_ROUNDS if keep_rounds is None else keep_rounds,
             founder_signatures_required=founder_signatures,
+            rounds=_rounds_of(rule_profile),
         )
         charter.save(out)
     except ChaosError as exc:

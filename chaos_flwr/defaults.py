@@ -252,3 +252,18 @@ STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS
 AUDIT_ROTA_SPARE: int = 1
 #: Audited states a party's round guard remembers (the newest; older ones are never a base).
 ROUNDS_MAX_AUDITS_KEPT: int = 16
+
+# --- the aggregation rule the charter fixes (issue 14, helper "rule") ------------------------
+#: Fewest signed update commitments a certify must carry when the charter's ``rounds`` section
+#: leaves ``min_updates`` out.
+ROUND_DEFAULT_MIN_UPDATES: int = 1
+#: Auditors per round when the charter fixes an aggregation rule and leaves ``auditors`` out.
+ROUND_DEFAULT_AUDITORS: int = 1
+#: Auditors per round when the charter fixes no aggregation rule (nothing to recompute).
+ROUND_DEFAULT_AUDITORS_WITHOUT_RULE: int = 0
+#: Relative tolerance with which a recomputed aggregate matches a certified one when their
+#: digests differ (arithmetic that is not bitwise deterministic across machines: BLAS, SIMD
+#: summation order); see :func:`chaos_flwr.flower.rule.states_match`.
+RULE_RTOL: float = 1e-6
+#: Absolute tolerance of the same comparison (for values near zero).
+RULE_ATOL: float = 1e-8
