@@ -160,6 +160,8 @@ class ProofError(ChaosError):
     """A certify's proof does not hold (:mod:`chaos_flwr.rounds`): its base is not the held
     state, its round is not the base's next, a commitment does not verify, too few updates, a
     different aggregation rule, or a base that is not final. The party takes up nothing."""
+
+
 class AuditError(ChaosError):
     """An aggregate cannot be recomputed with the federation's rule (e.g. the rule's strategy
     aggregates the given updates to nothing), or a recomputed aggregate differs from the one

@@ -22,8 +22,9 @@ internals.md, "Verifiable rounds", has the argument):
    round the party signed (it never signs two states of one round, a far-future round is
    refused, a skipped round is refused);
 2. every commitment verifies under the charter's keyring, names this federation, round and
-   base, comes from a member active in the party's view, one per party, and there are at least
-   the charter's ``min_updates``;
+   base, comes from a charter party the party's view does not list as gone (left or failed;
+   a party whose join record is still on its way is not refused), one per party, and there
+   are at least the charter's ``min_updates``;
 3. the rule named is the federation's (:meth:`chaos_flwr.charter.Charter.round_policy`);
 4. the base is *final*: its round is 0 (the genesis), or the auditors of its round signed that
    it is right (at least ``auditors`` of them, from the first ``auditors + AUDIT_ROTA_SPARE``
@@ -36,7 +37,7 @@ Signed bytes are domain-tagged codec maps like receipts (``"kind": "update"`` /
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -375,6 +376,7 @@ class RoundGuard:
         max_signed: int,
         active: Sequence[str],
         rollback: bool = False,
+        ended: Collection[str] = (),
     ) -> list[Commitment]:
         """Check a certify's proof; return its verified commitments.
 
@@ -386,6 +388,10 @@ class RoundGuard:
             The newest round the party signed a receipt for (-1: none).
         active:
             The active members of the party's view.
+        ended:
+            Parties the party's view lists as gone (left or failed): their commitments are
+            refused. A charter party the view does not list yet (its join record still on its
+            way, as in a federation's first rounds) is not refused: its signature is checked.
         rollback:
             The party rolled back from a refuted state: the round is then its newest signed
             round + 1 (not its base + 1, a number it already signed).
@@ -432,9 +438,9 @@ class RoundGuard:
                 f"certify of round {proof.round}: its base round {proof.base_round} is not "
                 "final (no audit receipts from its auditors)"
             )
-        return self.commitments(proof, active)
+        return self.commitments(proof, ended)
 
-    def commitments(self, proof: CertifyProof, active: Sequence[str]) -> list[Commitment]:
+    def commitments(self, proof: CertifyProof, ended: Collection[str] = ()) -> list[Commitment]:
         """The proof's commitments, verified (rule 2 of the module docstring), sorted by party.
 
         Raises
@@ -445,7 +451,7 @@ class RoundGuard:
         """
         if len(proof.commitments) > len(self.keyring):
             raise ProofError(f"certify of round {proof.round}: more commitments than parties")
-        members = set(active)
+        gone = set(ended)
         out: dict[str, Commitment] = {}
         for blob in proof.commitments:
             try:
@@ -465,8 +471,8 @@ class RoundGuard:
                     f"commitment of {c.party} is for round {c.round} on base {c.base_round}, "
                     f"not for round {proof.round} on base {proof.base_round}"
                 )
-            if c.party not in members:
-                raise ProofError(f"commitment of {c.party}: not an active member of this view")
+            if c.party in gone:
+                raise ProofError(f"commitment of {c.party}: it left or failed in this view")
             try:
                 c.verify(self.keyring)
             except SignatureError as exc:

@@ -213,23 +213,34 @@ def test_a_server_killed_mid_certify_resumes_at_the_killed_round(tmp_path: Path,
     _check_goes_on(w, second, hello, KILL_ROUND + 1)
 
 
-def test_with_a_receipt_quorum_the_partial_round_number_is_skipped_not_reused(
+def test_a_partial_round_number_is_reused_only_by_parties_that_never_signed_it(
     tmp_path: Path,
 ) -> None:
     w = World(tmp_path)
     w.kill_mid_certify(1)  # one receipt for the killed round: below a quorum of 2
     second = w.strategy(resume=ResumeSettings(min_receipts=2))
-    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 2, timeout=10)
     hello = second.rounds[0]
     assert hello.server_round == KILL_ROUND - 1  # resumed from the quorum-certified state ...
     assert second.round_floor == KILL_ROUND
-    # ... its one stale-ahead party pulled it back, and training goes on ABOVE the killed round
-    assert [j.party for j in hello.joins] == [w.fed.party_ids[0]] and hello.joins[0].ok
-    _check_goes_on(w, second, hello, KILL_ROUND + 1)
-    assert second.rounds[1].trained  # round KILL_ROUND + 1 trained from the older state
+    # ... and a verified round is its base + 1: the killed number is certified again, by the
+    # parties that never signed it; the one that did refuses it (never two digests a round)
+    rounds = [r.server_round for r in second.rounds[1:]]
+    assert rounds == [KILL_ROUND, KILL_ROUND + 1, KILL_ROUND + 2]
+    stale = w.party(0)
+    assert any(
+        e.startswith(f"ProofError: certify of round {KILL_ROUND}: this party already signed")
+        for e in stale.errors
+    )
+    assert all(len(d) == 1 for d in _rounds_signed(w).values())
+    _no_evidence(w, second)
+    # it catches up above the number it signed, and everyone trains the last round
+    last = second.rounds[-1]
+    assert sorted(last.trained) == sorted(n.node_id for n in w.nodes.values())
+    assert all(w.party(p).held_digest == last.digest for p in range(N))
 
 
-def test_when_no_replica_can_be_pulled_a_fresh_start_is_numbered_above_every_signed_round(
+def test_when_no_replica_can_be_pulled_a_verified_federation_takes_no_new_initial_state(
     tmp_path: Path,
 ) -> None:
     w = World(tmp_path)
@@ -241,12 +252,16 @@ def test_when_no_replica_can_be_pulled_a_fresh_start_is_numbered_above_every_sig
             round=party.held_state.round,
         )
         party._bytes_round = -1
+    held = {p: (w.party(p).held_round, w.party(p).held_digest) for p in range(N)}
     second = w.strategy()
     second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
     hello, fresh = second.rounds[0], second.rounds[1]
     assert hello.server_round == -1  # nothing verified could be pulled
-    assert fresh.server_round == KILL_ROUND + 1  # the initial state, under a new number
-    assert fresh.digest == certified_digest(_initial(), KILL_ROUND + 1)
-    assert [r.server_round for r in second.rounds[2:]] == [KILL_ROUND + 2, KILL_ROUND + 3]
-    _no_evidence(w, second)
+    # the server may not choose a new initial model for parties that signed rounds: a
+    # genesis (no base) is round 0, taken only by a party that holds and signed nothing
+    assert fresh.server_round == 0 and fresh.holders == []
+    for p in range(N):
+        party = w.party(p)
+        assert (party.held_round, party.held_digest) == held[p]
+        assert any(e.startswith("ProofError: certify of round 0") for e in party.errors)
     assert all(len(d) == 1 for d in _rounds_signed(w).values())

@@ -106,7 +106,7 @@ def test_auto_resumes_and_num_rounds_is_the_last_round_number(
     assert _trained(third) == [3, 4] and w.held() == {4}
 
 
-def test_fresh_ignores_replicas_and_numbers_the_start_above_every_signed_round(
+def test_fresh_ignores_replicas_and_parties_that_signed_rounds_refuse_the_new_start(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = World(tmp_path)
@@ -116,9 +116,11 @@ def test_fresh_ignores_replicas_and_numbers_the_start_above_every_signed_round(
     fresh = w.run(4, mode="fresh")
     assert fresh.last_pull is None  # nothing was pulled from the parties
     start = fresh.rounds[1]
-    assert start.server_round == 3 and start.digest == certified_digest(_initial(), 3)
-    assert _trained(fresh) == [4] and w.held() == {4}
-    assert "chaos-resume=fresh: starting from the initial state as round 3" in caplog.text
+    # a verified federation: the parties that signed rounds take no new initial state from
+    # the server (it holds no authority over the model); they keep theirs
+    assert start.server_round == 0 and start.digest == certified_digest(_initial(), 0)
+    assert start.holders == [] and _trained(fresh) == [] and w.held() == {2}
+    assert "a verified federation starts only at round 0" in caplog.text
     assert "replicas are ignored" in caplog.text
 
 

@@ -109,6 +109,7 @@ class Party:
     audits_out: list[bytes] = field(default_factory=list)
     audits_kept: list[bytes] = field(default_factory=list)
     rolled_from: int = -1
+    diverged: dict[str, int] = field(default_factory=dict)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
@@ -146,6 +147,7 @@ class Party:
             "audits": kept[-PARTY_MAX_AUDITS_SAVED:],
             "audits_out": list(self.audits_out),
             "rolled_from": self.rolled_from,
+            "diverged": dict(self.diverged),  # charter parties only: bounded by the keyring
         }
 
     def audits_of_held(self) -> list[bytes]:
@@ -205,6 +207,11 @@ class Party:
         out = value.get("audits_out")
         if isinstance(out, list):
             self.audits_out = [b for b in out if isinstance(b, bytes)][-PARTY_MAX_AUDITS_SAVED:]
+        diverged = value.get("diverged")
+        if isinstance(diverged, dict):
+            self.diverged = {
+                k: v for k, v in diverged.items() if isinstance(k, str) and isinstance(v, int)
+            }
         rolled = value.get("rolled_from")
         if isinstance(rolled, int) and not isinstance(rolled, bool):
             self.rolled_from = rolled
@@ -596,7 +603,6 @@ class Party:
         del self.joins_done[:-PARTY_MAX_JOINS_DONE]
         return out
 
-
     def _certify(self, record: ConfigRecord, arrays: ArrayRecord) -> None:
         """Take up a certified state: a signing party only when its proof holds
         (:func:`.proofs.take_certify`); an unsigned party's receipts prove nothing, so it
@@ -608,9 +614,10 @@ class Party:
             return
         rnd = record.get("round", -1)
         sstate = record.get("strategy-state", b"")
-        if isinstance(rnd, int) and not isinstance(rnd, bool) and rnd >= 0:
-            if isinstance(sstate, bytes):
-                self._hold(from_array_record(arrays, round=rnd, strategy_state=sstate), arrays)
+        if not isinstance(rnd, int) or isinstance(rnd, bool) or rnd < 0:
+            return
+        if isinstance(sstate, bytes):
+            self._hold(from_array_record(arrays, round=rnd, strategy_state=sstate), arrays)
 
 
 def _envelopes(record: ConfigRecord) -> Sequence[bytes]:

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 __all__ = ["audit", "commit", "guard_of", "max_signed", "proof_of", "take_certify"]
 
+#: Consecutive certified rounds in which a trainer's signed view differs from this party's
+#: before the party logs it as a split view (one or two are churn: records still travelling;
+#: the party exchanges records with it from the first).
+VIEW_DIVERGENCE_ROUNDS: int = 3
 #: Audits a party sends with one reply (its own, newest last).
 PARTY_MAX_AUDITS_OUT: int = 8
 
@@ -57,6 +61,15 @@ def guard_of(party: Party) -> RoundGuard | None:
 def _active(party: Party) -> list[str]:
     records = getattr(party.peer, "records", None)
     return list(records.active()) if records is not None else []
+
+
+def _ended(party: Party) -> set[str]:
+    """Parties the party's view lists and that are not active (left or failed)."""
+    records = getattr(party.peer, "records", None)
+    if records is None:
+        return set()
+    view = records.view()
+    return set(view.members) - set(view.active())
 
 
 def _view_digest(party: Party) -> bytes:
@@ -153,7 +166,12 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
             raise ProofError("certify field 'strategy-state' must be bytes")
         held = (party.held_round, party.held_digest) if party.held_round >= 0 else None
         commits = guard.check(
-            proof, held=held, max_signed=max_signed(party), active=_active(party), rollback=party.rollback_base()
+            proof,
+            held=held,
+            max_signed=max_signed(party),
+            active=_active(party),
+            rollback=party.rollback_base(),
+            ended=_ended(party),
         )
         state = from_array_record(arrays, round=proof.round, strategy_state=sstate)
         if state.digest() != proof.digest:
@@ -175,23 +193,37 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
 def _note_commitments(party: Party, proof: CertifyProof, commits: list[Commitment]) -> None:
     """Log an in-time update of this party that was left out, and views that differ."""
     mine = party.committed
-    if mine is not None and mine[0] == proof.round:
-        if party.party_id not in {c.party for c in commits}:
-            party.errors.append(
-                f"UpdateLeftOut: this party's update of round {proof.round} "
-                f"({mine[1].hex()[:16]}) is not among the {len(commits)} the aggregate used"
-            )
+    if (
+        mine is not None
+        and mine[0] == proof.round
+        and party.party_id not in {c.party for c in commits}
+    ):
+        party.errors.append(
+            f"UpdateLeftOut: this party's update of round {proof.round} "
+            f"({mine[1].hex()[:16]}) is not among the {len(commits)} the aggregate used"
+        )
     own = _view_digest(party)
+    reconcile = getattr(party.peer, "reconcile", None)
     for c in commits:
-        if c.view and own and c.view != own and c.party != party.party_id:
+        if c.party == party.party_id or not c.view or not own:
+            continue
+        if c.view == own:
+            party.diverged.pop(c.party, None)
+            continue
+        # views differ for a moment under churn (records are still on their way): exchange
+        # records at once, and log it as a split only when it outlasts that
+        seen = party.diverged.get(c.party, 0) + 1
+        party.diverged[c.party] = seen
+        if reconcile is not None:
+            party.pending.extend(reconcile(c.party, party.clock()))
+        if seen == VIEW_DIVERGENCE_ROUNDS:
             party.errors.append(
                 f"ViewDivergence: {c.party} trained round {c.round} under view "
-                f"{c.view.hex()[:16]}, this party's is {own.hex()[:16]} (evidence: its signed "
-                f"commitment {c.encode().hex()}); exchanging records with it"
+                f"{c.view.hex()[:16]}, this party's is {own.hex()[:16]}, for {seen} rounds in "
+                f"a row (evidence: its signed commitment {c.encode().hex()})"
             )
-            reconcile = getattr(party.peer, "reconcile", None)
-            if reconcile is not None:
-                party.pending.extend(reconcile(c.party, party.clock()))
+    for gone in [p for p in party.diverged if p not in {c.party for c in commits}]:
+        del party.diverged[gone]
 
 
 def _base_state(party: Party, round_: int, digest: bytes) -> TrainingState:
@@ -220,12 +252,14 @@ def audit(party: Party, record: ConfigRecord, content: RecordDict) -> None:
         )
         active = _active(party)
         spare = 0 if guard.auditors is None else AUDIT_ROTA_SPARE
-        rota = auditors_of(proof.round, active, None if guard.auditors is None else guard.auditors + spare)
+        rota = auditors_of(
+            proof.round, active, None if guard.auditors is None else guard.auditors + spare
+        )
         if party.party_id not in rota:
             raise ProofError(f"audit of round {proof.round}: this party is not on its rota")
         if (party.held_round, party.held_digest) != (proof.round, proof.digest):
             raise ProofError(f"audit of round {proof.round}: this party does not hold that state")
-        commits = guard.commitments(proof, active)
+        commits = guard.commitments(proof, _ended(party))
         verdict, recomputed = _recompute(party, guard, proof, commits, unpack_updates(content))
     except ChaosError as exc:
         _refuse(party, exc)

@@ -56,9 +56,9 @@ from chaos_flwr.flower.schema import (
 from chaos_flwr.flower.server.deadlines import ReplyTimes
 from chaos_flwr.flower.server.logs import RoundLog
 from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
-from chaos_flwr.flower.updates import pack_updates
 from chaos_flwr.flower.server.settings import PhaseSettings
 from chaos_flwr.flower.server.view import ServerView
+from chaos_flwr.flower.updates import pack_updates
 from chaos_flwr.receipts import Receipt, receipt_verifies
 
 __all__ = [

@@ -188,6 +188,11 @@ class ChaosStrategy(Strategy):
         )
         if charter is not None and receipt_verifier is not None:
             self.courier.proofs = RoundProofs.from_charter(charter)
+            rule = charter.round_policy().rule
+            if rule is not None:  # the federation's rule, not the server's (ConfigError)
+                from chaos_flwr.flower.rule import check_inner
+
+                check_inner(rule, inner)
         self.join_relay = JoinRelay(self.courier, self.joins, clock)
         self.resumer = Resumer(self.courier, self.resume, clock, sleep)
         self.rounds: list[RoundLog] = RoundLogs()  # the newest SERVER_MAX_ROUND_LOGS
@@ -299,7 +304,10 @@ class ChaosStrategy(Strategy):
             if res0 is not None:
                 run.result.evaluate_metrics_serverapp[0] = res0
         held = self._begin(run, initial_arrays)
-        first = max(held.server_round, self.round_floor) + 1
+        verified = self.courier.proofs is not None
+        # verified rounds: a round is its base + 1 (parties that signed the numbers between
+        # refuse them and catch up above); unverified: above every round any party signed
+        first = held.server_round + 1 if verified else max(held.server_round, self.round_floor) + 1
         if first > num_rounds:
             log(
                 WARNING,
@@ -307,7 +315,6 @@ class ChaosStrategy(Strategy):
                 "last round number (absolute, not a count); give num_rounds=%d or more to train",
                 first - 1, num_rounds, first,
             )  # fmt: skip
-        verified = self.courier.proofs is not None
         for attempt in range(first, num_rounds + 1):
             # verified rounds: a round is its base + 1, so a round that was not certified
             # (nobody trained, too few signed updates, its base's audit missing) is tried again
