@@ -250,6 +250,10 @@ def test_check_inner_names_the_mismatch() -> None:
         check_inner(fedavg, flwr_strategies.FedAvg())
     # the rule's value equal to the default: the default instance is the rule
     check_inner(AggregationRule(strategy="FedAvg", args={"min_train_nodes": 2}), fedavg_plain())
+    # sampling the rule leaves out is the server's to choose; what it aggregates with is not
+    check_inner(AggregationRule(strategy="FedAvg"), flwr_strategies.FedAvg(min_train_nodes=5))
+    with pytest.raises(ConfigError, match="weighted_by_key"):
+        check_inner(AggregationRule(strategy="FedAvg"), flwr_strategies.FedAvg(weighted_by_key="n"))
 
 
 def fedavg_plain() -> Any:

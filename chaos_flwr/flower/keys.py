@@ -33,7 +33,14 @@ from chaos_flwr.errors import ConfigError
 if TYPE_CHECKING:
     from chaos_flwr.identity import Identity
 
-__all__ = ["Federation", "charter_path", "key_path", "load_federation", "make_federation"]
+__all__ = [
+    "Federation",
+    "charter_path",
+    "fedavg_rounds",
+    "key_path",
+    "load_federation",
+    "make_federation",
+]
 
 #: Charter policy fields :func:`make_federation` passes on.
 _POLICY_FIELDS = frozenset(
@@ -70,6 +77,7 @@ def make_federation(
     federation: str = FLOWER_FEDERATION_NAME,
     seed: str | None = None,
     overwrite: bool = False,
+    rounds: Any = None,
     **policy: Any,
 ) -> Path:
     """Write keys for ``n_parties + allowlist_extra`` parties and a founder-signed charter.
@@ -92,6 +100,10 @@ def make_federation(
         Derive every key from ``seed`` (reproducible federations); random keys if ``None``.
     overwrite:
         Replace key files already in ``out_dir``.
+    rounds:
+        The charter's verifiable-rounds section (:class:`chaos_flwr.charter.RoundRules`: the
+        aggregation rule, ``min_updates``, ``auditors``; e.g. :func:`fedavg_rounds`); ``None``
+        leaves it out (updates are still committed and checked, no audits).
     **policy:
         Charter policy fields, each defaulting to the charter's default: ``sponsors_required``
         (member signatures a non-founder's join needs), ``failure_quorum``,
@@ -130,7 +142,9 @@ def make_federation(
     labels = (names or []) + [ident.name for ident in idents[len(names or []) :]]
     try:
         members = [Member.of(i, name=label) for i, label in zip(idents, labels, strict=True)]
-        charter = Charter.create(federation, members[:n_found], members[n_found:], **policy)
+        charter = Charter.create(
+            federation, members[:n_found], members[n_found:], rounds=rounds, **policy
+        )
         for founder in idents[:n_found]:
             charter = charter.sign(founder)
         charter.verify(source=str(charter_path(folder)))
@@ -140,6 +154,14 @@ def make_federation(
     except (ChaosError, ValueError) as exc:
         raise ConfigError(f"make_federation({folder}): {exc}") from exc
     return folder
+
+
+def fedavg_rounds(auditors: int | Literal["all"] = 1) -> Any:
+    """A charter ``rounds`` section whose aggregation rule is Flower's FedAvg (its default
+    aggregation keys) with ``auditors`` rota auditors per round (an int, or ``"all"``)."""
+    from chaos_flwr.charter import AggregationRule, RoundRules
+
+    return RoundRules(rule=AggregationRule(strategy="FedAvg"), auditors=auditors)
 
 
 def _names(parties: int | Sequence[str]) -> list[str] | None:

@@ -71,7 +71,8 @@ def rule_of_profile(profile: Profile | str | Path) -> AggregationRule:
     Returns
     -------
     AggregationRule
-        The rule a charter's ``rounds.rule`` carries for this profile.
+        The rule a charter's ``rounds.rule`` carries for this profile: its strategy and its
+        arguments but the sampling ones (:data:`SAMPLING_ARGS`, the server's to choose).
 
     Raises
     ------
@@ -81,7 +82,8 @@ def rule_of_profile(profile: Profile | str | Path) -> AggregationRule:
     """
     loaded = profile if isinstance(profile, Profile) else load_profile(profile)
     try:
-        return AggregationRule(strategy=loaded.strategy, args=dict(loaded.args))
+        args = {k: v for k, v in loaded.args.items() if k not in SAMPLING_ARGS}
+        return AggregationRule(strategy=loaded.strategy, args=args)
     except ValidationError as exc:
         where = f"{loaded.source}: " if loaded.source else ""
         reasons = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
@@ -168,11 +170,26 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+#: Arguments of Flower's strategies that steer only sampling (how many nodes, which
+#: fraction), not the aggregate: :func:`check_inner` compares them only when the rule names
+#: them, so a charter's rule fits a server sampling as its deployment needs.
+SAMPLING_ARGS: frozenset[str] = frozenset(
+    {
+        "fraction_train",
+        "fraction_evaluate",
+        "min_train_nodes",
+        "min_evaluate_nodes",
+        "min_available_nodes",
+    }
+)
+
+
 def check_inner(rule: AggregationRule, inner: Strategy) -> None:
     """Check that a ServerApp's inner strategy is the federation's aggregation rule.
 
     The class must be the rule's exactly, and every scalar constructor argument of that class
-    (given in the rule or left to its default) must have the value the rule gives: each is
+    (given in the rule or left to its default; sampling arguments, :data:`SAMPLING_ARGS`, only
+    when the rule gives them) must have the value the rule gives: each is
     compared as the attribute of the same name on ``inner`` and on a strategy built from the
     rule (Flower's strategies keep their arguments as attributes of the same name).
 
@@ -189,6 +206,8 @@ def check_inner(rule: AggregationRule, inner: Strategy) -> None:
         )
     reference = build_strategy(rule)
     for name in _arg_names(cls):
+        if name in SAMPLING_ARGS and name not in rule.args:
+            continue  # whom the server samples is its business; what it computes is not
         if not hasattr(reference, name):
             if name in rule.args:
                 raise ConfigError(

@@ -29,6 +29,7 @@ __all__ = [
     "unpack_updates",
     "update_digest",
     "update_records",
+    "updates_size",
     "weight_of",
 ]
 
@@ -86,6 +87,16 @@ def weight_of(content: RecordDict, key: str = WEIGHT_KEY) -> int:
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 return int(value)
     return 0
+
+
+def updates_size(updates: Sequence[tuple[str, RecordDict]]) -> int:
+    """Array bytes of the updates ``(party, content)`` (what an auditor is sent)."""
+    total = 0
+    for _, content in updates:
+        for record in update_records(content).values():
+            if isinstance(record, ArrayRecord):
+                total += sum(len(a.data) for a in record.values())
+    return total
 
 
 def pack_updates(updates: Sequence[tuple[str, RecordDict]], into: RecordDict) -> None:

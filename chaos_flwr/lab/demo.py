@@ -290,7 +290,7 @@ def run_demo(
         Local epochs, app, allowed accuracy gap, whether to keep ``work/`` (default
         :class:`DemoSettings`).
     """
-    from chaos_flwr.flower.keys import load_federation, make_federation
+    from chaos_flwr.flower.keys import fedavg_rounds, load_federation, make_federation
 
     settings = settings or DemoSettings()
     app = settings.app_dir or example_dir()
@@ -298,8 +298,12 @@ def run_demo(
     out = Path(out_dir).resolve()
     work = out / "work"
     scenario_path = _fresh_work(work, scen, scenario_path)
-    keys = make_federation(
-        work / "keys", scen.num_parties, founders=scen.institutions, seed="chaos-flwr-demo"
+    keys = make_federation(  # FedAvg is the federation's rule: one rota auditor per round
+        work / "keys",
+        scen.num_parties,
+        founders=scen.institutions,
+        seed="chaos-flwr-demo",
+        rounds=fedavg_rounds(),
     )
     launcher = _Launcher(
         app,

@@ -257,13 +257,21 @@ def measure_deploy_churn(
         restart, the resume
         pull, and every pid seen with those still alive (there must be none).
     """
-    from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
+    from chaos_flwr.flower.keys import (
+        charter_path,
+        fedavg_rounds,
+        key_path,
+        load_federation,
+        make_federation,
+    )
 
     say = log or (lambda _msg: None)
     app = app_dir or example_dir()
     work = Path(work_dir)
     n = founders + 1
-    keys = make_federation(work / "keys", n, founders=founders, seed="chaos-flwr-deploy")
+    keys = make_federation(  # audited rounds: FedAvg is the charter's rule, 1 auditor a round
+        work / "keys", n, founders=founders, seed="chaos-flwr-deploy", rounds=fedavg_rounds()
+    )
     ids = load_federation(keys).party_ids
 
     def node_config(i: int) -> dict[str, object]:

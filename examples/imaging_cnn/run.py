@@ -26,7 +26,12 @@ APP = Path(__file__).resolve().parent
 
 def run(engine: str, institutions: int, rounds: int, work: Path, timeout_s: float) -> SimulationRun:
     """Run the example signed on ``engine``; ``work`` holds the keys and the parties' state."""
-    keys = make_federation(work / "keys", institutions, founders=institutions)
+    from chaos_flwr.charter import RoundRules
+    from chaos_flwr.flower.rule import rule_of_profile
+
+    # the charter fixes the profile's FedProx as the rule: every round audited by one party
+    rounds = RoundRules(rule=rule_of_profile("fedprox-wan"), auditors=1)
+    keys = make_federation(work / "keys", institutions, founders=institutions, rounds=rounds)
     config: dict[str, object] = {
         "mode": "chaos",
         "num-server-rounds": rounds,

@@ -58,7 +58,7 @@ from chaos_flwr.flower.server.logs import RoundLog
 from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
 from chaos_flwr.flower.server.settings import PhaseSettings
 from chaos_flwr.flower.server.view import ServerView
-from chaos_flwr.flower.updates import pack_updates
+from chaos_flwr.flower.updates import pack_updates, updates_size
 from chaos_flwr.receipts import Receipt, receipt_verifies
 
 __all__ = [
@@ -214,6 +214,11 @@ def message_kind(msg: Message) -> str:
     record = msg.content.get(CHAOS_RECORD_KEY) if msg.has_content() else None
     phase = record.get("phase", "") if isinstance(record, ConfigRecord) else ""
     return f"{phase if isinstance(phase, str) else ''}:{msg.metadata.message_type}"
+
+
+def audit_size(job: AuditJob) -> int:
+    """Array bytes the committed updates of an audit job add to one auditor's message."""
+    return updates_size(job.updates)
 
 
 def min_nodes(inner: Strategy, kind: str) -> int:
@@ -639,6 +644,12 @@ class Courier:
                 node, spec, content, strategy_state=sstate if gets else None
             )
             msgs.append(msg)
+        if spec.audit is not None:
+            sent_to = sorted(
+                p for n in taken if (p := self.relay.party_of.get(n)) in spec.audit.parties
+            )
+            log_.audited = sent_to
+            log_.audit_bytes = len(sent_to) * audit_size(spec.audit)
         res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_)
         # the inner strategy sees its replies in the order of its own messages, as Flower's
         # send_and_receive gives them when all replies are in

@@ -167,6 +167,9 @@ class RoundLog:
         Evidence parties reported in this round (encoded
         :class:`chaos_flwr.receipts.Equivocation`: two signed receipts of one round with
         different digests). Parties holding evidence refuse to train.
+    audited, audit_bytes:
+        The auditors sent the previous round's committed updates with this round's train
+        messages (party ids), and the array bytes those updates added to their messages.
     """
 
     server_round: int
@@ -187,6 +190,8 @@ class RoundLog:
     failures: list[str] = field(default_factory=list)
     events: list[MembershipEvent] = field(default_factory=list)
     equivocations: list[bytes] = field(default_factory=list)
+    audited: list[str] = field(default_factory=list)
+    audit_bytes: int = 0
 
 
 class RoundLogs(list[RoundLog]):
