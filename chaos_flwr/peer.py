@@ -113,13 +113,15 @@ from .peer_sync import AntiEntropy
 from .peer_votes import FailureVotes, Vote
 from .wire import Envelope, ReplayGuard, open_sealed, peek_sender
 
-__all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection"]
+__all__ = ["AppliedChange", "Outgoing", "Peer", "Rejection", "federation_tag"]
 
 _Handler = Callable[[Envelope, float], list[Outgoing]]
 _FEDERATION_NAME_DOMAIN = b"chaos-flwr/federation-name/v1\x00"
 
 
-def _federation_tag(charter: Any) -> bytes:
+def federation_tag(charter: Any) -> bytes:
+    """The tag that binds a signed message to its federation: the charter's digest (a
+    federation-name hash for a charter-like object without one, as tests build)."""
     digest = getattr(charter, "digest", None)
     if isinstance(digest, bytes) and digest:
         return digest
@@ -206,7 +208,7 @@ class Peer(PeerCore):
         self.party_id = str(identity.party_id)
         self.incarnation = incarnation
         self.policy = Policy.from_charter(charter, keyring)
-        self.federation_tag = _federation_tag(charter)
+        self.federation_tag = federation_tag(charter)
         self._keyring = dict(self.policy.keyring)
         if self.party_id not in self._keyring:
             self._keyring[self.party_id] = bytes(identity.public_key)

@@ -99,8 +99,9 @@ def test_signed_peers_converge_and_a_joiner_is_admitted_and_trained_through_the_
     for k, f in enumerate(FOUNDERS, start=1):
         grid.add_node(app, node_config={"k": k, "who": f.name})
     keyring = {i.party_id: i.public_key for i in [*FOUNDERS, JOINER]}
-    strategy = ChaosStrategy(
-        FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+    strategy = ChaosStrategy(  # signing parties take a certify only with its proof, which
+        FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),  # names the
+        charter=_charter(),  # federation: their ServerApp has the charter
         receipt_verifier=keyring_verifier(keyring),
         phases=PhaseSettings(phase_timeout_s=2.0),
     )

@@ -40,7 +40,12 @@ PARTY_MAX_AUDITS_OUT: int = 8
 def guard_of(party: Party) -> RoundGuard | None:
     """The party's round guard (built once from its charter), or ``None`` for a party that
     does not sign (an unsigned run takes what it is sent)."""
-    if party.signer is None or party.keyring is None or party.peer is None:
+    if party.signer is None or party.peer is None:
+        return None
+    keyring = party.keyring
+    if keyring is None:  # the charter's keys, as the party's peer verifies records with
+        keyring = getattr(getattr(party.peer, "policy", None), "keyring", None)
+    if keyring is None:
         return None
     if party.guard is None:
         charter = getattr(party.peer, "charter", None)
@@ -49,7 +54,7 @@ def guard_of(party: Party) -> RoundGuard | None:
         party.guard = RoundGuard(
             party=party.party_id,
             federation=bytes(getattr(party.peer, "federation_tag", b"")),
-            keyring=dict(party.keyring),
+            keyring=dict(keyring),
             rule_id=getattr(pol, "rule_id", b""),
             min_updates=getattr(pol, "min_updates", 1),
             auditors=getattr(pol, "auditors", 0),

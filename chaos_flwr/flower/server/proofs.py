@@ -26,6 +26,7 @@ from flwr.supercore import log
 from chaos_flwr.defaults import AUDIT_ROTA_SPARE, ROUNDS_MAX_AUDITS_KEPT
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.updates import update_digest
+from chaos_flwr.peer import federation_tag
 from chaos_flwr.rounds import Audit, Commitment, auditors_of
 
 __all__ = ["AuditJob", "Chosen", "RoundProofs"]
@@ -87,7 +88,7 @@ class RoundProofs:
         pol = policy() if callable(policy) else None
         return cls(
             keyring=dict(charter.keyring()),
-            federation=bytes(charter.digest),
+            federation=federation_tag(charter),
             rule_id=getattr(pol, "rule_id", b""),
             min_updates=getattr(pol, "min_updates", 1),
             auditors=getattr(pol, "auditors", 0),

@@ -186,9 +186,15 @@ class ChaosStrategy(Strategy):
         self.courier = Courier(
             self.relay, self.phases, receipt_verifier, self.view, view_source, clock, sleep
         )
+        if charter is None and receipt_verifier is not None:
+            log(
+                WARNING, "Chaos: receipts are verified but no charter is given: certifies carry "
+                "no proof, and parties that sign take none up (give charter=...)",
+            )  # fmt: skip
         if charter is not None and receipt_verifier is not None:
             self.courier.proofs = RoundProofs.from_charter(charter)
-            rule = charter.round_policy().rule
+            policy = getattr(charter, "round_policy", None)
+            rule = policy().rule if callable(policy) else None
             if rule is not None:  # the federation's rule, not the server's (ConfigError)
                 from chaos_flwr.flower.rule import check_inner
 
