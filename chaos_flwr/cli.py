@@ -131,6 +131,11 @@ def _members(paths: list[Path]) -> list[Any]:
     return members
 
 
+#: The aggregation rule ``federation new`` writes into a charter unless told otherwise (the
+#: shipped FedAvg profile: Flower's FedAvg aggregation, sampling left to the ServerApp).
+FEDERATION_DEFAULT_RULE_PROFILE = "fedavg-wan"
+
+
 def _rounds_of(rule_profile: str | None) -> Any:
     """The charter's ``rounds`` section fixing the profile's inner strategy as the rule."""
     if rule_profile is None:
@@ -383,6 +388,14 @@ def federation_new(
     force: Annotated[
         bool, typer.Option("--force", help="Replace the keys and charter in an existing OUT.")
     ] = False,
+    rule_profile: Annotated[
+        str,
+        typer.Option(
+            "--rule-profile",
+            help="Profile (name or path) whose inner strategy is the federation's aggregation "
+            "rule, audited every round by one party; 'none' for no rule (no audits).",
+        ),
+    ] = FEDERATION_DEFAULT_RULE_PROFILE,
 ) -> None:
     """Make every party's key and a charter signed by every founder; print the settings.
 
@@ -409,6 +422,7 @@ def federation_new(
             allowlist_extra=allow,
             federation=federation or FLOWER_FEDERATION_NAME,
             overwrite=force,
+            rounds=_rounds_of(None if rule_profile.lower() == "none" else rule_profile),
         )
         text = _federation_settings(folder, state_root or folder / "state")
     except ChaosError as exc:

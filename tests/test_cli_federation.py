@@ -93,3 +93,25 @@ def test_founders_sign_and_the_others_are_allowlisted(tmp_path: Path) -> None:
     charter = load_charter(charter_path(out))
     assert len(charter.founders) == 2 and len(charter.allowlist) == 2
     assert len(charter.signatures) == 2
+
+
+def test_federation_new_fixes_an_audited_aggregation_rule_unless_told_none(
+    tmp_path: Path,
+) -> None:
+    code, text = _new("--parties", "2", "--out", str(tmp_path / "a"))
+    assert code == 0, text
+    policy = load_charter(charter_path(tmp_path / "a")).round_policy()
+    assert policy.rule is not None and policy.rule.strategy == "FedAvg"
+    assert policy.rule.args == {} and policy.auditors == 1 and len(policy.rule_id) == 32
+    code, text = _new(
+        "--parties", "2", "--out", str(tmp_path / "b"), "--rule-profile", "fedprox-wan"
+    )
+    assert code == 0, text
+    rule = load_charter(charter_path(tmp_path / "b")).round_policy().rule
+    assert rule is not None and rule.strategy == "FedProx" and rule.args == {"proximal_mu": 0.01}
+    code, text = _new("--parties", "2", "--out", str(tmp_path / "c"), "--rule-profile", "none")
+    assert code == 0, text
+    charter = load_charter(charter_path(tmp_path / "c"))
+    assert charter.rounds is None and charter.round_policy().auditors == 0
+    code, text = _new("--parties", "2", "--out", str(tmp_path / "d"), "--rule-profile", "nope")
+    assert code != 0 and "nope" in text and not (tmp_path / "d" / "charter.yaml").exists()
