@@ -15,7 +15,7 @@ the parties sign and hands it on, and decides nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any
@@ -148,15 +148,21 @@ class RoundProofs:
         base: tuple[int, bytes],
         party_of: Mapping[int, str],
         replies: Sequence[Message],
+        gone: Collection[str] = (),
     ) -> list[Chosen]:
         """The train replies the aggregate may use, sorted by party id: each with a commitment
         that verifies, names this round, base and federation, is its sender's, and matches
-        the update the reply carries. Others are logged and left out."""
+        the update the reply carries, of a party the server's view does not list as ``gone``
+        (left or failed: the parties would refuse the certify). Others are logged and left
+        out."""
         chosen: dict[str, Chosen] = {}
         for reply in replies:
             node = reply.metadata.src_node_id
             blob = self.commits.pop(node, b"")
-            why = self._bad(blob, round_, base, party_of.get(node), reply)
+            who = party_of.get(node)
+            why = self._bad(blob, round_, base, who, reply)
+            if not why and who in gone:
+                why = f"{who} left or failed in the signed view"
             if why:
                 log(WARNING, "Chaos: update of node %d left out of round %d: %s", node, round_, why)
                 continue

@@ -477,7 +477,9 @@ class ChaosStrategy(Strategy):
         base = (held.server_round, held.digest)
         chosen: list[Chosen] = []
         if proofs is not None and train_msgs:
-            chosen = proofs.select(rnd, base, self.relay.party_of, train_replies)
+            members = self.view.members() if self.view is not None else {}
+            gone = {p for status, ids in members.items() if status != "active" for p in ids}
+            chosen = proofs.select(rnd, base, self.relay.party_of, train_replies, gone)
             train_replies = [c.reply for c in chosen]
             why = _not_certifiable(proofs, base, active, len(chosen))
             if why:
