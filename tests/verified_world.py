@@ -4,15 +4,19 @@ rounds' end-to-end attack tests (tests/test_flower_verified_rounds.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from fake_grid import FakeGrid
+from flwr.app import ConfigRecord, Message
 from flwr.serverapp import strategy as flwr_strategies
 from test_flower_lib_join import World
 
 from chaos_flwr.charter import AggregationRule, Charter, RoundRules, load_charter
 from chaos_flwr.flower.keys import charter_path, key_path
 from chaos_flwr.flower.rule import build_strategy
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
 from chaos_flwr.identity import Identity
 
@@ -65,6 +69,7 @@ class VerifiedWorld(World):
         **kw: Any,
     ) -> None:
         super().__init__(tmp, n_parties, founders=founders, **kw)
+        self.grid: HostileGrid = HostileGrid()
         self.rule = rule_of(rule)
         rounds = RoundRules(rule=self.rule, auditors=auditors, min_updates=min_updates)
         body = {**self.charter.model_dump(), "rounds": rounds.model_dump(), "signatures": {}}
@@ -83,3 +88,45 @@ class VerifiedWorld(World):
         kw.setdefault("phases", PhaseSettings(phase_timeout_s=PHASE_TIMEOUT_S))
         inner = kw.pop("inner", None) or self.inner()
         return ChaosStrategy(inner, charter=self.charter, **kw)
+
+
+#: ``(message delivered, the node's reply) -> None``: a carrier's hook (may change either).
+Hook = Callable[[Message, Message], None]
+
+
+class HostileGrid(FakeGrid):
+    """A carrier that lets a test change a message before its node gets it (``before``) or the
+    node's reply before the ServerApp gets it (``after``): what a dishonest relay can do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: list[Callable[[Message], None]] = []
+        self.after: list[Hook] = []
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        msgs = list(messages)
+        for msg in msgs:
+            for hook in self.before:
+                hook(msg)
+        ids = list(super().push_messages(msgs))
+        for msg, mid in zip(msgs, ids, strict=True):
+            entry = self._ready.get(mid)
+            if entry is not None and entry[1].has_content():
+                for after in self.after:
+                    after(msg, entry[1])
+        return ids
+
+
+def chaos_of(msg: Message) -> ConfigRecord | None:
+    """The Chaos record of a message or reply (``None`` if it has none)."""
+    rec = msg.content.get(CHAOS_RECORD_KEY) if msg.has_content() else None
+    return rec if isinstance(rec, ConfigRecord) else None
+
+
+def train_round(msg: Message) -> int | None:
+    """The server round of a train message (``None`` for any other message)."""
+    if not msg.metadata.message_type.startswith("train") or not msg.has_content():
+        return None
+    config = msg.content.get("config")
+    value = config.get("server-round") if isinstance(config, ConfigRecord) else None
+    return value if isinstance(value, int) else None
