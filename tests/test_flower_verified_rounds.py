@@ -11,15 +11,16 @@ mark.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import _initial
-from verified_world import SAMPLING, VerifiedWorld
+from verified_world import SAMPLING, VerifiedWorld, chaos_of, train_round
 
 from chaos_flwr.errors import EquivocationError, ProofError
 from chaos_flwr.flower.client import Party
@@ -478,3 +479,116 @@ def test_an_auditor_never_takes_up_again_a_round_it_refuted(tmp_path: Path) -> N
     assert party.held_round == 1  # rolled back
     w.strategy().start(w.grid, _initial(), num_rounds=5, timeout=10)
     assert party.held_digest != invented
+
+
+#: Round the carrier attacks below tamper with, and the partition of the trainer they wrong.
+TAMPERED_ROUND, VICTIM = 3, 1
+
+
+def _tamper_replies(w: VerifiedWorld, how: str) -> list[str]:
+    """Install a carrier hook that changes the victim's train reply of TAMPERED_ROUND; returns
+    the list the hook notes each tampering in."""
+    done: list[str] = []
+    commits: dict[tuple[int, int], bytes] = {}  # (node, round) -> the commitment it sent
+    victim: dict[int, tuple[Message, ConfigRecord]] = {}  # round -> its reply and Chaos record
+
+    def after(msg: Message, reply: Message) -> None:
+        rnd, rec = train_round(msg), chaos_of(reply)
+        if rnd is None or rec is None:
+            return
+        node = msg.metadata.dst_node_id
+        commits[(node, rnd)] = rec.get("commit", b"")  # type: ignore[assignment]
+        if rnd == TAMPERED_ROUND and node == w.nodes[VICTIM].node_id:
+            victim[rnd] = (reply, rec)
+        if rnd != TAMPERED_ROUND or rnd not in victim or done:
+            return
+        reply, rec = victim[rnd]
+        other = commits.get((w.nodes[0].node_id, rnd))
+        if how == "reweight":  # the aggregation would weigh it ten times
+            metrics = reply.content["metrics"]
+            metrics["num-examples"] = 10 * int(metrics["num-examples"])  # type: ignore[call-overload]
+        elif how == "replay":  # its commitment of the round before
+            rec["commit"] = commits[(w.nodes[VICTIM].node_id, rnd - 1)]
+        elif other is None:  # "foreign": waits for the other trainer's reply of this round
+            return
+        else:  # "foreign": another trainer's commitment of this round
+            rec["commit"] = other
+        done.append(how)
+
+    w.grid.after.append(after)
+    return done
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("reweight", "the update is not the one its commitment names"),
+        ("replay", f"its commitment is for round {TAMPERED_ROUND - 1} on base"),
+        ("foreign", "its commitment is signed by"),
+    ],
+)
+def test_a_tampered_update_is_left_out_and_its_trainer_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str, why: str
+) -> None:
+    w = _world(tmp_path)
+    done = _tamper_replies(w, how)
+    strategy = w.strategy()
+    with caplog.at_level(logging.WARNING):
+        strategy.start(w.grid, _initial(), num_rounds=TAMPERED_ROUND + 1, timeout=10)
+    assert done == [how]
+    node = w.nodes[VICTIM].node_id
+    (left_out,) = [m for m in caplog.messages if "left out of round" in m]
+    assert left_out.startswith(f"Chaos: update of node {node} left out of round {TAMPERED_ROUND}")
+    assert why in left_out
+    assert _certified(strategy) == list(range(1, TAMPERED_ROUND + 2))  # 3 updates suffice
+    for p in range(PARTIES):
+        alarms = _alarms(w.party(p), TYPED)
+        if p == VICTIM:
+            (alarm,) = alarms
+            assert alarm.startswith(f"UpdateLeftOut: this party's update of round {TAMPERED_ROUND}")
+            assert "not among the 3 the aggregate used" in alarm
+        else:
+            assert alarms == []
+        assert w.party(p).held_digest == strategy.rounds[-1].digest
+
+
+class _Reweighting(FedAvg):
+    """An inner FedAvg that aggregates one round with the first update's weight ten times
+    larger (on copies: the committed updates the auditor is sent stay as they were)."""
+
+    def __init__(self, at_round: int, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.at_round = at_round
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        msgs = list(replies)
+        if server_round == self.at_round:
+            first = msgs[0]
+            content = RecordDict(dict(first.content.items()))
+            metrics = MetricRecord(dict(content["metrics"].items()))  # type: ignore[union-attr]
+            metrics["num-examples"] = 10 * int(metrics["num-examples"])  # type: ignore[call-overload]
+            content["metrics"] = metrics
+            copy = Message(content, reply_to=first)  # type: ignore[arg-type]
+            msgs = [copy, *msgs[1:]]
+        return super().aggregate_train(server_round, msgs)
+
+
+def test_a_reweighted_update_forced_into_the_aggregate_is_refuted(tmp_path: Path) -> None:
+    bad = 2
+    w = _world(tmp_path)
+    strategy = w.strategy(inner=_Reweighting(bad, **SAMPLING))
+    strategy.start(w.grid, _initial(), num_rounds=bad + 2, timeout=10)
+    assert _certified(strategy) == [1, bad]
+    rlog = next(r for r in strategy.rounds if r.server_round == bad)
+    (auditor,) = auditors_of(bad, rlog.members["active"], 1)
+    for p in range(PARTIES):
+        party = w.party(p)
+        assert max(_signed(party)) == bad
+        if party.party_id == auditor:
+            (alarm,) = _alarms(party, TYPED)
+            assert alarm.startswith(f"EquivocationError: round {bad} is a false aggregate")
+            assert party.held_round == bad - 1
+        else:
+            assert _alarms(party, TYPED) == []
