@@ -22,9 +22,11 @@ from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import _initial
 from verified_world import SAMPLING, VerifiedWorld, chaos_of, train_round
 
+import chaos_flwr.flower.server.strategy as strategy_mod
 from chaos_flwr.errors import EquivocationError, ProofError
 from chaos_flwr.flower.client import Party, forget_party, proofs
 from chaos_flwr.flower.server import ChaosStrategy
+from chaos_flwr.flower.server.proofs import RoundProofs
 from chaos_flwr.identity import Identity
 from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard, auditors_of
 from chaos_flwr.state import from_array_record
@@ -675,3 +677,79 @@ def test_a_restarted_server_goes_on_from_the_resumed_round(tmp_path: Path) -> No
     again.start(w.grid, _initial(), num_rounds=4, timeout=10)
     assert again.rounds[0].server_round == 2  # resumed ...
     assert _certified(again) == [3, 4]  # ... and trains on
+
+
+def _withhold_audits(w: VerifiedWorld, round_: int, *, once: bool) -> list[int]:
+    """Install a carrier hook that drops the audits of the train replies of ``round_`` (only
+    the first reply's when ``once``); returns the nodes it dropped audits of."""
+    dropped: list[int] = []
+
+    def after(msg: Message, reply: Message) -> None:
+        rec = chaos_of(reply)
+        node = msg.metadata.dst_node_id
+        if train_round(msg) != round_ or rec is None or "audits" not in rec:
+            return
+        if not (once and dropped):
+            del rec["audits"]
+            dropped.append(node)
+
+    w.grid.after.append(after)
+    return dropped
+
+
+def test_a_withheld_audit_holds_the_next_round_until_a_rota_auditor_answers(
+    tmp_path: Path,
+) -> None:
+    w = _world(tmp_path)
+    dropped = _withhold_audits(w, 2, once=True)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    r1 = next(r for r in strategy.rounds if r.server_round == 1)
+    rota = auditors_of(1, r1.members["active"], 2)  # its auditor, then the spare position
+    party_of = {w.nodes[p].node_id: w.pid(p) for p in range(PARTIES)}
+    assert [party_of[n] for n in dropped] == rota[:1]  # the rota auditor's, dropped
+    tries = [r for r in strategy.rounds if r.server_round == 2]
+    assert [r.skipped for r in tries] == ["the audit of round 1 has not come in", ""]
+    assert _certified(strategy) == [1, 2]  # the skipped try used up one of the 3 attempts
+    # the second try also asks the spare rota position, and both answer
+    audits = strategy.courier.proofs.audits_of(1, r1.digest)  # type: ignore[union-attr]
+    assert sorted(Audit.decode(b).party for b in audits) == sorted(rota)
+    assert all(_alarms(w.party(p), TYPED) == [] for p in range(PARTIES))
+
+
+def test_audits_withheld_for_good_stop_the_federation_at_the_last_final_round(
+    tmp_path: Path,
+) -> None:
+    w = _world(tmp_path)
+    dropped = _withhold_audits(w, 2, once=False)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    assert len(dropped) >= 2 and _certified(strategy) == [1]
+    assert {r.skipped for r in strategy.rounds if r.server_round == 2} == {
+        "the audit of round 1 has not come in"
+    }
+    r1 = next(r for r in strategy.rounds if r.server_round == 1)
+    for p in range(PARTIES):
+        party = w.party(p)
+        assert (party.held_round, party.held_digest) == (1, r1.digest)
+        assert max(_signed(party)) == 1 and _alarms(party, TYPED) == []
+
+
+def test_a_certify_on_a_base_without_audits_is_refused_by_every_party(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a ServerApp that neither sends the audit job nor waits for the audits before certifying
+    monkeypatch.setattr(RoundProofs, "audit_job", lambda self, active: None)
+    monkeypatch.setattr(strategy_mod, "_not_certifiable", lambda *args: "")
+    w = _world(tmp_path)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    r1 = next(r for r in strategy.rounds if r.server_round == 1)
+    r2 = next(r for r in strategy.rounds if r.server_round == 2)
+    assert r2.digest and r2.holders == []  # sent out, taken up by nobody
+    for p in range(PARTIES):
+        party = w.party(p)
+        assert (party.held_round, party.held_digest) == (1, r1.digest)
+        assert max(_signed(party)) == 1
+        (alarm,) = _alarms(party, TYPED)
+        assert alarm.startswith("ProofError: certify of round 2: its base round 1 is not final")
