@@ -20,7 +20,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import _initial
-from verified_world import SAMPLING, VerifiedWorld, chaos_of, train_round
+from verified_world import RULE_ARGS, SAMPLING, VerifiedWorld, chaos_of, train_round
 
 import chaos_flwr.flower.server.strategy as strategy_mod
 from chaos_flwr.errors import EquivocationError, ProofError
@@ -852,3 +852,38 @@ def test_an_honest_leave_gives_no_false_alarm(tmp_path: Path) -> None:
     strategy.start(w.grid, _initial(), num_rounds=6, timeout=10)
     assert w.pid(3) in strategy.rounds[-1].members["left"]
     assert [_alarms(w.party(p), ("ProofError",)) for p in range(3)] == [[]] * 3
+
+
+#: FedMedian and FedTrimmedAvg pop the arrays out of the replies they aggregate.
+_POPS = pytest.mark.xfail(
+    strict=True,
+    reason="flower/server/strategy.py _train hands the inner strategy the very reply Messages "
+    "RoundProofs keeps as audit material (Chosen.reply; proofs.py audit_job sends "
+    "c.reply.content): FedMedian/FedTrimmedAvg.aggregate_train pop their arrays, so the "
+    "auditor gets emptied updates ('ProofError: audit of round 1: the update of ... is not "
+    "the one it committed'), no audit comes in and no round after 1 is certified",
+)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [pytest.param(r, marks=_POPS) if r in {"FedMedian", "FedTrimmedAvg"} else r for r in RULE_ARGS],
+)
+def test_every_inner_strategy_runs_audited_rounds_without_a_false_alarm(
+    tmp_path: Path, rule: str
+) -> None:
+    w = _world(tmp_path, rule=rule)
+    strategy = w.strategy()
+    assert type(strategy.inner).__name__ == rule
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    assert _certified(strategy) == [1, 2, 3]
+    proofs_ = strategy.courier.proofs
+    assert proofs_ is not None
+    for rlog in strategy.rounds:
+        if rlog.server_round in (1, 2):
+            audits = [Audit.decode(b) for b in proofs_.audits_of(rlog.server_round, rlog.digest)]
+            assert audits and all(a.ok for a in audits)
+    for p in range(PARTIES):
+        party = w.party(p)
+        assert _alarms(party, TYPED) == []
+        assert party.held_digest == strategy.rounds[-1].digest
