@@ -25,6 +25,7 @@ from verified_world import RULE_ARGS, SAMPLING, VerifiedWorld, chaos_of, train_r
 import chaos_flwr.flower.server.strategy as strategy_mod
 from chaos_flwr.errors import EquivocationError, ProofError
 from chaos_flwr.flower.client import Party, forget_party, proofs
+from chaos_flwr.flower.keys import key_path
 from chaos_flwr.flower.server import ChaosStrategy
 from chaos_flwr.flower.server.proofs import RoundProofs
 from chaos_flwr.identity import Identity
@@ -887,3 +888,66 @@ def test_every_inner_strategy_runs_audited_rounds_without_a_false_alarm(
         party = w.party(p)
         assert _alarms(party, TYPED) == []
         assert party.held_digest == strategy.rounds[-1].digest
+
+
+def _signer(w: VerifiedWorld, party: str) -> Identity:
+    """The identity of ``party`` (the World's key files)."""
+    p = next(p for p in range(PARTIES) if w.pid(p) == party)
+    return Identity.load(key_path(w.keys, p))
+
+
+@pytest.mark.parametrize(
+    ("attack", "error"),
+    [
+        ("other base", "ProofError: commitment of"),
+        ("duplicated", "ProofError: certify of round 3: two updates of"),
+        ("replayed", "ProofError: commitment of"),
+        ("other rule", "ProofError: certify of round 3 names another aggregation rule"),
+        ("no updates", "ProofError: certify of round 3 carries 0 update commitment(s)"),
+        ("invented state", "ProofError: certify of round 3: the state it carries does not hash"),
+    ],
+)
+def test_a_hand_built_certify_with_signed_commitments_is_refused(
+    tmp_path: Path, attack: str, error: str
+) -> None:
+    w = _world(tmp_path)
+    w.strategy().start(w.grid, _initial(), num_rounds=2, timeout=10)
+    party = w.party(0)
+    held = (party.held_round, party.held_digest)
+    assert held[0] == 2 and party.guard is not None
+    active = sorted(w.pid(p) for p in range(PARTIES))
+    (auditor,) = auditors_of(2, active, 1)
+    fed = party.guard.federation
+    verdict = Audit(auditor, fed, round=2, digest=held[1], ok=True, recomputed=held[1])
+    final = verdict.signed(_signer(w, auditor).sign).encode()
+
+    def commit(who: str, round_: int = 3, base: tuple[int, bytes] = held) -> bytes:
+        update = hashlib.sha256(who.encode()).digest()
+        view = party.peer.records.view().digest  # type: ignore[union-attr]
+        c = Commitment(who, fed, round_, base[0], base[1], update, weight=10, view=view)
+        return c.signed(_signer(w, who).sign).encode()
+
+    other = _other_arrays(party)
+    commits = [commit(p) for p in active[:3]]
+    if attack == "other base":
+        commits[1] = commit(active[1], base=(2, hashlib.sha256(b"another state 2").digest()))
+    elif attack == "duplicated":
+        commits[2] = commits[1]
+    elif attack == "replayed":
+        base1 = (1, party.store.get(1).digest())  # type: ignore[union-attr]
+        commits[2] = commit(active[2], round_=2, base=base1)
+    elif attack == "no updates":
+        commits = []
+    record = _certify(party, 3, held, other, commits)
+    record["audits"] = [final]
+    if attack == "other rule":
+        record["rule"] = hashlib.sha256(b"FedMedian").digest()
+    if attack == "invented state":
+        record["digest"] = hashlib.sha256(b"what the arrays do not hash to").digest()
+    _refuses(party, record, other, error)
+    # the same certify, honest, is taken up (the attack was all that was wrong)
+    if attack == "no updates":
+        fixed = _certify(party, 3, held, other, [commit(p) for p in active[:3]])
+        fixed["audits"] = [final]
+        party.process(fixed, other)
+        assert party.held_round == 3 and _signed(party)[3] == fixed["digest"]
