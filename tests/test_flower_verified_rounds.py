@@ -951,3 +951,41 @@ def test_a_hand_built_certify_with_signed_commitments_is_refused(
         fixed["audits"] = [final]
         party.process(fixed, other)
         assert party.held_round == 3 and _signed(party)[3] == fixed["digest"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="client/proofs.py audit() recomputes from the commitments of the audit job "
+    "(audit-commits) and never checks them against the commitments of the certify it took "
+    "(its 'commits'): a ServerApp that lists every update in the certify but aggregates, and "
+    "has the auditor recompute, without one gets the round audited right, and the trainer "
+    "left out logs nothing",
+)
+def test_an_update_listed_in_the_certify_but_left_out_of_the_aggregate_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _world(tmp_path)
+    victim, node = w.pid(VICTIM), w.nodes[VICTIM].node_id
+    certified = RoundProofs.certified
+
+    def without_victim(self: RoundProofs, round_: int, *args: Any) -> None:
+        *rest, chosen = args
+        if round_ == TAMPERED_ROUND:  # the audit job will carry the others' updates only
+            chosen = [c for c in chosen if c.party != victim]
+        certified(self, round_, *rest, chosen)
+
+    class Dropping(FedAvg):  # aggregates round TAMPERED_ROUND without the victim's update
+        def aggregate_train(
+            self, server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            msgs = list(replies)
+            if server_round == TAMPERED_ROUND:
+                msgs = [m for m in msgs if m.metadata.src_node_id != node]
+            return super().aggregate_train(server_round, msgs)
+
+    monkeypatch.setattr(RoundProofs, "certified", without_victim)
+    strategy = w.strategy(inner=Dropping(**SAMPLING))
+    strategy.start(w.grid, _initial(), num_rounds=TAMPERED_ROUND + 1, timeout=10)
+    alarms = [a for p in range(PARTIES) for a in _alarms(w.party(p), TYPED)]
+    assert alarms, "nobody noticed that the certified aggregate left out an update it listed"
+    assert _certified(strategy) == list(range(1, TAMPERED_ROUND + 1))
