@@ -989,3 +989,51 @@ def test_an_update_listed_in_the_certify_but_left_out_of_the_aggregate_is_caught
     alarms = [a for p in range(PARTIES) for a in _alarms(w.party(p), TYPED)]
     assert alarms, "nobody noticed that the certified aggregate left out an update it listed"
     assert _certified(strategy) == list(range(1, TAMPERED_ROUND + 1))
+
+
+def test_with_every_party_auditing_each_round_is_final_with_all_their_audits(
+    tmp_path: Path,
+) -> None:
+    w = _world(tmp_path, auditors="all")
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    assert _certified(strategy) == [1, 2, 3]
+    for rlog in strategy.rounds:
+        if rlog.server_round in (1, 2):
+            blobs = strategy.courier.proofs.audits_of(rlog.server_round, rlog.digest)  # type: ignore[union-attr]
+            audits = [Audit.decode(b) for b in blobs]
+            assert sorted(a.party for a in audits) == rlog.members["active"]
+            assert all(a.ok for a in audits)
+    assert all(_alarms(w.party(p), TYPED) == [] for p in range(PARTIES))
+
+
+def _auditor_of_invented(tmp: Path) -> tuple[VerifiedWorld, int, bytes]:
+    """An invented round 2 refuted by its auditor; the world, the auditor's partition and the
+    invented digest."""
+    w, invented, auditor = _invented_run(tmp)
+    p = next(p for p in range(PARTIES) if w.pid(p) == auditor)
+    return w, p, invented
+
+
+def test_a_rolled_back_auditor_never_signs_the_refuted_round_again(tmp_path: Path) -> None:
+    w, p, invented = _auditor_of_invented(tmp_path)
+    party = w.party(p)
+    assert party.held_round == 1 and party.rolled_from == 2 and party.max_signed_round() == 2
+    assert party.held_digest != invented
+    base = (party.held_round, party.held_digest)
+    other = _other_arrays(party)
+    _refuses(party, _certify(party, 2, base, other), other, "ProofError: certify of round 2")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flower/client/party.py Party.restore takes up the newest replica of the store "
+    "(store.latest()) without regard to rolled_from: an auditor restarted after it refuted "
+    "round r holds the refuted round r again",
+)
+def test_a_restarted_auditor_does_not_take_up_the_round_it_refuted(tmp_path: Path) -> None:
+    w, p, invented = _auditor_of_invented(tmp_path)
+    forget_party(w.nodes[p].context)
+    again = w.party(p)
+    assert again.rolled_from == 2  # it remembers the rollback ...
+    assert again.held_digest != invented  # ... but not what it rolled back from
