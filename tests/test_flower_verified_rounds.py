@@ -326,6 +326,26 @@ def test_far_future_audits_of_one_member_cannot_flush_the_real_ones() -> None:
     assert len(_check(guard, _proof(audits=[_audit(auditor, *HELD)]))) == 2
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="flower/server/proofs.py RoundProofs.note_audits evicts the LOWEST (round, digest) "
+    "first: one member's audits of far-future rounds push the real audit out and the next "
+    "round is never certified",
+)
+def test_far_future_audits_of_one_member_cannot_flush_the_servers_audits() -> None:
+    from chaos_flwr.defaults import ROUNDS_MAX_AUDITS_KEPT
+
+    proofs_ = RoundProofs(keyring=KEYRING, federation=FED, rule_id=RULE, auditors=1)
+    (auditor,) = _rota(HELD[0], 1)
+    junk = [
+        _audit(B, 10**12 + i, hashlib.sha256(bytes([i])).digest())
+        for i in range(ROUNDS_MAX_AUDITS_KEPT)
+    ]
+    proofs_.note_audits(junk)
+    proofs_.note_audits([_audit(auditor, *HELD)])
+    assert proofs_.verdict(*HELD, ACTIVE) is True
+
+
 # -- part 2: signed parties through ChaosStrategy (fake Grid) -------------------------------
 
 #: Error prefixes no honest round may give.
