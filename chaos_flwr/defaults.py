@@ -250,7 +250,8 @@ STORE_DEFAULT_KEEP_REPLICAS: int = CHARTER_DEFAULT_KEEP_ROUNDS
 #: Rota positions past the charter's auditor count whose audits also count (a view that differs
 #: by one member, or a crashed auditor, still lets a round become final).
 AUDIT_ROTA_SPARE: int = 1
-#: Audited states a party's round guard remembers (the newest; older ones are never a base).
+#: Audits kept per auditor by a party's round guard and by the ServerApp (its oldest-kept go
+#: first: an honest auditor signs one per round, and only the last few rounds are in play).
 ROUNDS_MAX_AUDITS_KEPT: int = 16
 
 # --- the aggregation rule the charter fixes (issue 14, helper "rule") ------------------------

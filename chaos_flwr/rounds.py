@@ -54,9 +54,11 @@ __all__ = [
     "Commitment",
     "RoundGuard",
     "auditors_of",
+    "keep_audit",
 ]
 
 _S = TypeVar("_S", "Commitment", "Audit")
+_A = TypeVar("_A")
 
 #: Domain tag of a signed update commitment.
 UPDATE_KIND = "update"
@@ -269,6 +271,20 @@ def _replace_sig(obj: _S, sig: bytes) -> _S:
     return replace(obj, signature=sig)
 
 
+def keep_audit(
+    audits: dict[tuple[int, bytes], dict[str, _A]], key: tuple[int, bytes], party: str, audit: _A
+) -> None:
+    """Keep ``audit`` of ``party`` under ``key``, at most ``ROUNDS_MAX_AUDITS_KEPT`` per party:
+    past that the party's oldest-kept one goes. One member's flood of audits (of far-future
+    rounds, say) evicts only its own; an honest auditor signs one per round in play."""
+    audits.setdefault(key, {})[party] = audit
+    mine = [k for k, by in audits.items() if party in by]
+    for old in mine[: max(0, len(mine) - ROUNDS_MAX_AUDITS_KEPT)]:
+        del audits[old][party]
+        if not audits[old]:
+            del audits[old]
+
+
 def auditors_of(round_: int, active: Sequence[str], count: int | None) -> list[str]:
     """The rota of auditors of ``round_``: ``count`` consecutive parties of the sorted active
     view starting at position ``round_ mod n`` (``None``: all of them).
@@ -324,7 +340,11 @@ class RoundGuard:
     Attributes
     ----------
     audits:
-        ``(round, digest) -> {auditor: Audit}`` of the verified audits it has seen (bounded).
+        ``(round, digest) -> {auditor: Audit}`` of the verified audits it has seen (bounded:
+        ``ROUNDS_MAX_AUDITS_KEPT`` per auditor, :func:`keep_audit`).
+    window:
+        ``(low, high)``: audits of rounds outside are ignored unkept (its owner sets it around
+        the round it holds), so far-future audits signed by a member evict nothing.
     """
 
     party: str
@@ -334,6 +354,7 @@ class RoundGuard:
     min_updates: int = 1
     auditors: int | None = 0
     audits: dict[tuple[int, bytes], dict[str, Audit]] = field(default_factory=dict)
+    window: tuple[int, int] | None = None
 
     # -- audits ---------------------------------------------------------------------------------
     def note_audits(self, blobs: Iterable[Any]) -> list[str]:
@@ -348,18 +369,25 @@ class RoundGuard:
             except ChaosError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
                 continue
-            self.audits.setdefault((audit.round, audit.digest), {})[audit.party] = audit
-        while len(self.audits) > ROUNDS_MAX_AUDITS_KEPT:
-            del self.audits[min(self.audits)]
+            low, high = self.window or (0, 2**63)
+            if not low <= audit.round <= high:
+                continue  # far from the rounds the party holds: it evicts nothing
+            keep_audit(self.audits, (audit.round, audit.digest), audit.party, audit)
         return errors
 
-    def verdict(self, round_: int, digest: bytes, active: Sequence[str]) -> bool | None:
+    def verdict(
+        self, round_: int, digest: bytes, active: Sequence[str], also: Collection[str] = ()
+    ) -> bool | None:
         """``True`` if the state is final (genesis, audits off, or enough rota auditors signed
-        it right), ``False`` if a rota auditor signed it false, ``None`` while undecided."""
+        it right), ``False`` if a rota auditor signed it false, ``None`` while undecided.
+
+        The rota is taken from ``active`` (the view now) and ``also`` (the rota the party
+        noted when it took the state up: a member that left since still counts)."""
         if round_ == 0 or self.auditors == 0:
             return True
         spare = 0 if self.auditors is None else AUDIT_ROTA_SPARE
-        rota = auditors_of(round_, active, None if self.auditors is None else self.auditors + spare)
+        k = None if self.auditors is None else self.auditors + spare
+        rota = set(auditors_of(round_, active, k)) | set(also)
         need = len(auditors_of(round_, active, self.auditors))
         seen = self.audits.get((round_, digest), {})
         if any(not a.ok for p, a in seen.items() if p in rota):
@@ -377,6 +405,7 @@ class RoundGuard:
         active: Sequence[str],
         rollback: bool = False,
         ended: Collection[str] = (),
+        rota: Collection[str] = (),
     ) -> list[Commitment]:
         """Check a certify's proof; return its verified commitments.
 
@@ -392,6 +421,8 @@ class RoundGuard:
             Parties the party's view lists as gone (left or failed): their commitments are
             refused. A charter party the view does not list yet (its join record still on its
             way, as in a federation's first rounds) is not refused: its signature is checked.
+        rota:
+            The rota of the base round the party noted when it took the base up.
         rollback:
             The party rolled back from a refuted state: the round is then its newest signed
             round + 1 (not its base + 1, a number it already signed).
@@ -428,7 +459,7 @@ class RoundGuard:
                 f"exactly its base + 1 (after a rollback: the newest signed + 1), here {expected}"
             )
         self.note_audits(proof.audits)
-        verdict = self.verdict(proof.base_round, proof.base_digest, active)
+        verdict = self.verdict(proof.base_round, proof.base_digest, active, rota)
         if verdict is False:
             raise EquivocationError(
                 f"round {proof.base_round} (the base) was audited false; it is refuted"
@@ -439,6 +470,11 @@ class RoundGuard:
                 "final (no audit receipts from its auditors)"
             )
         return self.commitments(proof, ended)
+
+    def rota_of(self, round_: int, active: Sequence[str]) -> list[str]:
+        """The rota positions whose audits of ``round_`` count (auditors + spare, or all)."""
+        spare = 0 if self.auditors is None else AUDIT_ROTA_SPARE
+        return auditors_of(round_, active, None if self.auditors is None else self.auditors + spare)
 
     def commitments(self, proof: CertifyProof, ended: Collection[str] = ()) -> list[Commitment]:
         """The proof's commitments, verified (rule 2 of the module docstring), sorted by party.

@@ -308,11 +308,6 @@ def test_the_genesis_goes_only_to_a_party_that_holds_and_signed_nothing() -> Non
         _guard().check(genesis, held=HELD, max_signed=-1, active=ACTIVE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rounds.py RoundGuard.note_audits evicts the LOWEST (round, digest) first: one "
-    "member's audits of far-future rounds are never evicted and push out every real audit",
-)
 def test_far_future_audits_of_one_member_cannot_flush_the_real_ones() -> None:
     from chaos_flwr.defaults import ROUNDS_MAX_AUDITS_KEPT
 
@@ -326,12 +321,6 @@ def test_far_future_audits_of_one_member_cannot_flush_the_real_ones() -> None:
     assert len(_check(guard, _proof(audits=[_audit(auditor, *HELD)]))) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flower/server/proofs.py RoundProofs.note_audits evicts the LOWEST (round, digest) "
-    "first: one member's audits of far-future rounds push the real audit out and the next "
-    "round is never certified",
-)
 def test_far_future_audits_of_one_member_cannot_flush_the_servers_audits() -> None:
     from chaos_flwr.defaults import ROUNDS_MAX_AUDITS_KEPT
 
@@ -522,12 +511,6 @@ def test_a_restarted_server_does_not_resume_from_a_refuted_round(tmp_path: Path)
     assert hello.digest != invented
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flower/client/joiner.py takes up a pulled state without asking the round guard: "
-    "the auditor that refuted a round (and rolled back) pulls and holds it again when a "
-    "restarted ServerApp resumes from it",
-)
 def test_an_auditor_never_takes_up_again_a_round_it_refuted(tmp_path: Path) -> None:
     w, invented, auditor = _invented_run(tmp_path)
     party = next(w.party(p) for p in range(PARTIES) if w.pid(p) == auditor)
@@ -879,13 +862,6 @@ def test_a_relay_that_withholds_records_from_one_party_is_seen_as_a_view_diverge
         assert c.party == split and c.view != party.peer.records.view().digest  # type: ignore[union-attr]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rounds.py RoundGuard.verdict takes the rota of round r from the party's view at "
-    "check time, not the view the ServerApp chose round r's auditors under: a leave relayed "
-    "in round r+1's train exchange makes every party refuse round r+1's certify ('its base "
-    "round r is not final') and the federation stops (0 eligible nodes)",
-)
 def test_an_honest_leave_gives_no_false_alarm(tmp_path: Path) -> None:
     w = _world(tmp_path)
     # party 3 leaves in its train handler of round 4: the leave goes out with its train reply,
@@ -897,20 +873,9 @@ def test_an_honest_leave_gives_no_false_alarm(tmp_path: Path) -> None:
     assert [_alarms(w.party(p), ("ProofError",)) for p in range(3)] == [[]] * 3
 
 
-#: FedMedian and FedTrimmedAvg pop the arrays out of the replies they aggregate.
-_POPS = pytest.mark.xfail(
-    strict=True,
-    reason="flower/server/strategy.py _train hands the inner strategy the very reply Messages "
-    "RoundProofs keeps as audit material (Chosen.reply; proofs.py audit_job sends "
-    "c.reply.content): FedMedian/FedTrimmedAvg.aggregate_train pop their arrays, so the "
-    "auditor gets emptied updates ('ProofError: audit of round 1: the update of ... is not "
-    "the one it committed'), no audit comes in and no round after 1 is certified",
-)
-
-
 @pytest.mark.parametrize(
     "rule",
-    [pytest.param(r, marks=_POPS) if r in {"FedMedian", "FedTrimmedAvg"} else r for r in RULE_ARGS],
+    list(RULE_ARGS),  # FedMedian and FedTrimmedAvg pop arrays out of the replies they aggregate
 )
 def test_every_inner_strategy_runs_audited_rounds_without_a_false_alarm(
     tmp_path: Path, rule: str
@@ -995,14 +960,6 @@ def test_a_hand_built_certify_with_signed_commitments_is_refused(
         assert party.held_round == 3 and _signed(party)[3] == fixed["digest"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="client/proofs.py audit() recomputes from the commitments of the audit job "
-    "(audit-commits) and never checks them against the commitments of the certify it took "
-    "(its 'commits'): a ServerApp that lists every update in the certify but aggregates, and "
-    "has the auditor recompute, without one gets the round audited right, and the trainer "
-    "left out logs nothing",
-)
 def test_an_update_listed_in_the_certify_but_left_out_of_the_aggregate_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1010,11 +967,12 @@ def test_an_update_listed_in_the_certify_but_left_out_of_the_aggregate_is_caught
     victim, node = w.pid(VICTIM), w.nodes[VICTIM].node_id
     certified = RoundProofs.certified
 
-    def without_victim(self: RoundProofs, round_: int, *args: Any) -> None:
-        *rest, chosen = args
+    def without_victim(
+        self: RoundProofs, round_: int, digest: bytes, base: Any, chosen: Any, active: Any
+    ) -> None:
         if round_ == TAMPERED_ROUND:  # the audit job will carry the others' updates only
             chosen = [c for c in chosen if c.party != victim]
-        certified(self, round_, *rest, chosen)
+        certified(self, round_, digest, base, chosen, active)
 
     def dropping(
         honest: Callable[..., tuple[ArrayRecord | None, MetricRecord | None]],
@@ -1067,12 +1025,6 @@ def test_a_rolled_back_auditor_never_signs_the_refuted_round_again(tmp_path: Pat
     _refuses(party, _certify(party, 2, base, other), other, "ProofError: certify of round 2")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flower/client/party.py Party.restore takes up the newest replica of the store "
-    "(store.latest()) without regard to rolled_from: an auditor restarted after it refuted "
-    "round r holds the refuted round r again",
-)
 def test_a_restarted_auditor_does_not_take_up_the_round_it_refuted(tmp_path: Path) -> None:
     w, p, invented = _auditor_of_invented(tmp_path)
     forget_party(w.nodes[p].context)

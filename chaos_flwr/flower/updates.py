@@ -25,6 +25,7 @@ from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 __all__ = [
     "UPDATE_RECORD_PREFIX",
     "WEIGHT_KEY",
+    "copy_update",
     "pack_updates",
     "unpack_updates",
     "update_digest",
@@ -87,6 +88,21 @@ def weight_of(content: RecordDict, key: str = WEIGHT_KEY) -> int:
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 return int(value)
     return 0
+
+
+def copy_update(content: RecordDict) -> RecordDict:
+    """The update records of a reply in a new RecordDict, each record container copied (the
+    arrays' bytes are shared, not copied): what the reply's owner does to its own records
+    afterwards (an inner strategy popping arrays) does not reach the copy."""
+    out = RecordDict()
+    for key, record in update_records(content).items():
+        if isinstance(record, ArrayRecord):
+            out[key] = ArrayRecord(dict(record.items()))
+        elif isinstance(record, MetricRecord):
+            out[key] = MetricRecord(dict(record.items()))
+        else:
+            out[key] = ConfigRecord(dict(record.items()))
+    return out
 
 
 def updates_size(updates: Sequence[tuple[str, RecordDict]]) -> int:

@@ -110,6 +110,11 @@ class Party:
     audits_kept: list[bytes] = field(default_factory=list)
     rolled_from: int = -1
     diverged: dict[str, int] = field(default_factory=dict)
+    #: Of the held state's certify: the rota of its auditors as this party's view had it, and
+    #: the digest of its commitments (an audit job must name exactly those).
+    held_rota: list[str] = field(default_factory=list)
+    held_commits: bytes = b""
+    _saved_held: tuple[int, list[str], bytes] | None = field(default=None, repr=False)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
@@ -148,6 +153,7 @@ class Party:
             "audits_out": list(self.audits_out),
             "rolled_from": self.rolled_from,
             "diverged": dict(self.diverged),  # charter parties only: bounded by the keyring
+            "held": [self.held_round, list(self.held_rota), self.held_commits],
         }
 
     def audits_of_held(self) -> list[bytes]:
@@ -212,9 +218,21 @@ class Party:
             self.diverged = {
                 k: v for k, v in diverged.items() if isinstance(k, str) and isinstance(v, int)
             }
+        held = value.get("held")
+        if isinstance(held, list) and len(held) == 3 and isinstance(held[0], int):
+            rota, commits = held[1], held[2]
+            if isinstance(rota, list) and isinstance(commits, bytes):
+                self._saved_held = (held[0], [p for p in rota if isinstance(p, str)], commits)
+                self._apply_saved_held()
         rolled = value.get("rolled_from")
         if isinstance(rolled, int) and not isinstance(rolled, bool):
             self.rolled_from = rolled
+
+    def _apply_saved_held(self) -> None:
+        """Take up the saved rota and commitments digest if they are of the held round."""
+        saved = self._saved_held
+        if saved is not None and saved[0] == self.held_round >= 0:
+            self.held_rota, self.held_commits = list(saved[1]), saved[2]
 
     def is_current(self) -> bool:
         """Whether the state file is still the one this party object last saved (another
@@ -323,7 +341,10 @@ class Party:
         return proofs.max_signed(self) if self.signer is not None else -1
 
     def signed_digest(self, rnd: int) -> bytes | None:
-        """The digest this party holds (and signed) for round ``rnd``, if it keeps one."""
+        """The digest this party holds (and signed) for round ``rnd``, if it keeps one (never
+        for the round it rolled back from: it no longer vouches for that state)."""
+        if rnd == self.rolled_from:
+            return None
         if rnd == self.held_round and self.held_digest:
             return self.held_digest
         if self.store is not None:
@@ -357,6 +378,7 @@ class Party:
                 state = self.store.get(max(older))
             except StoreError as exc:
                 self.errors.append(f"StoreError: {exc}")
+        self.held_rota, self.held_commits = [], b""  # of the refuted state
         if state is None:  # nothing to go back to: it holds nothing and pulls as a joiner
             self.held_round, self.held_digest = -1, b""
             self.held_state, self.held_arrays = None, None
@@ -397,7 +419,9 @@ class Party:
         if self.store is None:
             return False
         try:
-            state = self.store.latest()
+            # never the round it rolled back from (refuted): the newest replica below it
+            rounds = [r for r in self.store.rounds() if r != self.rolled_from]
+            state = self.store.get(max(rounds)) if rounds else None
             cert = self.store.certificate(state.round) if state is not None else b""
         except StoreError as exc:
             self.errors.append(f"StoreError: {exc}")
@@ -414,6 +438,7 @@ class Party:
         self.held_digest = state.digest()
         self.held_state = state
         self.held_arrays = to_array_record(state)
+        self._apply_saved_held()
         return True
 
     # -- pulls (chaos_flwr.flower.client.donor / .joiner) ------------------------------------------

@@ -14,14 +14,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from chaos_flwr.defaults import AUDIT_ROTA_SPARE
 from chaos_flwr.errors import ChaosError, DecodeError, EquivocationError, ProofError, StoreError
 from chaos_flwr.flower.updates import unpack_updates, update_digest, weight_of
-from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard, auditors_of
+from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard
 from chaos_flwr.state import TrainingState, from_array_record
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ __all__ = ["audit", "commit", "guard_of", "max_signed", "proof_of", "take_certif
 #: before the party logs it as a split view (one or two are churn: records still travelling;
 #: the party exchanges records with it from the first).
 VIEW_DIVERGENCE_ROUNDS: int = 3
+#: Rounds below the held one whose audits a party still notes (a window: audits of rounds far
+#: from it are ignored, so they evict nothing).
+PARTY_AUDIT_WINDOW: int = 16
 #: Audits a party sends with one reply (its own, newest last).
 PARTY_MAX_AUDITS_OUT: int = 8
 
@@ -170,6 +173,7 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
         if not isinstance(sstate, bytes):
             raise ProofError("certify field 'strategy-state' must be bytes")
         held = (party.held_round, party.held_digest) if party.held_round >= 0 else None
+        guard.window = (max(0, party.held_round - PARTY_AUDIT_WINDOW), party.held_round + 1)
         commits = guard.check(
             proof,
             held=held,
@@ -177,6 +181,7 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
             active=_active(party),
             rollback=party.rollback_base(),
             ended=_ended(party),
+            rota=party.held_rota,
         )
         state = from_array_record(arrays, round=proof.round, strategy_state=sstate)
         if state.digest() != proof.digest:
@@ -193,6 +198,8 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
         return
     _note_commitments(party, proof, commits)
     party.hold(state, arrays)
+    party.held_rota = guard.rota_of(proof.round, _active(party))
+    party.held_commits = commits_digest(proof.commitments)
 
 
 def _note_commitments(party: Party, proof: CertifyProof, commits: list[Commitment]) -> None:
@@ -231,6 +238,15 @@ def _note_commitments(party: Party, proof: CertifyProof, commits: list[Commitmen
         del party.diverged[gone]
 
 
+def commits_digest(blobs: tuple[bytes, ...] | list[bytes]) -> bytes:
+    """SHA-256 of a certify's commitment list, in order (what an audit job must repeat)."""
+    h = hashlib.sha256(b"chaos-flwr/commits/v1\x00")
+    for blob in blobs:
+        h.update(len(blob).to_bytes(4, "big"))
+        h.update(blob)
+    return h.digest()
+
+
 def _base_state(party: Party, round_: int, digest: bytes) -> TrainingState:
     if party.store is None:
         raise ProofError(f"audit of round {round_ + 1}: no replica store to read the base from")
@@ -255,15 +271,16 @@ def audit(party: Party, record: ConfigRecord, content: RecordDict) -> None:
             rule_id=guard.rule_id,
             commitments=_blobs(record, "audit-commits"),
         )
-        active = _active(party)
-        spare = 0 if guard.auditors is None else AUDIT_ROTA_SPARE
-        rota = auditors_of(
-            proof.round, active, None if guard.auditors is None else guard.auditors + spare
-        )
+        rota = set(guard.rota_of(proof.round, _active(party))) | set(party.held_rota)
         if party.party_id not in rota:
             raise ProofError(f"audit of round {proof.round}: this party is not on its rota")
         if (party.held_round, party.held_digest) != (proof.round, proof.digest):
             raise ProofError(f"audit of round {proof.round}: this party does not hold that state")
+        if commits_digest(proof.commitments) != party.held_commits:
+            raise ProofError(
+                f"audit of round {proof.round}: its commitments are not those of the certify "
+                "this party took up"
+            )
         # membership was checked by every party when the round was certified; a trainer that
         # left since is no reason to refuse its update now
         commits = guard.commitments(proof)

@@ -25,20 +25,24 @@ from flwr.supercore import log
 
 from chaos_flwr.defaults import AUDIT_ROTA_SPARE, ROUNDS_MAX_AUDITS_KEPT
 from chaos_flwr.errors import ChaosError
-from chaos_flwr.flower.updates import update_digest
+from chaos_flwr.flower.updates import copy_update, update_digest
 from chaos_flwr.peer import federation_tag
-from chaos_flwr.rounds import Audit, Commitment, auditors_of
+from chaos_flwr.rounds import Audit, Commitment, auditors_of, keep_audit
 
 __all__ = ["AuditJob", "Chosen", "RoundProofs"]
 
 
 @dataclass(frozen=True)
 class Chosen:
-    """An update the aggregate uses: its party, its signed commitment and the reply."""
+    """An update the aggregate uses: its party, its signed commitment, the reply (what the
+    inner strategy aggregates) and the update's records as they came (what the auditors are
+    sent: a copy of the record containers, so an inner strategy that pops arrays out of the
+    replies, as FedMedian and FedTrimmedAvg do, leaves the audit material whole)."""
 
     party: str
     commitment: bytes
     reply: Message
+    update: RecordDict
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class _Certified:
     base_round: int
     base_digest: bytes
     chosen: tuple[Chosen, ...]
+    rota: tuple[str, ...] = ()
     asks: int = 0
 
 
@@ -115,9 +120,11 @@ class RoundProofs:
                 audit.verify(self.keyring)
             except ChaosError:
                 continue
-            self.audits.setdefault((audit.round, audit.digest), {})[audit.party] = blob
-        while len(self.audits) > ROUNDS_MAX_AUDITS_KEPT:
-            del self.audits[min(self.audits)]
+            if self.last is not None and not (
+                self.last.base_round - ROUNDS_MAX_AUDITS_KEPT <= audit.round <= self.last.round
+            ):
+                continue  # far from the rounds in play: a flood of them evicts nothing
+            keep_audit(self.audits, (audit.round, audit.digest), audit.party, blob)
 
     def audits_of(self, round_: int, digest: bytes) -> list[bytes]:
         """Encoded audits of a state, by auditor."""
@@ -130,7 +137,12 @@ class RoundProofs:
         if round_ == 0 or self.auditors == 0:
             return True
         spare = 0 if self.auditors is None else AUDIT_ROTA_SPARE
-        rota = auditors_of(round_, active, None if self.auditors is None else self.auditors + spare)
+        rota = set(
+            auditors_of(round_, active, None if self.auditors is None else self.auditors + spare)
+        )
+        last = self.last
+        if last is not None and (last.round, last.digest) == (round_, digest):
+            rota |= set(last.rota)
         need = len(auditors_of(round_, active, self.auditors))
         good = 0
         for blob in self.audits_of(round_, digest):
@@ -167,7 +179,7 @@ class RoundProofs:
                 log(WARNING, "Chaos: update of node %d left out of round %d: %s", node, round_, why)
                 continue
             c = Commitment.decode(blob)
-            chosen.setdefault(c.party, Chosen(c.party, blob, reply))
+            chosen.setdefault(c.party, Chosen(c.party, blob, reply, copy_update(reply.content)))
         self.commits.clear()
         return [chosen[p] for p in sorted(chosen)]
 
@@ -202,6 +214,10 @@ class RoundProofs:
             return None
         extra = 0 if self.auditors is None or last.asks == 0 else AUDIT_ROTA_SPARE
         count = None if self.auditors is None else self.auditors + extra
+        first = last.rota[: self.auditors] if self.auditors is not None else last.rota
+        asked = set(first if last.asks == 0 else last.rota) | set(
+            auditors_of(last.round, active, count)
+        )
         last.asks += 1
         fields = (
             ("audit-round", last.round),
@@ -210,8 +226,8 @@ class RoundProofs:
             ("audit-base-digest", last.base_digest),
             ("audit-commits", [c.commitment for c in last.chosen]),
         )
-        updates = tuple((c.party, c.reply.content) for c in last.chosen)
-        return AuditJob(frozenset(auditors_of(last.round, active, count)), fields, updates)
+        updates = tuple((c.party, c.update) for c in last.chosen)
+        return AuditJob(frozenset(asked), fields, updates)
 
     # -- the certify phase ----------------------------------------------------------------------
     def certify_fields(
@@ -227,7 +243,16 @@ class RoundProofs:
         )
 
     def certified(
-        self, round_: int, digest: bytes, base: tuple[int, bytes], chosen: Sequence[Chosen]
+        self,
+        round_: int,
+        digest: bytes,
+        base: tuple[int, bytes],
+        chosen: Sequence[Chosen],
+        active: Sequence[str],
     ) -> None:
-        """A round was certified from ``chosen``: its audit is due with the next train."""
-        self.last = _Certified(round_, digest, base[0], base[1], tuple(chosen))
+        """A round was certified from ``chosen``: its audit is due with the next train, to the
+        rota of the view as it is now (the parties note theirs when they take the state up)."""
+        spare = 0 if self.auditors is None else AUDIT_ROTA_SPARE
+        k = None if self.auditors is None else self.auditors + spare
+        rota = tuple(auditors_of(round_, active, k))
+        self.last = _Certified(round_, digest, base[0], base[1], tuple(chosen), rota)

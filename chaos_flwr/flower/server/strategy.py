@@ -432,7 +432,8 @@ class ChaosStrategy(Strategy):
         )
         courier.certified(rnd)
         if courier.proofs is not None:
-            courier.proofs.certified(rnd, digest, (held.server_round, held.digest), chosen)
+            active = sorted(self.view.active()) if self.view is not None else []
+            courier.proofs.certified(rnd, digest, (held.server_round, held.digest), chosen, active)
         rlog.holders = courier.holder_parties(rnd, digest)
         size = state.serialized_size()
         rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
