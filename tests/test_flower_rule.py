@@ -33,6 +33,7 @@ from chaos_flwr.defaults import RULE_RTOL
 from chaos_flwr.errors import AuditError, CharterError, ConfigError, ProfileError
 from chaos_flwr.flower.profiles import available_profiles, load_profile
 from chaos_flwr.flower.rule import (
+    SAMPLING_ARGS,
     build_strategy,
     check_inner,
     recompute,
@@ -281,7 +282,10 @@ def test_each_shipped_profile_gives_a_rule_its_inner_strategy_passes(name: str) 
     profile = load_profile(name)
     rule = rule_of_profile(name)
     assert rule == rule_of_profile(profile)
-    assert rule.strategy == profile.strategy and rule.args == profile.args
+    # the profile's arguments but the sampling ones (those stay the server's to choose)
+    aggregation = {k: v for k, v in profile.args.items() if k not in SAMPLING_ARGS}
+    assert rule.strategy == profile.strategy and rule.args == aggregation
+    assert set(profile.args) - set(rule.args) <= SAMPLING_ARGS
     check_inner(rule, profile.build_inner())
     check_inner(rule, build_strategy(rule))
 
