@@ -330,10 +330,38 @@ class ChaosStrategy(Strategy):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             held = self._round(run, rnd, held)
+        if verified:
+            self._final_audit(run, held)
+            if held.server_round < num_rounds:
+                log(
+                    WARNING, "Chaos: the run ends at round %d, below num_rounds=%d: some rounds "
+                    "were not certified and tried again (see the warnings above)",
+                    held.server_round, num_rounds,
+                )  # fmt: skip
         log(INFO, "ChaosStrategy finished in %.2fs", time.time() - t_start)
         for line in io.StringIO(str(run.result)):
             log(INFO, "\t%s", line.strip("\n"))
         return run.result
+
+    def _final_audit(self, run: _Run, held: _Held) -> None:
+        """The run's last round has no next train exchange to carry its audit: send the audit
+        job on its own (the one exchange an audit adds, to the auditors only, once per run),
+        so the state the run ends on is final and a later run can build on it."""
+        proofs = self.courier.proofs
+        if proofs is None or self.view is None:
+            return
+        job = proofs.audit_job(sorted(self.view.active()))
+        if job is None:
+            return
+        rlog = RoundLog(held.server_round)
+        spec = PhaseSpec("relay", held.server_round, held.digest, audit=job)
+        known = list(run.grid.get_node_ids())
+        self.courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=rlog)
+        verdict = proofs.verdict(held.server_round, held.digest, sorted(self.view.active()))
+        log(
+            INFO, "Chaos: the audit of the last round %d: %s", held.server_round,
+            {True: "final", False: "REFUTED", None: "did not come in"}[verdict],
+        )  # fmt: skip
 
     def _begin(self, run: _Run, initial_arrays: ArrayRecord) -> _Held:
         """Resume from the parties' replicas (by ``resume.mode``), else certify the initial
