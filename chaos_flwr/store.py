@@ -446,6 +446,23 @@ class ReplicaStore:
                 "one certified state per round (remove the file to override)"
             )
 
+    def discard(self, round_: int) -> None:
+        """Remove a stored round (a state its owner no longer vouches for: a refuted one), so it
+        is neither served nor taken up again, and the older rounds it would push out stay.
+
+        Raises
+        ------
+        StoreError
+            If the file cannot be removed.
+        """
+        try:
+            self.path_of(round_).unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StoreError(f"{self.path_of(round_)}: cannot remove ({exc.strerror})") from exc
+        _fsync_dir(self.directory)
+
     def _prune(self) -> None:
         rounds = self.rounds()
         for r in rounds[: max(0, len(rounds) - self.keep_rounds)]:

@@ -255,3 +255,18 @@ def test_every_round_the_protocol_admits_is_listed_loaded_and_pruned(tmp_path: P
     # a non-canonical name (extra zero padding) never counts as a second copy of a round
     os.link(store.path_of(2**63 - 1), tmp_path / "replicas" / "round-0000000000001.replica")
     assert store.rounds() == big[-2:]
+
+
+def test_discard_removes_a_round_and_keeps_the_older_one_it_would_have_pushed_out(
+    tmp_path: Path,
+) -> None:
+    store = ReplicaStore(tmp_path, keep_rounds=2)
+    for r in (1, 2):
+        store.put(_state(r))
+    store.discard(2)  # refuted: gone, and round 1 stays when round 3 comes
+    store.discard(2)  # already gone: nothing to do
+    assert store.rounds() == [1]
+    store.put(_state(3))
+    assert store.rounds() == [1, 3] and store.get(1).round == 1
+    with pytest.raises(StoreError):
+        store.get(2)

@@ -114,6 +114,8 @@ class Party:
     #: the digest of its commitments (an audit job must name exactly those).
     held_rota: list[str] = field(default_factory=list)
     held_commits: bytes = b""
+    #: Negative audits it signed or acted on (evidence a restarted ServerApp is told of).
+    refutations: list[bytes] = field(default_factory=list)
     _saved_held: tuple[int, list[str], bytes] | None = field(default=None, repr=False)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
@@ -154,6 +156,7 @@ class Party:
             "rolled_from": self.rolled_from,
             "diverged": dict(self.diverged),  # charter parties only: bounded by the keyring
             "held": [self.held_round, list(self.held_rota), self.held_commits],
+            "refutations": list(self.refutations),
         }
 
     def audits_of_held(self) -> list[bytes]:
@@ -224,6 +227,9 @@ class Party:
             if isinstance(rota, list) and isinstance(commits, bytes):
                 self._saved_held = (held[0], [p for p in rota if isinstance(p, str)], commits)
                 self._apply_saved_held()
+        refs = value.get("refutations")
+        if isinstance(refs, list):
+            self.refutations = [b for b in refs if isinstance(b, bytes)][-PARTY_MAX_AUDITS_SAVED:]
         rolled = value.get("rolled_from")
         if isinstance(rolled, int) and not isinstance(rolled, bool):
             self.rolled_from = rolled
@@ -356,6 +362,20 @@ class Party:
                 return None
         return None
 
+    def note_refutation(self, blob: bytes) -> None:
+        """Keep a negative audit (the newest ``PARTY_MAX_AUDITS_SAVED``; only ``ok = false``
+        ones are kept, checked by the caller)."""
+        from chaos_flwr.rounds import Audit
+
+        try:
+            if Audit.decode(blob).ok:
+                return
+        except ChaosError:
+            return
+        if blob not in self.refutations:
+            self.refutations.append(blob)
+            del self.refutations[:-PARTY_MAX_AUDITS_SAVED]
+
     def rollback_base(self) -> bool:
         """Whether the held state is where the party rolled back to from a refuted one."""
         return self.rolled_from > self.held_round >= 0
@@ -368,10 +388,11 @@ class Party:
         self.rolled_from = max(self.rolled_from, self.held_round)
         older: list[int] = []
         if self.store is not None:
-            try:
+            try:  # the refuted replica goes (it would push out the base a later audit reads)
+                self.store.discard(self.held_round)
                 older = [r for r in self.store.rounds() if r < self.held_round]
-            except StoreError:
-                older = []
+            except StoreError as exc:
+                self.errors.append(f"StoreError: {exc}")
         state: TrainingState | None = None
         if older and self.store is not None:
             try:
@@ -598,6 +619,8 @@ class Party:
             outgoing.extend(self._auto_links(now))
         if self.peer is not None:
             outgoing.extend(self.peer.tick(now))
+        if record is not None and record.get("phase") in ("relay", "hello"):
+            proofs.take_refutations(self, record)
         if record is not None and content is not None and record.get("phase") == "relay":
             proofs.audit(self, record, content)
         if record is not None and record.get("phase") == "certify" and arrays is not None:
@@ -615,7 +638,7 @@ class Party:
             out["audits"] = list(self.audits_out)
             self.audits_out.clear()
         if record is not None and record.get("sync"):
-            out["audits-held"] = self.audits_of_held()
+            out["audits-held"] = self.audits_of_held() + self.refutations
         if len(self.evidence) > self._evidence_sent:
             out["evidence"] = [ev.encode() for ev in self.evidence]
             self._evidence_sent = len(self.evidence)

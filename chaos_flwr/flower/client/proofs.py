@@ -27,7 +27,16 @@ from chaos_flwr.state import TrainingState, from_array_record
 if TYPE_CHECKING:
     from chaos_flwr.flower.client.party import Party
 
-__all__ = ["audit", "commit", "guard_of", "max_signed", "proof_of", "take_certify"]
+__all__ = [
+    "audit",
+    "commit",
+    "commits_digest",
+    "guard_of",
+    "max_signed",
+    "proof_of",
+    "take_certify",
+    "take_refutations",
+]
 
 #: Consecutive certified rounds in which a trainer's signed view differs from this party's
 #: before the party logs it as a split view (one or two are churn: records still travelling;
@@ -148,7 +157,8 @@ def commit(party: Party, record: ConfigRecord, reply: RecordDict) -> bytes:
     c = Commitment(
         party=party.party_id,
         federation=party.guard.federation,
-        round=party.held_round + 1,
+        # after a rollback the next round is above the one it left (never signed twice)
+        round=max(party.held_round, party.rolled_from) + 1,
         base_round=party.held_round,
         base_digest=party.held_digest,
         update=digest,
@@ -191,6 +201,8 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
             )
     except EquivocationError as exc:  # the base was audited false: roll back to its base
         _refuse(party, exc)
+        for blob in proof_of(record).audits:
+            party.note_refutation(blob)  # the negative one among them is kept as evidence
         party.roll_back()
         return
     except (ProofError, DecodeError) as exc:
@@ -256,6 +268,37 @@ def _base_state(party: Party, round_: int, digest: bytes) -> TrainingState:
     return state
 
 
+def take_refutations(party: Party, record: ConfigRecord | None) -> None:
+    """Roll back when the relay forwards a negative audit of the held state signed by one of
+    its rota auditors (checked here: signature, federation, rota); others are ignored."""
+    guard = guard_of(party)
+    blobs = record.get("refuted") if record is not None else None
+    if guard is None or not isinstance(blobs, list) or party.held_round <= 0:
+        return
+    rota = set(guard.rota_of(party.held_round, _active(party))) | set(party.held_rota)
+    for blob in blobs[:PARTY_MAX_AUDITS_OUT]:
+        if not isinstance(blob, bytes):
+            continue
+        try:
+            a = Audit.decode(blob)
+            if a.federation != guard.federation:
+                continue
+            a.verify(guard.keyring)
+        except ChaosError:
+            continue
+        if a.ok or (a.round, a.digest) != (party.held_round, party.held_digest):
+            continue
+        if a.party not in rota:
+            continue
+        party.errors.append(
+            f"EquivocationError: round {a.round} was audited false by {a.party} (its signed "
+            f"audit: recomputed {a.recomputed.hex()[:16]}); rolling back"
+        )
+        party.note_refutation(blob)
+        party.roll_back()
+        return
+
+
 def audit(party: Party, record: ConfigRecord, content: RecordDict) -> None:
     """Audit the round named by a message's ``audit-*`` fields if this party is one of its
     rota auditors (the signed audit goes out with the reply; a false aggregate is logged)."""
@@ -305,6 +348,7 @@ def audit(party: Party, record: ConfigRecord, content: RecordDict) -> None:
             f"EquivocationError: round {proof.round} is a false aggregate (certified "
             f"{proof.digest.hex()[:16]}, recomputed {recomputed.hex()[:16]}); refuted"
         )
+        party.note_refutation(blob)
         party.roll_back()
 
 

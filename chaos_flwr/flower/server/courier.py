@@ -249,6 +249,8 @@ class PhaseSpec:
     audit:
         The audit due with this exchange: its fields and committed updates go to the
         auditors' messages (a train phase; :mod:`.proofs`).
+    everyone:
+        A relay exchange that every known node gets a message in (a rollback's refutation).
     """
 
     phase: str
@@ -259,6 +261,7 @@ class PhaseSpec:
     strategy_state: bytes = b""
     fields: tuple[tuple[str, Any], ...] = ()
     audit: AuditJob | None = None
+    everyone: bool = False
 
 
 @dataclass
@@ -397,6 +400,8 @@ class Courier:
             record["receipts"] = [fwd[p] for p in sorted(fwd)]
         for key, value in spec.fields:
             record[key] = value
+        if self.proofs is not None and spec.phase in ("relay", "hello") and self.proofs.refuted:
+            record["refuted"] = self.proofs.refutations()
         audit = spec.audit if self._audits(node, spec) else None
         if audit is not None:
             for key, value in audit.fields:
@@ -633,7 +638,8 @@ class Courier:
         for node in known:
             if node in taken:
                 continue
-            if spec.phase == "relay" and not self._has_news(node) and not self._audits(node, spec):
+            quiet = not spec.everyone and not self._has_news(node) and not self._audits(node, spec)
+            if spec.phase == "relay" and quiet:
                 continue  # churn-free: the round sends only the inner strategy's messages
             gets = spec.arrays is not None and (spec.receivers is None or node in spec.receivers)
             content = RecordDict()

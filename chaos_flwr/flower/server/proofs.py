@@ -29,7 +29,10 @@ from chaos_flwr.flower.updates import copy_update, update_digest
 from chaos_flwr.peer import federation_tag
 from chaos_flwr.rounds import Audit, Commitment, auditors_of, keep_audit
 
-__all__ = ["AuditJob", "Chosen", "RoundProofs"]
+__all__ = ["SERVER_MAX_REFUTATIONS", "AuditJob", "Chosen", "RoundProofs"]
+
+#: Negative audits the ServerApp keeps and forwards with its train messages (the newest).
+SERVER_MAX_REFUTATIONS: int = 8
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class RoundProofs:
     commits: dict[int, bytes] = field(default_factory=dict)
     audits: dict[tuple[int, bytes], dict[str, bytes]] = field(default_factory=dict)
     last: _Certified | None = None
+    refuted: dict[tuple[int, bytes], bytes] = field(default_factory=dict)
 
     @classmethod
     def from_charter(cls, charter: Any) -> RoundProofs:
@@ -125,6 +129,20 @@ class RoundProofs:
             ):
                 continue  # far from the rounds in play: a flood of them evicts nothing
             keep_audit(self.audits, (audit.round, audit.digest), audit.party, blob)
+            if not audit.ok:  # forwarded to every party until the run ends (bounded)
+                self.refuted[(audit.round, audit.digest)] = blob
+                while len(self.refuted) > SERVER_MAX_REFUTATIONS:
+                    del self.refuted[min(self.refuted)]
+
+    def refutations(self) -> list[bytes]:
+        """The negative audits it knows (each party checks them against its own rota and rolls
+        back a state they refute)."""
+        return [self.refuted[k] for k in sorted(self.refuted)]
+
+    def top_refuted(self) -> int:
+        """The newest round a negative audit refutes (-1: none): no party signs it again, so
+        the round after a rollback is numbered above it."""
+        return max((r for r, _ in self.refuted), default=-1)
 
     def audits_of(self, round_: int, digest: bytes) -> list[bytes]:
         """Encoded audits of a state, by auditor."""

@@ -204,6 +204,7 @@ class ChaosStrategy(Strategy):
         self.rounds: list[RoundLog] = RoundLogs()  # the newest SERVER_MAX_ROUND_LOGS
         self.last_pull: PullReport | None = None
         self.round_floor = -1
+        self._prev: _Held | None = None  # the base of the held state (a rollback goes there)
 
     # -- delegation ---------------------------------------------------------------------------
     def configure_train(
@@ -313,7 +314,7 @@ class ChaosStrategy(Strategy):
         verified = self.courier.proofs is not None
         # verified rounds: a round is its base + 1 (parties that signed the numbers between
         # refuse them and catch up above); unverified: above every round any party signed
-        first = held.server_round + 1 if verified else max(held.server_round, self.round_floor) + 1
+        first = self._next_round(held) if verified else max(held.server_round, self.round_floor) + 1
         if first > num_rounds:
             log(
                 WARNING,
@@ -324,7 +325,7 @@ class ChaosStrategy(Strategy):
         for attempt in range(first, num_rounds + 1):
             # verified rounds: a round is its base + 1, so a round that was not certified
             # (nobody trained, too few signed updates, its base's audit missing) is tried again
-            rnd = held.server_round + 1 if verified else attempt
+            rnd = self._next_round(held) if verified else attempt
             if rnd > num_rounds:
                 break
             log(INFO, "")
@@ -342,6 +343,32 @@ class ChaosStrategy(Strategy):
         for line in io.StringIO(str(run.result)):
             log(INFO, "\t%s", line.strip("\n"))
         return run.result
+
+    def _next_round(self, held: _Held) -> int:
+        """A verified round's number: its base + 1, or, after a rollback, above the round
+        the parties rolled back from (they never sign that number again)."""
+        proofs = self.courier.proofs
+        top = proofs.top_refuted() if proofs is not None else -1
+        return max(held.server_round, top) + 1
+
+    def _rolled_back(self, run: _Run, held: _Held) -> _Held:
+        """``held`` itself, or, when its rota auditor signed it false, the state it was built
+        on: every node is sent the refutation (the one extra exchange of a rollback) and the
+        parties roll back to it, so their receipts make them eligible again."""
+        proofs, prev = self.courier.proofs, self._prev
+        if proofs is None or self.view is None or prev is None:
+            return held
+        if proofs.verdict(held.server_round, held.digest, sorted(self.view.active())) is False:
+            log(
+                WARNING, "Chaos: round %d was audited false; every party rolls back to round "
+                "%d and the next round trains on it", held.server_round, prev.server_round,
+            )  # fmt: skip
+            spec = PhaseSpec("relay", prev.server_round, prev.digest, everyone=True)
+            known = list(run.grid.get_node_ids())
+            rlog = RoundLog(prev.server_round)
+            self.courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=rlog)
+            return prev
+        return held
 
     def _final_audit(self, run: _Run, held: _Held) -> None:
         """The run's last round has no next train exchange to carry its audit: send the audit
@@ -430,6 +457,7 @@ class ChaosStrategy(Strategy):
     def _round(self, run: _Run, rnd: int, held: _Held) -> _Held:
         """One round: train on the eligible nodes, certify the new state, relay the joins."""
         grid, courier = run.grid, self.courier
+        held = self._rolled_back(run, held)
         rlog = RoundLog(rnd)
         known = list(grid.get_node_ids())
         prev_holders = set(courier.holding(known, held.server_round, held.digest))
@@ -474,6 +502,7 @@ class ChaosStrategy(Strategy):
             if res is not None:
                 run.result.evaluate_metrics_serverapp[rnd] = res
         self._finish(rlog)
+        self._prev = held
         return _Held(rnd, arrays, digest, sstate)
 
     def _train(
