@@ -44,7 +44,13 @@ __all__ = [
 
 #: Charter policy fields :func:`make_federation` passes on.
 _POLICY_FIELDS = frozenset(
-    {"sponsors_required", "failure_quorum", "heartbeat_interval_s", "suspicion_timeout_s"}
+    {
+        "sponsors_required",
+        "failure_quorum",
+        "heartbeat_interval_s",
+        "suspicion_timeout_s",
+        "rounds",
+    }
 )
 
 
@@ -77,7 +83,6 @@ def make_federation(
     federation: str = FLOWER_FEDERATION_NAME,
     seed: str | None = None,
     overwrite: bool = False,
-    rounds: Any = None,
     **policy: Any,
 ) -> Path:
     """Write keys for ``n_parties + allowlist_extra`` parties and a founder-signed charter.
@@ -100,14 +105,11 @@ def make_federation(
         Derive every key from ``seed`` (reproducible federations); random keys if ``None``.
     overwrite:
         Replace key files already in ``out_dir``.
-    rounds:
-        The charter's verifiable-rounds section (:class:`chaos_flwr.charter.RoundRules`: the
-        aggregation rule, ``min_updates``, ``auditors``; e.g. :func:`fedavg_rounds`); ``None``
-        leaves it out (updates are still committed and checked, no audits).
     **policy:
         Charter policy fields, each defaulting to the charter's default: ``sponsors_required``
         (member signatures a non-founder's join needs), ``failure_quorum``,
-        ``heartbeat_interval_s``, ``suspicion_timeout_s``.
+        ``heartbeat_interval_s``, ``suspicion_timeout_s``, and ``rounds`` (the verifiable
+        rounds' rule and auditors, e.g. :func:`fedavg_rounds`; left out: no audits).
 
     Returns
     -------
@@ -142,9 +144,7 @@ def make_federation(
     labels = (names or []) + [ident.name for ident in idents[len(names or []) :]]
     try:
         members = [Member.of(i, name=label) for i, label in zip(idents, labels, strict=True)]
-        charter = Charter.create(
-            federation, members[:n_found], members[n_found:], rounds=rounds, **policy
-        )
+        charter = Charter.create(federation, members[:n_found], members[n_found:], **policy)
         for founder in idents[:n_found]:
             charter = charter.sign(founder)
         charter.verify(source=str(charter_path(folder)))

@@ -227,6 +227,11 @@ def _restart(cluster: DeploymentCluster, plan: _Plan, run1: Any) -> dict[str, An
     return out
 
 
+#: Keys of the deployment lab derive from this seed (reproducible party ids); its charter
+#: fixes FedAvg as the rule, with one rota auditor a round.
+_SEED = "chaos-flwr-deploy"
+
+
 def measure_deploy_churn(
     work_dir: Path,
     *,
@@ -257,21 +262,14 @@ def measure_deploy_churn(
         restart, the resume
         pull, and every pid seen with those still alive (there must be none).
     """
-    from chaos_flwr.flower.keys import (
-        charter_path,
-        fedavg_rounds,
-        key_path,
-        load_federation,
-        make_federation,
-    )
+    from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
+    from chaos_flwr.flower.keys import fedavg_rounds as audited
 
     say = log or (lambda _msg: None)
     app = app_dir or example_dir()
     work = Path(work_dir)
     n = founders + 1
-    keys = make_federation(  # audited rounds: FedAvg is the charter's rule, 1 auditor a round
-        work / "keys", n, founders=founders, seed="chaos-flwr-deploy", rounds=fedavg_rounds()
-    )
+    keys = make_federation(work / "keys", n, founders=founders, seed=_SEED, rounds=audited())
     ids = load_federation(keys).party_ids
 
     def node_config(i: int) -> dict[str, object]:

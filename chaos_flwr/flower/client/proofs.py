@@ -25,7 +25,7 @@ from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard
 from chaos_flwr.state import TrainingState, from_array_record
 
 if TYPE_CHECKING:
-    from chaos_flwr.flower.client.party import Party
+    from chaos_flwr.flower.client.verified import VerifiedRounds as Party
 
 __all__ = [
     "audit",
