@@ -27,6 +27,7 @@ from chaos_flwr.defaults import FLOWER_JOIN_MIN_SHARD_BYTES
 from chaos_flwr.errors import DecodeError
 
 __all__ = [
+    "AUDIT_RECORD_PREFIX",
     "CHAOS_MESSAGE_TYPE",
     "CHAOS_RECORD_KEY",
     "PULL_DATA_KEY",
@@ -48,6 +49,8 @@ __all__ = [
 CHAOS_MESSAGE_TYPE: str = "query.chaos"
 #: Key of the Chaos ConfigRecord in a message's or reply's RecordDict.
 CHAOS_RECORD_KEY: str = "chaos"
+#: Prefix of the records of audit material (a round's committed updates, for its auditors).
+AUDIT_RECORD_PREFIX: str = "chaos-upd."
 #: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
 PULL_DATA_KEY: str = "chaos-pull"
 #: Version of the record layouts below.
@@ -192,12 +195,19 @@ def with_chaos(message: Message, record: ConfigRecord) -> Message:
 def split_chaos(message: Message) -> ConfigRecord | None:
     """Remove and return the Chaos record of a message with content (``None`` if it has none).
 
-    What remains is exactly what the application (or the inner strategy) expects to see.
+    Audit material (``chaos-upd.*`` records) goes too: what remains is exactly what the
+    application (or the inner strategy) expects to see.
     """
     if not message.has_content() or CHAOS_RECORD_KEY not in message.content:
         return None
     record = message.content[CHAOS_RECORD_KEY]
-    rest = RecordDict({k: v for k, v in message.content.items() if k != CHAOS_RECORD_KEY})
+    rest = RecordDict(
+        {
+            k: v
+            for k, v in message.content.items()
+            if k != CHAOS_RECORD_KEY and not k.startswith(AUDIT_RECORD_PREFIX)
+        }
+    )
     message.content = rest
     return record if isinstance(record, ConfigRecord) else None
 

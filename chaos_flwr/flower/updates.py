@@ -20,7 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from chaos_flwr import codec
 from chaos_flwr.errors import DecodeError
-from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+from chaos_flwr.flower.schema import AUDIT_RECORD_PREFIX, CHAOS_RECORD_KEY
 
 __all__ = [
     "UPDATE_RECORD_PREFIX",
@@ -34,8 +34,8 @@ __all__ = [
     "weight_of",
 ]
 
-#: Prefix of the keys of audit material in a certify message's RecordDict.
-UPDATE_RECORD_PREFIX = "chaos-upd."
+#: Prefix of the keys of audit material in a message's RecordDict (the schema's).
+UPDATE_RECORD_PREFIX = AUDIT_RECORD_PREFIX
 #: The metric a FedAvg-family aggregation weighs an update by (Flower's default
 #: ``weighted_by_key``); a commitment's weight is its value.
 WEIGHT_KEY = "num-examples"

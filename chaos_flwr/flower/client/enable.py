@@ -81,6 +81,7 @@ def _wrap(
     fn: Callable[[Message, Context], Message], parties: Parties
 ) -> Callable[[Message, Context], Message]:
     def wrapped(message: Message, context: Context) -> Message:
+        content = message.content if message.has_content() else None  # with audit material
         record = split_chaos(message)
         if record is not None and parties(context).left:
             # a party that left answers nothing more as a member (its leave record waits in
@@ -109,7 +110,7 @@ def _wrap(
         if reply.has_content() and message.metadata.message_type.startswith("train"):
             # signed over what the aggregation reads, on the state it trained from
             commitment = proofs.commit(party, record, reply.content)
-        out = party.process(record, first, message.content)
+        out = party.process(record, first, content)
         if commitment:
             out["commit"] = commitment
         party.persist()
@@ -162,6 +163,7 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     @app.query("chaos")
     @_answer_config_errors
     def chaos_query(message: Message, context: Context) -> Message:
+        content_in = message.content if message.has_content() else None  # audit material too
         record = split_chaos(message)
         first = next(iter(message.content.array_records.values()), None)
         party = parties(context)
@@ -174,7 +176,7 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
             extra[PULL_DATA_KEY] = ctl
             for donor, req in requests.items():
                 extra[donor_key(donor)] = req
-        out = party.process(record, first, message.content)
+        out = party.process(record, first, content_in)
         content = RecordDict({CHAOS_RECORD_KEY: out})
         if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
             served = party.serve(record, request)

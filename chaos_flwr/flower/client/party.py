@@ -48,6 +48,9 @@ PARTY_LEDGER_ROUNDS: int = 16
 #: Equivocation evidence a party keeps (:attr:`Party.evidence`, newest last). Any evidence at
 #: all stops the party training, so dropping the oldest never lets a conflicted round through.
 PARTY_MAX_EVIDENCE: int = 16
+#: Phases whose messages may carry an audit job: a round's certify (the first ask, to its
+#: rota auditors) and later train messages (a retry, to the spare rota positions too).
+AUDITED = frozenset({"certify", "relay"})
 #: Finished pulls' figures a party keeps (:attr:`Party.joins_done`, newest last).
 PARTY_MAX_JOINS_DONE: int = 16
 
@@ -494,10 +497,10 @@ class Party(VerifiedRounds):
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") in ("relay", "hello"):
             proofs.take_refutations(self, record)
-        if record is not None and content is not None and record.get("phase") == "relay":
-            proofs.audit(self, record, content)
         if record is not None and record.get("phase") == "certify" and arrays is not None:
             self._certify(record, arrays)
+        if record is not None and content is not None and record.get("phase") in AUDITED:
+            proofs.audit(self, record, content)  # of the state it just took up, or a retry
         receipt = self._receipt()
         out = party_record(
             self.party_id,

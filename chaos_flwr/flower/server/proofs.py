@@ -6,11 +6,11 @@ the parties sign and hands it on, and decides nothing.
   order (the order every auditor recomputes in).
 - A certify carries its proof (:meth:`RoundProofs.certify_fields`): base, commitments, the
   federation's rule, and the audits of its base round.
-- The audit of round r rides on round r+1's train messages to the rota auditors
+- The audit of round r rides on round r's certify messages to its rota auditors
   (:meth:`RoundProofs.audit_job`): the round's committed updates and its commitments. Their
-  signed audits come back with the train replies, so an honest run pays no extra exchange. A
-  round whose audits are missing is not certified on; the next attempt also asks the spare
-  rota positions.
+  signed audits come back with the certify replies, so an honest run pays no extra exchange.
+  When they do not come in, the next train messages ask again, the spare rota positions too;
+  a round whose base has no audits is not certified (tried again).
 """
 
 from __future__ import annotations

@@ -351,14 +351,21 @@ class ChaosStrategy(Strategy):
         top = proofs.top_refuted() if proofs is not None else -1
         return max(held.server_round, top) + 1
 
+    def _refuted(self, rnd: int, digest: bytes) -> bool:
+        """Whether a rota auditor signed round ``rnd``'s state false."""
+        proofs = self.courier.proofs
+        if proofs is None or self.view is None:
+            return False
+        return proofs.verdict(rnd, digest, sorted(self.view.active())) is False
+
     def _rolled_back(self, run: _Run, held: _Held) -> _Held:
         """``held`` itself, or, when its rota auditor signed it false, the state it was built
         on: every node is sent the refutation (the one extra exchange of a rollback) and the
         parties roll back to it, so their receipts make them eligible again."""
-        proofs, prev = self.courier.proofs, self._prev
-        if proofs is None or self.view is None or prev is None:
+        prev = self._prev
+        if prev is None:
             return held
-        if proofs.verdict(held.server_round, held.digest, sorted(self.view.active())) is False:
+        if self._refuted(held.server_round, held.digest):
             log(
                 WARNING, "Chaos: round %d was audited false; every party rolls back to round "
                 "%d and the next round trains on it", held.server_round, prev.server_round,
@@ -482,17 +489,24 @@ class ChaosStrategy(Strategy):
                     rnd, arrays, run.evaluate_config, EligibleGrid(grid, sorted(receivers))
                 )
             )
-        spec = PhaseSpec("certify", rnd, digest, arrays, frozenset(receivers), sstate, fields)
+        audit = None
+        if courier.proofs is not None:  # the audit rides on the rota auditors' certify messages
+            active = sorted(self.view.active()) if self.view is not None else []
+            courier.proofs.certified(rnd, digest, (held.server_round, held.digest), chosen, active)
+            audit = courier.proofs.audit_job(active)
+        spec = PhaseSpec(
+            "certify", rnd, digest, arrays, frozenset(receivers), sstate, fields, audit
+        )
         eval_replies, rlog.certify_s = courier.phase(
             grid, eval_msgs, known, spec, timeout=run.timeout, log_=rlog
         )
         courier.certified(rnd)
-        if courier.proofs is not None:
-            active = sorted(self.view.active()) if self.view is not None else []
-            courier.proofs.certified(rnd, digest, (held.server_round, held.digest), chosen, active)
         rlog.holders = courier.holder_parties(rnd, digest)
         size = state.serialized_size()
-        rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
+        if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
+            log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
+        else:
+            rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
         if eval_msgs:
             agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
             if agg_eval is not None:
