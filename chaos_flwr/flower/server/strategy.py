@@ -331,14 +331,12 @@ class ChaosStrategy(Strategy):
             log(INFO, "")
             log(INFO, "[ROUND %s/%s] (Chaos)", rnd, num_rounds)
             held = self._round(run, rnd, held)
-        if verified:
-            self._final_audit(run, held)
-            if held.server_round < num_rounds:
-                log(
-                    WARNING, "Chaos: the run ends at round %d, below num_rounds=%d: some rounds "
-                    "were not certified and tried again (see the warnings above)",
-                    held.server_round, num_rounds,
-                )  # fmt: skip
+        if verified and held.server_round < num_rounds:
+            log(
+                WARNING, "Chaos: the run ends at round %d, below num_rounds=%d: some rounds "
+                "were not certified and tried again (see the warnings above)",
+                held.server_round, num_rounds,
+            )  # fmt: skip
         log(INFO, "ChaosStrategy finished in %.2fs", time.time() - t_start)
         for line in io.StringIO(str(run.result)):
             log(INFO, "\t%s", line.strip("\n"))
@@ -377,23 +375,25 @@ class ChaosStrategy(Strategy):
             return prev
         return held
 
-    def _final_audit(self, run: _Run, held: _Held) -> None:
-        """The run's last round has no next train exchange to carry its audit: send the audit
-        job on its own (the one exchange an audit adds, to the auditors only, once per run),
-        so the state the run ends on is final and a later run can build on it."""
+    def _audit_due(self, run: _Run, rnd: int, digest: bytes) -> None:
+        """When no audit of the round came back with its certify replies (its auditor crashed,
+        or a differing view put another party on the rota), ask again at once, the spare rota
+        position too: an exchange with the auditors only, and only on that event, so the state
+        is final before the next round (and before any kill of this ServerApp)."""
         proofs = self.courier.proofs
         if proofs is None or self.view is None:
             return
         job = proofs.audit_job(sorted(self.view.active()))
         if job is None:
             return
-        rlog = RoundLog(held.server_round)
-        spec = PhaseSpec("relay", held.server_round, held.digest, audit=job)
+        rlog = RoundLog(rnd)
+        spec = PhaseSpec("relay", rnd, digest, audit=job)
         known = list(run.grid.get_node_ids())
         self.courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=rlog)
-        verdict = proofs.verdict(held.server_round, held.digest, sorted(self.view.active()))
+        verdict = proofs.verdict(rnd, digest, sorted(self.view.active()))
         log(
-            INFO, "Chaos: the audit of the last round %d: %s", held.server_round,
+            INFO, "Chaos: the audit of round %d, asked again of %s: %s", rnd,
+            ", ".join(sorted(job.parties)),
             {True: "final", False: "REFUTED", None: "did not come in"}[verdict],
         )  # fmt: skip
 
@@ -502,6 +502,7 @@ class ChaosStrategy(Strategy):
         )
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
+        self._audit_due(run, rnd, digest)
         size = state.serialized_size()
         if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
             log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
