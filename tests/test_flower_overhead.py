@@ -369,3 +369,43 @@ def test_audit_figures_are_medians_over_repeats_with_ratios_over_audits_off() ->
     lines = audits_table(fig).splitlines()
     assert [ln.split()[0] for ln in lines[2:]] == ["off", "1", "all"]
     assert lines[3].split()[2] == "1.150" and lines[4].split()[6] == "2000"
+
+
+def test_a_mode_that_left_a_round_uncertified_gets_no_round_ratio() -> None:
+    from chaos_flwr.lab.overhead import audit_medians, audit_repeat_figures, audits_table
+
+    # 20 parties, all auditing: round 2 was tried twice and never certified (its audits missed
+    # the deadline), so its "round time" spans retries: no comparable ratio
+    stalled = _audit_run(8.0, [0.5, 0.5, 0.5], [0, 900, 900])
+    stalled["rounds_certified"], stalled["attempts"] = 1, 3
+    stalled["every_round_certified"] = False
+    runs = {
+        "off": _audit_run(2.0, [0.5, 0.7, 0.8], [0, 0, 0]),
+        "1": _audit_run(2.1, [0.5, 0.7, 0.8], [0, 300, 300]),
+        "all": stalled,
+    }
+    fig = audit_medians([audit_repeat_figures(runs)])
+    assert fig["incomplete"] == ["all"]
+    assert fig["audit_all_round_ratio"] is None
+    assert fig["ratio_runs"]["audit_all_round_ratio"] == pytest.approx([4.0])
+    assert fig["audit1_round_ratio"] == pytest.approx(1.05)
+    assert fig["modes"]["all"]["time_to_accuracy_s"] is None  # never reached off's 0.8
+    fig |= {"engine": "simulation", "model_bytes": 64, "rounds": 3, "supernodes": 20}
+    fig |= {"repeats": 1, "poll_interval_s": 0.1, "loadavg": {"before": 1.0, "after": 2.0}}
+    lines = audits_table(fig).splitlines()
+    assert lines[4].split()[2] == "-" and lines[4].split()[3] == "never"
+    assert "uncertified" in lines[-1] and "'all'" in lines[-1]
+
+
+def test_a_run_certifies_every_round_only_when_no_attempt_was_retried() -> None:
+    from chaos_flwr.lab.overhead import audit_run_figures
+
+    logs = [{"server_round": 1, "holders": ["a"], "skipped": ""}]
+    logs += [{"server_round": 2, "holders": [], "skipped": "the audit of round 1 has not come in"}]
+    logs += [{"server_round": 2, "holders": [], "skipped": "0 signed update(s) < 1"}]
+    lines = [{"round": 1, "audit_bytes": 0, "audited": [], "chaos_rounds": logs}]
+    fig = audit_run_figures({}, lines)
+    assert (fig["rounds_certified"], fig["attempts"]) == (1, 3)
+    assert fig["every_round_certified"] is False
+    assert audit_run_figures({}, [])["every_round_certified"] is False  # nothing certified
+    assert _audit_run(2.0, [0.5, 0.7], [0, 10])["every_round_certified"] is True

@@ -510,6 +510,9 @@ def audit_run_figures(fig: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]
     return {
         **fig,
         **audits,
+        # an attempt that was not certified is tried again as the same round, within the
+        # run's rounds: the run then certified fewer rounds than it was asked for
+        "every_round_certified": audits["attempts"] == audits["rounds_certified"] > 0,
         "audit_bytes_per_round": statistics.median(later_bytes) if later_bytes else 0,
         "auditors_per_round": statistics.median(map(len, later_auditors)) if later_auditors else 0,
     }
@@ -521,6 +524,7 @@ def audit_repeat_figures(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dic
     target = float(runs["off"]["final_accuracy"])
     base = float(runs["off"]["median_round_s"])
     keep = ("model_bytes", "round_wall_s", "audit_bytes", "audited", "attempts")
+    keep += ("every_round_certified",)
     out: dict[str, dict[str, Any]] = {}
     for mode, fig in runs.items():
         out[mode] = {k: fig.get(k) for k in (*AUDIT_MEDIAN_KEYS, *keep)}
@@ -530,17 +534,25 @@ def audit_repeat_figures(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dic
 
 
 def audit_medians(reps: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
-    """Medians over the repeats: per mode, and the ratios over audits off."""
+    """Medians over the repeats: per mode, and the ratios over audits off.
+
+    A ratio is ``None`` when a run of either mode left a round uncertified (its round times
+    then include retries and are not comparable); ``ratio_runs`` keeps the measured values and
+    ``incomplete`` names those modes.
+    """
     modes = {
         mode: {key: _median([r[mode][key] for r in reps]) for key in AUDIT_MEDIAN_KEYS}
         for mode in AUDIT_MODES
     }
+    incomplete = [m for m in AUDIT_MODES if not all(r[m]["every_round_certified"] for r in reps)]
     ratios = {
-        name: _median([r[mode]["round_ratio"] for r in reps])
+        name: None
+        if {mode, "off"} & set(incomplete)
+        else _median([r[mode]["round_ratio"] for r in reps])
         for mode, name in AUDIT_RATIO_KEYS.items()
     }
     runs = {name: [r[mode]["round_ratio"] for r in reps] for mode, name in AUDIT_RATIO_KEYS.items()}
-    return {"modes": modes, **ratios, "ratio_runs": runs}
+    return {"modes": modes, **ratios, "ratio_runs": runs, "incomplete": incomplete}
 
 
 def audits_table(fig: Mapping[str, Any]) -> str:
@@ -563,6 +575,8 @@ def audits_table(fig: Mapping[str, Any]) -> str:
             f"{_num(m['rounds_certified'], 0):>10} {_num(m['audit_bytes_per_round'], 0):>12} "
             f"{_num(m['auditors_per_round'], 0):>9} {_num(m['clientapp_per_round'], 0):>14}"
         )
+    if fig.get("incomplete"):
+        lines.append(f"left rounds uncertified (ratio not comparable): {fig['incomplete']}")
     return "\n".join(lines)
 
 
