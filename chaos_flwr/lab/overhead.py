@@ -523,8 +523,14 @@ def audit_repeat_figures(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dic
     ratio over audits off, and the run figures the bench reports."""
     target = float(runs["off"]["final_accuracy"])
     base = float(runs["off"]["median_round_s"])
-    keep = ("model_bytes", "round_wall_s", "audit_bytes", "audited", "attempts")
-    keep += ("every_round_certified",)
+    keep = (
+        "model_bytes",
+        "round_wall_s",
+        "audit_bytes",
+        "audited",
+        "attempts",
+        "every_round_certified",
+    )
     out: dict[str, dict[str, Any]] = {}
     for mode, fig in runs.items():
         out[mode] = {k: fig.get(k) for k in (*AUDIT_MEDIAN_KEYS, *keep)}
