@@ -772,11 +772,25 @@ def bench_flower_overhead(
     ),
     timeout_s: float = typer.Option(1800.0, help="Wall-time bound of each run."),
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print all figures as JSON."),
+    supernodes: int = typer.Option(5, help="SuperNodes (parties) of every run."),
+    audits: bool = typer.Option(
+        False, "--audits", help="Chaos with audits off, 1 auditor and all (no FedAvg runs)."
+    ),
 ) -> None:
     """ChaosStrategy over plain FedAvg: round time, time to accuracy, ClientApp work per round,
-    trainers per round, accuracy and replica disk (a table, or JSON with --json)."""
+    trainers per round, accuracy and replica disk (a table, or JSON with --json).
+
+    With --audits: Chaos alone with audits off, 1 auditor and all, interleaved per repeat:
+    round time and its ratio over audits off, time to accuracy, rounds certified, audit bytes.
+    """
     from chaos_flwr.errors import ConfigError
-    from chaos_flwr.lab.overhead import OverheadSpec, measure_overhead, summary_table
+    from chaos_flwr.lab.overhead import (
+        OverheadSpec,
+        audits_table,
+        measure_audits,
+        measure_overhead,
+        summary_table,
+    )
 
     try:
         spec = OverheadSpec(
@@ -787,14 +801,16 @@ def bench_flower_overhead(
             signed=signed,
             poll_interval_s=poll_interval_s or None,
             timeout_s=timeout_s,
+            num_supernodes=supernodes,
+            audits=audits,
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
-    fig = measure_overhead(spec)
+    fig = measure_audits(spec) if audits else measure_overhead(spec)
     if as_json:
         _print_json(fig)
     else:
-        typer.echo(summary_table(fig))
+        typer.echo(audits_table(fig) if audits else summary_table(fig))
 
 
 @bench_app.command("flower-churn")

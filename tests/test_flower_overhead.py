@@ -247,3 +247,165 @@ def test_the_cli_refuses_an_unknown_engine_before_running_anything() -> None:
 
     res = CliRunner().invoke(app, ["bench", "flower-overhead", "--engine", "ray"])
     assert res.exit_code == 2 and "engine must be one of" in res.output
+
+
+# -- the audit bench (--audits): validation, progress lines, figures ------------------------------
+def test_audit_specs_need_signed_parties_and_at_least_one_supernode() -> None:
+    from chaos_flwr.lab.overhead import measure_audits
+
+    with pytest.raises(ConfigError, match="signed"):
+        OverheadSpec(audits=True, signed=False)
+    with pytest.raises(ConfigError, match="num_supernodes"):
+        OverheadSpec(num_supernodes=0)
+    with pytest.raises(ConfigError, match="audits=True"):
+        measure_audits(OverheadSpec())  # refused before any run starts
+    assert OverheadSpec(audits=True, num_supernodes=20).num_supernodes == 20
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--audits", "--no-signed"], "audits need signed parties"),
+        (["--audits", "--supernodes", "0"], "num_supernodes must be >= 1"),
+        (["--audits", "--rounds", "1"], "rounds must be >= 2"),
+    ],
+)
+def test_the_cli_refuses_bad_audit_options_before_running_anything(
+    args: list[str], message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from chaos_flwr.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "flower-overhead", *args])
+    assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+
+
+def _server_app(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The example's ServerApp module (its progress line is what the bench parses)."""
+    import importlib
+
+    root = Path(__file__).resolve().parents[1] / "examples" / "multi_institution"
+    monkeypatch.syspath_prepend(str(root))
+    return importlib.import_module("multi_institution.server_app")
+
+
+def test_the_example_progress_line_carries_each_rounds_audits_and_the_bench_reads_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.flower.server.logs import RoundLog
+    from chaos_flwr.lab.overhead import audit_progress
+    from chaos_flwr.lab.report import read_progress
+
+    server_app = _server_app(monkeypatch)
+    progress = server_app._Progress(str(tmp_path / "progress.jsonl"), "chaos")
+    rounds = [RoundLog(0, holders=["a", "b"], digest=b"\x00")]
+    progress.strategy = type("S", (), {"rounds": rounds})()
+    progress.accuracy = {1: 0.5, 2: 0.6, 3: 0.7}
+    rounds.append(RoundLog(1, holders=["a", "b"], digest=b"\x01"))
+    progress.write(1)
+    # round 2's first attempt is not certified (its base's audit is missing): its audit bytes
+    # were moved all the same and count with the attempt that certified it
+    rounds.append(RoundLog(2, skipped="audits missing", audited=["b"], audit_bytes=700))
+    rounds.append(RoundLog(2, holders=["a"], digest=b"\x02", audited=["a", "b"], audit_bytes=1400))
+    progress.write(2)
+    rounds.append(RoundLog(3, holders=[], digest=b"\x03", audited=["a"], audit_bytes=700))
+    progress.write(3)
+    lines = read_progress(tmp_path / "progress.jsonl")
+    assert [(ln["audit_bytes"], ln["audited"]) for ln in lines] == [
+        (0, []), (2100, ["a", "b"]), (700, ["a"])
+    ]  # fmt: skip
+    assert audit_progress(lines) == {
+        "audit_bytes": [0, 2100, 700],
+        "audited": [[], ["a", "b"], ["a"]],
+        "rounds_certified": 2,  # round 3 has no holders: not certified
+        "attempts": 4,
+    }
+    assert audit_progress([]) == {
+        "audit_bytes": [], "audited": [], "rounds_certified": 0, "attempts": 0
+    }  # fmt: skip
+
+
+def _audit_run(wall: float, acc: list[float], audit_bytes: list[int]) -> dict[str, object]:
+    from chaos_flwr.lab.overhead import audit_run_figures
+
+    ends = [10.0 + wall * i for i in range(len(acc))]
+    lines = [
+        {"round": r, "audit_bytes": b, "audited": ["p"] * (b > 0)}
+        for r, b in enumerate(audit_bytes, start=1)
+    ]
+    lines[-1]["chaos_rounds"] = [
+        {"server_round": r, "holders": ["p"], "skipped": ""} for r in range(len(acc) + 1)
+    ]
+    fig = run_figures(_results(acc, ends, [5] * len(acc)))
+    fig["model_bytes"] = 64
+    return audit_run_figures(fig, lines)
+
+
+def test_audit_figures_are_medians_over_repeats_with_ratios_over_audits_off() -> None:
+    from chaos_flwr.lab.overhead import audit_medians, audit_repeat_figures, audits_table
+
+    reps = []
+    for off_wall, slow in ((2.0, 1.05), (4.0, 1.25), (2.0, 1.15)):
+        runs = {
+            "off": _audit_run(off_wall, [0.5, 0.7, 0.8], [0, 0, 0]),
+            "1": _audit_run(off_wall * slow, [0.5, 0.8, 0.8], [0, 300, 500]),
+            "all": _audit_run(off_wall * 2, [0.5, 0.7, 0.8], [0, 1500, 2500]),
+        }
+        reps.append(audit_repeat_figures(runs))
+    one = reps[0]["1"]
+    assert one["audit_bytes_per_round"] == 400  # rounds 2..: round 1 has no audited base
+    assert one["auditors_per_round"] == 1 and one["rounds_certified"] == 3
+    assert one["time_to_accuracy_s"] == pytest.approx(10.0 + 2.0 * 1.05)  # off's final 0.8
+    assert reps[0]["off"]["time_to_accuracy_s"] == pytest.approx(14.0)
+    fig = audit_medians(reps)
+    assert fig["audit1_round_ratio"] == pytest.approx(1.15)
+    assert fig["audit_all_round_ratio"] == pytest.approx(2.0)
+    assert fig["ratio_runs"]["audit1_round_ratio"] == pytest.approx([1.05, 1.25, 1.15])
+    assert fig["modes"]["all"]["audit_bytes_per_round"] == 2000
+    assert fig["modes"]["off"]["median_round_s"] == 2.0
+    fig |= {"engine": "simulation", "model_bytes": 64, "rounds": 3, "supernodes": 5}
+    fig |= {"repeats": 3, "poll_interval_s": 0.1, "loadavg": {"before": 1.0, "after": 2.0}}
+    lines = audits_table(fig).splitlines()
+    assert [ln.split()[0] for ln in lines[2:]] == ["off", "1", "all"]
+    assert lines[3].split()[2] == "1.150" and lines[4].split()[6] == "2000"
+
+
+def test_a_mode_that_left_a_round_uncertified_gets_no_round_ratio() -> None:
+    from chaos_flwr.lab.overhead import audit_medians, audit_repeat_figures, audits_table
+
+    # 20 parties, all auditing: round 2 was tried twice and never certified (its audits missed
+    # the deadline), so its "round time" spans retries: no comparable ratio
+    stalled = _audit_run(8.0, [0.5, 0.5, 0.5], [0, 900, 900])
+    stalled["rounds_certified"], stalled["attempts"] = 1, 3
+    stalled["every_round_certified"] = False
+    runs = {
+        "off": _audit_run(2.0, [0.5, 0.7, 0.8], [0, 0, 0]),
+        "1": _audit_run(2.1, [0.5, 0.7, 0.8], [0, 300, 300]),
+        "all": stalled,
+    }
+    fig = audit_medians([audit_repeat_figures(runs)])
+    assert fig["incomplete"] == ["all"]
+    assert fig["audit_all_round_ratio"] is None
+    assert fig["ratio_runs"]["audit_all_round_ratio"] == pytest.approx([4.0])
+    assert fig["audit1_round_ratio"] == pytest.approx(1.05)
+    assert fig["modes"]["all"]["time_to_accuracy_s"] is None  # never reached off's 0.8
+    fig |= {"engine": "simulation", "model_bytes": 64, "rounds": 3, "supernodes": 20}
+    fig |= {"repeats": 1, "poll_interval_s": 0.1, "loadavg": {"before": 1.0, "after": 2.0}}
+    lines = audits_table(fig).splitlines()
+    assert lines[4].split()[2] == "-" and lines[4].split()[3] == "never"
+    assert "uncertified" in lines[-1] and "'all'" in lines[-1]
+
+
+def test_a_run_certifies_every_round_only_when_no_attempt_was_retried() -> None:
+    from chaos_flwr.lab.overhead import audit_run_figures
+
+    logs = [{"server_round": 1, "holders": ["a"], "skipped": ""}]
+    logs += [{"server_round": 2, "holders": [], "skipped": "the audit of round 1 has not come in"}]
+    logs += [{"server_round": 2, "holders": [], "skipped": "0 signed update(s) < 1"}]
+    lines = [{"round": 1, "audit_bytes": 0, "audited": [], "chaos_rounds": logs}]
+    fig = audit_run_figures({}, lines)
+    assert (fig["rounds_certified"], fig["attempts"]) == (1, 3)
+    assert fig["every_round_certified"] is False
+    assert audit_run_figures({}, [])["every_round_certified"] is False  # nothing certified
+    assert _audit_run(2.0, [0.5, 0.7], [0, 10])["every_round_certified"] is True

@@ -11,10 +11,18 @@ ClientApp work per round (simulation: messages the ServerApp sends per round, co
 same Grid wrapper in both modes; deployment: ClientApp processes the SuperNodes start per round,
 one per message), the fewest trainers in any round, the final accuracies and the bytes the
 parties' replicas hold on disk after a Chaos run.
+
+With ``audits`` the bench measures Chaos alone, three ways interleaved per repeat (audits off:
+a charter without a ``rounds`` section; 1 rota auditor; ``all`` auditors: charters from
+``make_federation(rounds=fedavg_rounds(...))``, the same keys), and reports per mode the
+median round time, time to the off run's final accuracy, final accuracy, rounds certified,
+audit bytes per round (from the ServerApp's progress lines) and ClientApp messages per round,
+with the round time ratios of 1 and ``all`` auditors over audits off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -26,6 +34,7 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
     FLOWER_ENGINE_POLL_S,
     FLOWER_EXAMPLE_SUPERNODES,
@@ -33,12 +42,25 @@ from chaos_flwr.lab.settings import (
     FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S,
     FLOWER_OVERHEAD_ROUNDS,
     FLOWER_OVERHEAD_RUN_TIMEOUT_S,
+    FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
 
-__all__ = ["OverheadSpec", "hidden_for_mib", "measure_overhead", "pair_figures"]
+__all__ = [
+    "AUDIT_MODES",
+    "OverheadSpec",
+    "audit_progress",
+    "audit_run_figures",
+    "audits_table",
+    "hidden_for_mib",
+    "measure_audits",
+    "measure_overhead",
+    "pair_figures",
+]
 
 ENGINES = ("simulation", "deployment")
 MODES = ("fedavg", "chaos")
+#: The audit bench's modes: no ``rounds`` section in the charter, 1 rota auditor, all of them.
+AUDIT_MODES = ("off", "1", "all")
 MIB = 1 << 20
 #: The example's MLP (64 -> h -> h -> 10, float32): parameters = h^2 + (64 + 1 + 1 + 10) h + 10.
 _IN, _OUT, _FLOAT_BYTES = 64, 10, 4
@@ -55,7 +77,11 @@ def hidden_for_mib(mib: float) -> int:
 
 @dataclass(frozen=True)
 class OverheadSpec:
-    """What to measure: engine, rounds, model size, pairs, signing and bounds."""
+    """What to measure: engine, rounds, model size, pairs, signing and bounds.
+
+    ``audits``: measure Chaos with audits off, 1 auditor and ``all`` (:func:`measure_audits`)
+    instead of the FedAvg/Chaos pair; needs signed parties (audits are signed).
+    """
 
     engine: str = "simulation"
     rounds: int = FLOWER_OVERHEAD_ROUNDS
@@ -68,12 +94,17 @@ class OverheadSpec:
     exchange_timeout_s: float = FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S
     app_dir: Path | None = None
     extra_config: Mapping[str, object] = field(default_factory=dict)
+    audits: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.rounds < 2 or self.repeats < 1:
             raise ConfigError("rounds must be >= 2 and repeats >= 1")
+        if self.num_supernodes < 1:
+            raise ConfigError(f"num_supernodes must be >= 1, got {self.num_supernodes}")
+        if self.audits and not self.signed:
+            raise ConfigError("audits need signed parties: drop --no-signed")
 
     @property
     def poll_s(self) -> float:
@@ -373,3 +404,187 @@ def summary_table(fig: Mapping[str, Any]) -> str:
     lines.append(row("med", fig))
     lines.append(f"replica disk (chaos): {fig['replica_disk_bytes']} B")
     return "\n".join(lines)
+
+
+# -- audits off / 1 auditor / all ----------------------------------------------------------------
+#: JSON key of each audit mode's round time ratio over audits off.
+AUDIT_RATIO_KEYS = {"1": "audit1_round_ratio", "all": "audit_all_round_ratio"}
+#: Per-mode figures the audit bench reports as medians over the repeats.
+AUDIT_MEDIAN_KEYS = (
+    "median_round_s",
+    "time_to_accuracy_s",
+    "final_accuracy",
+    "rounds_certified",
+    "audit_bytes_per_round",
+    "auditors_per_round",
+    "clientapp_per_round",
+)
+
+
+def measure_audits(spec: OverheadSpec) -> dict[str, Any]:
+    """Run Chaos with audits off, 1 auditor and ``all``, interleaved per repeat.
+
+    Returns
+    -------
+    dict
+        Per mode (``modes``: ``off``, ``1``, ``all``) the medians over the repeats of
+        :data:`AUDIT_MEDIAN_KEYS` (time to accuracy: to the off run's final accuracy of the
+        same repeat); ``audit1_round_ratio`` and ``audit_all_round_ratio`` (medians of the
+        per-repeat ratios of median round times over audits off), ``repeats_figures`` (each
+        repeat's per-mode figures), ``model_bytes`` and ``loadavg`` (1-minute, before and after).
+    """
+    if not spec.audits:
+        raise ConfigError("measure_audits needs OverheadSpec(audits=True)")
+    app = spec.app_dir or example_dir()
+    out: dict[str, Any] = {
+        "engine": spec.engine,
+        "audits": True,
+        "rounds": spec.rounds,
+        "supernodes": spec.num_supernodes,
+        "poll_interval_s": spec.poll_s,
+        "hidden": spec.hidden,
+        "repeats": spec.repeats,
+        "loadavg": {"before": os.getloadavg()[0]},
+    }
+    reps: list[dict[str, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="chaos-audits-") as tmp:
+        keys = {mode: _audit_keys(Path(tmp), spec, mode) for mode in AUDIT_MODES}
+        for rep in range(spec.repeats):
+            runs = {
+                mode: _audit_run(app, spec, keys[mode], Path(tmp) / f"run-{rep}-{mode}")
+                for mode in AUDIT_MODES
+            }
+            reps.append(audit_repeat_figures(runs))
+    out["loadavg"]["after"] = os.getloadavg()[0]
+    out["model_bytes"] = reps[-1]["off"]["model_bytes"]
+    out["repeats_figures"] = reps
+    out.update(audit_medians(reps))
+    return out
+
+
+def _audit_keys(tmp: Path, spec: OverheadSpec, mode: str) -> Path:
+    """The federation of one audit mode: the same seeded keys, a charter with the mode's
+    ``rounds`` section (none for ``off``)."""
+    from chaos_flwr.flower.keys import fedavg_rounds, make_federation
+
+    rounds = None if mode == "off" else fedavg_rounds(1 if mode == "1" else "all")
+    n = spec.num_supernodes
+    return make_federation(tmp / f"keys-{mode}", n, founders=n, seed="overhead", rounds=rounds)
+
+
+def _audit_run(app: Path, spec: OverheadSpec, keys: Path, work: Path) -> dict[str, Any]:
+    """One Chaos run on ``keys``: :func:`_one_run`'s figures plus its progress lines' audits."""
+    progress = work / "progress.jsonl"
+    extra = {**spec.extra_config, FLOWER_PROGRESS_RUN_CONFIG_KEY: str(progress)}
+    run_spec = dataclasses.replace(spec, extra_config=extra)
+    fig = _one_run(app, run_spec, "chaos", keys, work)
+    return audit_run_figures(fig, read_progress(progress))
+
+
+def audit_progress(lines: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The audit figures of one run from its ServerApp's progress lines.
+
+    Each line names its ``round``, the parties sent the previous round's committed updates
+    (``audited``) and the bytes those added (``audit_bytes``); the last line carries every
+    round log so far (``chaos_rounds``): a round is certified when an attempt at it was not
+    skipped and has holders.
+    """
+    per_round = {int(ln["round"]): ln for ln in lines if int(ln.get("round", 0)) >= 1}
+    rounds = sorted(per_round)
+    last = lines[-1].get("chaos_rounds") if lines else None
+    logs = [r for r in last or [] if int(r.get("server_round", 0)) >= 1]
+    certified = {r["server_round"] for r in logs if r.get("holders") and not r.get("skipped")}
+    return {
+        "audit_bytes": [int(per_round[r].get("audit_bytes") or 0) for r in rounds],
+        "audited": [list(per_round[r].get("audited") or []) for r in rounds],
+        "rounds_certified": len(certified),
+        "attempts": len(logs),
+    }
+
+
+def audit_run_figures(fig: Mapping[str, Any], lines: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A run's figures (:func:`run_figures`) with its audits: per round bytes and auditors, and
+    their medians over rounds 2.. (round 1 has no audited base)."""
+    audits = audit_progress(lines)
+    later_bytes, later_auditors = audits["audit_bytes"][1:], audits["audited"][1:]
+    return {
+        **fig,
+        **audits,
+        # an attempt that was not certified is tried again as the same round, within the
+        # run's rounds: the run then certified fewer rounds than it was asked for
+        "every_round_certified": audits["attempts"] == audits["rounds_certified"] > 0,
+        "audit_bytes_per_round": statistics.median(later_bytes) if later_bytes else 0,
+        "auditors_per_round": statistics.median(map(len, later_auditors)) if later_auditors else 0,
+    }
+
+
+def audit_repeat_figures(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One repeat's per-mode figures: time to the off run's final accuracy, the round time
+    ratio over audits off, and the run figures the bench reports."""
+    target = float(runs["off"]["final_accuracy"])
+    base = float(runs["off"]["median_round_s"])
+    keep = (
+        "model_bytes",
+        "round_wall_s",
+        "audit_bytes",
+        "audited",
+        "attempts",
+        "every_round_certified",
+    )
+    out: dict[str, dict[str, Any]] = {}
+    for mode, fig in runs.items():
+        out[mode] = {k: fig.get(k) for k in (*AUDIT_MEDIAN_KEYS, *keep)}
+        out[mode]["time_to_accuracy_s"] = _time_to(fig, target)
+        out[mode]["round_ratio"] = float(fig["median_round_s"]) / base
+    return out
+
+
+def audit_medians(reps: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """Medians over the repeats: per mode, and the ratios over audits off.
+
+    A ratio is ``None`` when a run of either mode left a round uncertified (its round times
+    then include retries and are not comparable); ``ratio_runs`` keeps the measured values and
+    ``incomplete`` names those modes.
+    """
+    modes = {
+        mode: {key: _median([r[mode][key] for r in reps]) for key in AUDIT_MEDIAN_KEYS}
+        for mode in AUDIT_MODES
+    }
+    incomplete = [m for m in AUDIT_MODES if not all(r[m]["every_round_certified"] for r in reps)]
+    ratios = {
+        name: None
+        if {mode, "off"} & set(incomplete)
+        else _median([r[mode]["round_ratio"] for r in reps])
+        for mode, name in AUDIT_RATIO_KEYS.items()
+    }
+    runs = {name: [r[mode]["round_ratio"] for r in reps] for mode, name in AUDIT_RATIO_KEYS.items()}
+    return {"modes": modes, **ratios, "ratio_runs": runs, "incomplete": incomplete}
+
+
+def audits_table(fig: Mapping[str, Any]) -> str:
+    """The audit figures as a plain-text table (one line per mode, medians over the repeats)."""
+    head = (
+        f"engine={fig['engine']} model={fig['model_bytes']} B rounds={fig['rounds']} "
+        f"supernodes={fig['supernodes']} repeats={fig['repeats']} "
+        f"poll={fig['poll_interval_s']} s load {fig['loadavg']['before']:.2f} -> "
+        f"{fig['loadavg']['after']:.2f}"
+    )
+    cols = "mode  round_s  ratio  tta_s   acc    certified  audit_B/rnd  auditors  clientapp/rnd"
+    lines = [head, cols]
+    ratio = {"off": 1.0, **{m: fig[k] for m, k in AUDIT_RATIO_KEYS.items()}}
+    for mode in AUDIT_MODES:
+        m = fig["modes"][mode]
+        tta = m["time_to_accuracy_s"]
+        lines.append(
+            f"{mode:<4} {_num(m['median_round_s'], 3):>8} {_num(ratio[mode], 3):>6} "
+            f"{'never' if tta is None else f'{tta:.2f}':>6} {_num(m['final_accuracy'], 3):>6} "
+            f"{_num(m['rounds_certified'], 0):>10} {_num(m['audit_bytes_per_round'], 0):>12} "
+            f"{_num(m['auditors_per_round'], 0):>9} {_num(m['clientapp_per_round'], 0):>14}"
+        )
+    if fig.get("incomplete"):
+        lines.append(f"left rounds uncertified (ratio not comparable): {fig['incomplete']}")
+    return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -4,7 +4,8 @@ With ``mode = "fedavg"`` (the default) this is a plain Flower FedAvg app; with `
 the same FedAvg runs inside :class:`chaos_flwr.flower.ChaosStrategy`. Accuracy on the global test
 set is measured after every round, and when ``results-path`` is set, the per-round accuracy and
 wall time are written there as JSON (with every :class:`~chaos_flwr.flower.RoundLog` in chaos
-mode); ``progress-path`` gets one JSON line per finished round as the run goes.
+mode); ``progress-path`` gets one JSON line per finished round as the run goes (in chaos mode
+with the round's ``audited`` parties and ``audit_bytes``).
 
 With ``chaos-keys-dir`` set (a folder from :func:`chaos_flwr.flower.keys.make_federation`),
 receipts are verified against the charter's keyring, so a restarted ServerApp resumes from the
@@ -84,6 +85,14 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+def _audit_fields(rounds: list[Any], server_round: int) -> dict[str, Any]:
+    """This round's audit traffic over every attempt at it: the parties sent the previous
+    round's committed updates (``audited``) and the array bytes those added (``audit_bytes``)."""
+    logs = [r for r in rounds if getattr(r, "server_round", None) == server_round]
+    audited = sorted({p for r in logs for p in getattr(r, "audited", [])})
+    return {"audited": audited, "audit_bytes": sum(int(getattr(r, "audit_bytes", 0)) for r in logs)}
+
+
 class _Progress:
     """Appends one JSON line per finished round to ``progress-path`` (if set).
 
@@ -110,6 +119,7 @@ class _Progress:
         if self.grid is not None:  # messages and trainers per round so far
             line.update(self.grid.summary())
         if self.strategy is not None:
+            line.update(_audit_fields(self.strategy.rounds, server_round))
             line["chaos_rounds"] = _plain(list(self.strategy.rounds))
             line["last_pull"] = _plain(getattr(self.strategy, "last_pull", None))
             relay = getattr(self.strategy, "relay", None)
