@@ -1024,3 +1024,21 @@ def test_a_restarted_auditor_does_not_take_up_the_round_it_refuted(tmp_path: Pat
     again = w.party(p)
     assert again.rolled_from == 2  # it remembers the rollback ...
     assert again.held_digest != invented  # ... but not what it rolled back from
+
+
+def test_an_auditors_message_is_timed_apart_from_lighter_ones() -> None:
+    from flwr.app import Message as FlowerMessage
+
+    from chaos_flwr.flower.schema import server_record
+    from chaos_flwr.flower.server.courier import message_kind
+    from tests.fake_grid import set_task_identity
+
+    set_task_identity()
+    plain = server_record([], phase="certify", server_round=2)
+    audited = server_record([], phase="certify", server_round=2)
+    audited["audit-round"] = 2
+    kinds = [
+        message_kind(FlowerMessage(RecordDict({"chaos": rec}), dst_node_id=1, message_type="train"))
+        for rec in (plain, audited)
+    ]
+    assert kinds == ["certify:train", "certify:train:audit"]

@@ -213,12 +213,12 @@ def message_kind(msg: Message) -> str:
     times: a trainer's replies and a relayed-to node's are timed apart)."""
     record = msg.content.get(CHAOS_RECORD_KEY) if msg.has_content() else None
     phase = record.get("phase", "") if isinstance(record, ConfigRecord) else ""
-    return f"{phase if isinstance(phase, str) else ''}:{msg.metadata.message_type}"
-
-
-def audit_size(job: AuditJob) -> int:
-    """Array bytes the committed updates of an audit job add to one auditor's message."""
-    return updates_size(job.updates)
+    kind = f"{phase if isinstance(phase, str) else ''}:{msg.metadata.message_type}"
+    if isinstance(record, ConfigRecord) and "audit-round" in record:
+        # an auditor's message carries every committed update and its reply waits for the
+        # recomputation: timed apart, so its deadline does not come from lighter messages
+        kind += ":audit"
+    return kind
 
 
 def min_nodes(inner: Strategy, kind: str) -> int:
@@ -655,7 +655,7 @@ class Courier:
                 p for n in taken if (p := self.relay.party_of.get(n)) in spec.audit.parties
             )
             log_.audited = sent_to
-            log_.audit_bytes = len(sent_to) * audit_size(spec.audit)
+            log_.audit_bytes = len(sent_to) * updates_size(spec.audit.updates)
         res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_)
         # the inner strategy sees its replies in the order of its own messages, as Flower's
         # send_and_receive gives them when all replies are in
