@@ -69,6 +69,8 @@ def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) 
         assert r["messages"] == {"train": r["sampled"], "evaluate": r["sampled"]}, r
     before_crash = [r for r in rounds if r["round"] < fig["crash_in_round"]]
     assert all(r["trainers"] == r["sampled"] > 0 for r in before_crash), before_crash
+    # verified rounds: each round's committed updates went to its rota auditor with its certify
+    assert all(len(r["audited"]) >= 1 for r in before_crash), before_crash
     for prev, r in itertools.pairwise(before_crash):
         assert r["sampled"] >= prev["sampled"], (prev, r)
     # nothing left behind

@@ -208,7 +208,12 @@ def test_deployment_round_checks_mark_join_and_crash_rounds_as_events() -> None:
     assert events == {2, 3, 6, 7}
     sent = [{"train": 3, "evaluate": 3}] * 5 + [{"train": 4, "evaluate": 4, "query.chaos": 1}] * 2
     chaos_rounds = [{"server_round": 0}] + [
-        {"server_round": r, "trained": [1, 2, 3], "joins": [{"ok": True}] if r == 3 else []}
+        {
+            "server_round": r,
+            "trained": [1, 2, 3],
+            "joins": [{"ok": True}] if r == 3 else [],
+            "audited": ["p0"] if r > 1 else [],
+        }
         for r in range(1, 8)
     ]
     line = {"messages_per_round": sent, "trainers_per_round": [3] * 7, "chaos_rounds": chaos_rounds}
@@ -219,8 +224,10 @@ def test_deployment_round_checks_mark_join_and_crash_rounds_as_events() -> None:
         "messages": {"train": 3, "evaluate": 3},
         "sampled": 3,
         "trainers": 3,
+        "audited": [],
         "churn_free": True,
     }
+    assert rounds[1]["audited"] == ["p0"]
 
 
 def test_the_summary_table_lists_each_pair_and_the_medians() -> None:

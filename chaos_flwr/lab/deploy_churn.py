@@ -64,8 +64,9 @@ def _sampled_parties(line: dict[str, Any]) -> set[str]:
 
 def round_checks(lines: list[dict[str, Any]], events: set[int]) -> list[dict[str, Any]]:
     """Per finished round of a run (from its last progress line): the messages the ServerApp
-    sent, the nodes sampled to train, the trainers whose reply came, and ``churn_free``: no
-    join pull ran in it and it is not in ``events`` (rounds of a join or a crash)."""
+    sent, the nodes sampled to train, the trainers whose reply came, the auditors sent its
+    committed updates, and ``churn_free``: no join pull ran in it and it is not in ``events``
+    (rounds of a join or a crash)."""
     if not lines:
         return []
     last = lines[-1]
@@ -82,6 +83,7 @@ def round_checks(lines: list[dict[str, Any]], events: set[int]) -> list[dict[str
                 "messages": {str(k): int(v) for k, v in sent[rnd - 1].items()},
                 "sampled": len(rlog.get("trained") or []),
                 "trainers": replies[rnd - 1] if rnd <= len(replies) else 0,
+                "audited": [str(p) for p in rlog.get("audited") or []],
                 "churn_free": not rlog.get("joins") and rnd not in events,
             }
         )

@@ -86,8 +86,9 @@ def _plain(value: Any) -> Any:
 
 
 def _audit_fields(rounds: list[Any], server_round: int) -> dict[str, Any]:
-    """This round's audit traffic over every attempt at it: the parties sent the previous
-    round's committed updates (``audited``) and the array bytes those added (``audit_bytes``)."""
+    """This round's audit traffic over every attempt at it: the parties sent committed updates
+    to audit (``audited``: this round's with its certify, or a missing audit asked again) and
+    the array bytes those added (``audit_bytes``)."""
     logs = [r for r in rounds if getattr(r, "server_round", None) == server_round]
     audited = sorted({p for r in logs for p in getattr(r, "audited", [])})
     return {"audited": audited, "audit_bytes": sum(int(getattr(r, "audit_bytes", 0)) for r in logs)}
