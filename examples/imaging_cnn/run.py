@@ -30,8 +30,8 @@ def run(engine: str, institutions: int, rounds: int, work: Path, timeout_s: floa
     from chaos_flwr.flower.rule import rule_of_profile
 
     # the charter fixes the profile's FedProx as the rule: every round audited by one party
-    rounds = RoundRules(rule=rule_of_profile("fedprox-wan"), auditors=1)
-    keys = make_federation(work / "keys", institutions, founders=institutions, rounds=rounds)
+    audited = RoundRules(rule=rule_of_profile("fedprox-wan"), auditors=1)
+    keys = make_federation(work / "keys", institutions, founders=institutions, rounds=audited)
     config: dict[str, object] = {
         "mode": "chaos",
         "num-server-rounds": rounds,
