@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import codec
 from .defaults import AUDIT_ROTA_SPARE, ROUNDS_MAX_AUDITS_KEPT
@@ -55,9 +55,10 @@ __all__ = [
     "RoundGuard",
     "auditors_of",
     "keep_audit",
+    "open_audit",
 ]
 
-_S = TypeVar("_S", "Commitment", "Audit")
+_S = TypeVar("_S", bound="_Signed")
 _A = TypeVar("_A")
 
 #: Domain tag of a signed update commitment.
@@ -91,6 +92,16 @@ def _decode_map(blob: Any, what: str, keys: frozenset[str]) -> dict[str, Any]:
     return obj
 
 
+def _signer(obj: dict[str, Any], what: str) -> tuple[str, bytes]:
+    """The ``party`` and ``sig`` fields of a decoded signed map, checked."""
+    party, sig = obj["party"], obj["sig"]
+    if not isinstance(party, str) or not is_party_id(party):
+        raise DecodeError(f"{what} field 'party' must be a party id")
+    if not isinstance(sig, bytes) or len(sig) != _SIG:
+        raise DecodeError(f"{what} field 'sig' must be {_SIG} bytes")
+    return party, sig
+
+
 def _verify(keyring: Mapping[str, bytes], party: str, signature: bytes, body: bytes) -> None:
     key = keyring.get(party)
     if key is None:
@@ -98,8 +109,33 @@ def _verify(keyring: Mapping[str, bytes], party: str, signature: bytes, body: by
     verify_signature(key, signature, body)
 
 
+class _Signed:
+    """What a signed round object shares: its signed bytes (its ``body()``, domain-tagged by
+    ``kind``), signing, and its encoding (the body without the tag, with the signature)."""
+
+    signature: bytes
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def signing_bytes(self) -> bytes:
+        """The exact bytes its signer signs."""
+        return codec.encode(self.body())
+
+    def signed(self: _S, sign: Any) -> _S:
+        """This object signed with ``sign`` (``Identity.sign``)."""
+        signed: _S = replace(cast(Any, self), signature=bytes(sign(self.signing_bytes())))
+        return signed
+
+    def encode(self) -> bytes:
+        """The encoded object (what messages carry; :meth:`decode` reads it)."""
+        body = self.body()
+        del body["kind"]
+        return codec.encode({**body, "sig": self.signature})
+
+
 @dataclass(frozen=True)
-class Commitment:
+class Commitment(_Signed):
     """A trainer's signed commitment to its update of one round (module docstring).
 
     Attributes
@@ -147,30 +183,12 @@ class Commitment:
             "view": self.view,
         }
 
-    def signing_bytes(self) -> bytes:
-        """The exact bytes the trainer signs."""
-        return codec.encode(self.body())
-
-    def signed(self, sign: Any) -> Commitment:
-        """This commitment signed with ``sign`` (``Identity.sign``)."""
-        return _replace_sig(self, bytes(sign(self.signing_bytes())))
-
-    def encode(self) -> bytes:
-        body = self.body()
-        del body["kind"]
-        return codec.encode({**body, "sig": self.signature})
-
     @classmethod
     def decode(cls, blob: Any) -> Commitment:
         """Parse an encoded commitment; :class:`DecodeError` names a bad field."""
         obj = _decode_map(blob, "commitment", cls._KEYS)
-        party = obj["party"]
-        if not isinstance(party, str) or not is_party_id(party):
-            raise DecodeError("commitment field 'party' must be a party id")
+        party, sig = _signer(obj, "commitment")
         weight = _round(obj["weight"], "commitment field 'weight'")
-        sig = obj["sig"]
-        if not isinstance(sig, bytes) or len(sig) != _SIG:
-            raise DecodeError(f"commitment field 'sig' must be {_SIG} bytes")
         return cls(
             party=party,
             federation=_bytes32(obj["federation"], "commitment field 'federation'"),
@@ -189,7 +207,7 @@ class Commitment:
 
 
 @dataclass(frozen=True)
-class Audit:
+class Audit(_Signed):
     """An auditor's signed verdict on the aggregate of one round (module docstring).
 
     Attributes
@@ -228,30 +246,14 @@ class Audit:
             "recomputed": self.recomputed,
         }
 
-    def signing_bytes(self) -> bytes:
-        """The exact bytes the auditor signs."""
-        return codec.encode(self.body())
-
-    def signed(self, sign: Any) -> Audit:
-        """This audit signed with ``sign``."""
-        return _replace_sig(self, bytes(sign(self.signing_bytes())))
-
-    def encode(self) -> bytes:
-        body = self.body()
-        del body["kind"]
-        return codec.encode({**body, "sig": self.signature})
-
     @classmethod
     def decode(cls, blob: Any) -> Audit:
         """Parse an encoded audit; :class:`DecodeError` names a bad field."""
         obj = _decode_map(blob, "audit", cls._KEYS)
-        party, ok, sig = obj["party"], obj["ok"], obj["sig"]
-        if not isinstance(party, str) or not is_party_id(party):
-            raise DecodeError("audit field 'party' must be a party id")
+        party, sig = _signer(obj, "audit")
+        ok = obj["ok"]
         if not isinstance(ok, bool):
             raise DecodeError("audit field 'ok' must be a bool")
-        if not isinstance(sig, bytes) or len(sig) != _SIG:
-            raise DecodeError(f"audit field 'sig' must be {_SIG} bytes")
         return cls(
             party=party,
             federation=_bytes32(obj["federation"], "audit field 'federation'"),
@@ -267,8 +269,19 @@ class Audit:
         _verify(keyring, self.party, self.signature, self.signing_bytes())
 
 
-def _replace_sig(obj: _S, sig: bytes) -> _S:
-    return replace(obj, signature=sig)
+def open_audit(blob: Any, federation: bytes, keyring: Mapping[str, bytes]) -> Audit:
+    """Decode an audit and check it names ``federation`` and verifies under ``keyring``.
+
+    Raises
+    ------
+    DecodeError, ProofError, SignatureError
+        Malformed, of another federation, or not its auditor's signature.
+    """
+    audit = Audit.decode(blob)
+    if audit.federation != federation:
+        raise ProofError(f"audit of {audit.party} names another federation")
+    audit.verify(keyring)
+    return audit
 
 
 def keep_audit(
@@ -362,10 +375,7 @@ class RoundGuard:
         errors: list[str] = []
         for blob in blobs:
             try:
-                audit = Audit.decode(blob)
-                if audit.federation != self.federation:
-                    raise ProofError(f"audit of {audit.party} names another federation")
-                audit.verify(self.keyring)
+                audit = open_audit(blob, self.federation, self.keyring)
             except ChaosError as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
                 continue

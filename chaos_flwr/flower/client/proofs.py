@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from chaos_flwr.errors import ChaosError, DecodeError, EquivocationError, ProofError, StoreError
 from chaos_flwr.flower.updates import unpack_updates, update_digest, weight_of
-from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard
+from chaos_flwr.rounds import Audit, CertifyProof, Commitment, RoundGuard, open_audit
 from chaos_flwr.state import TrainingState, from_array_record
 
 if TYPE_CHECKING:
@@ -280,10 +280,7 @@ def take_refutations(party: Party, record: ConfigRecord | None) -> None:
         if not isinstance(blob, bytes):
             continue
         try:
-            a = Audit.decode(blob)
-            if a.federation != guard.federation:
-                continue
-            a.verify(guard.keyring)
+            a = open_audit(blob, guard.federation, guard.keyring)
         except ChaosError:
             continue
         if a.ok or (a.round, a.digest) != (party.held_round, party.held_digest):

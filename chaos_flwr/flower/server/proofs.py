@@ -27,7 +27,7 @@ from chaos_flwr.defaults import AUDIT_ROTA_SPARE, ROUNDS_MAX_AUDITS_KEPT
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.updates import copy_update, update_digest
 from chaos_flwr.peer import federation_tag
-from chaos_flwr.rounds import Audit, Commitment, auditors_of, keep_audit
+from chaos_flwr.rounds import Audit, Commitment, auditors_of, keep_audit, open_audit
 
 __all__ = ["SERVER_MAX_REFUTATIONS", "AuditJob", "Chosen", "RoundProofs"]
 
@@ -118,10 +118,7 @@ class RoundProofs:
         """Keep the audits that verify (the newest rounds only)."""
         for blob in blobs:
             try:
-                audit = Audit.decode(blob)
-                if audit.federation != self.federation:
-                    continue
-                audit.verify(self.keyring)
+                audit = open_audit(blob, self.federation, self.keyring)
             except ChaosError:
                 continue
             if self.last is not None and not (
