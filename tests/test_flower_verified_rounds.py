@@ -385,7 +385,7 @@ def test_an_honest_run_is_certified_and_audited_without_alarms(tmp_path: Path) -
     proofs = strategy.courier.proofs
     assert proofs is not None
     for rlog in strategy.rounds:
-        if 1 <= rlog.server_round <= 3:  # round 4's audit rides on round 5's messages
+        if 1 <= rlog.server_round <= 4:  # each round's audit rides on its certify
             audits = [Audit.decode(b) for b in proofs.audits_of(rlog.server_round, rlog.digest)]
             (auditor,) = auditors_of(rlog.server_round, rlog.members["active"], 1)
             assert [(a.party, a.ok) for a in audits] == [(auditor, True)]
@@ -1042,3 +1042,26 @@ def test_an_auditors_message_is_timed_apart_from_lighter_ones() -> None:
         for rec in (plain, audited)
     ]
     assert kinds == ["certify:train", "certify:train:audit"]
+
+
+def test_a_joiner_takes_only_a_final_state(tmp_path: Path) -> None:
+    from chaos_flwr.flower.schema import start_record
+
+    w = _world(tmp_path)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=2, timeout=10)
+    last = strategy.rounds[-1]
+    party = w.party(0)
+    party.held_round, party.held_digest = 1, party.store.get(1).digest()  # type: ignore[union-attr]
+    donors = [w.pid(p) for p in range(1, PARTIES)]
+    receipts = [w.party(p)._receipt() for p in range(1, PARTIES)]
+    record = ConfigRecord({"round": 2, "digest": last.digest})
+    # without the round's audits the pull is refused before a byte moves
+    ctl, asks = party.join_step(record, start_record(donors, receipts), {})
+    assert ctl["status"] == "failed" and "is not final" in str(ctl["error"]) and asks == {}
+    assert party.errors[-1].startswith("ProofError: round 2 is not final")
+    # with them (what the ServerApp's start record carries) it starts pulling
+    start = start_record(donors, receipts)
+    start["audits"] = strategy.courier.proofs.audits_of(2, last.digest)  # type: ignore[union-attr]
+    ctl, asks = party.join_step(record, start, {})
+    assert ctl["status"] == "want" and set(asks) <= set(donors) and asks

@@ -262,6 +262,8 @@ class JoiningParty(Protocol):
 
     def signed_digest(self, rnd: int) -> bytes | None: ...
 
+    def unfinal(self, rnd: int, digest: bytes, audits: object) -> str: ...
+
 
 def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
     """The shard floor and the size hint a start record names (each ignored unless an int
@@ -318,6 +320,10 @@ def join_step(
         ]
         if not good:
             return ConfigRecord({"status": "failed", "error": "no donor receipt verifies"}), {}
+        why = party.unfinal(rnd, digest, control.get("audits"))
+        if why:
+            party.errors.append(why)
+            return ConfigRecord({"status": "failed", "error": why}), {}
         if rnd == party.held_round and party.held_round >= 0:
             # it certified another state of this very round: the relay showed the round
             # two ways. Never re-sign; the donors' receipts and its own are the evidence.

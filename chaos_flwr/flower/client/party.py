@@ -281,6 +281,10 @@ class Party(VerifiedRounds):
             return b""
         return self.signer(receipt_signing_bytes(self.party_id, self.held_round, self.held_digest))
 
+    def unfinal(self, rnd: int, digest: bytes, audits: object) -> str:
+        """Why this party may not pull ``(rnd, digest)`` ("": it may): :func:`.proofs.unfinal`."""
+        return proofs.unfinal(self, rnd, digest, audits)
+
     def hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None:
         """Take up ``state`` (its checks passed): hold it, store it with the signed receipt."""
         self._hold(state, arrays)

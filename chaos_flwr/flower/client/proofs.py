@@ -36,6 +36,7 @@ __all__ = [
     "proof_of",
     "take_certify",
     "take_refutations",
+    "unfinal",
 ]
 
 #: Consecutive certified rounds in which a trainer's signed view differs from this party's
@@ -266,6 +267,30 @@ def _base_state(party: Party, round_: int, digest: bytes) -> TrainingState:
     if state.digest() != digest:
         raise ProofError(f"audit of round {round_ + 1}: the replica of its base is another state")
     return state
+
+
+def unfinal(party: Party, round_: int, digest: bytes, blobs: object) -> str:
+    """Why a signing party may not pull ``(round_, digest)`` ("" when it may): a joiner takes
+    only a final state, by the audits the join's start record carries (checked against the
+    charter's keys and the joiner's own view of the rota)."""
+    guard = guard_of(party)
+    if guard is None or round_ == 0 or guard.auditors == 0:
+        return ""
+    check = RoundGuard(
+        party=guard.party,
+        federation=guard.federation,
+        keyring=guard.keyring,
+        rule_id=guard.rule_id,
+        min_updates=guard.min_updates,
+        auditors=guard.auditors,
+    )
+    if isinstance(blobs, list):
+        check.note_audits(b for b in blobs if isinstance(b, bytes))
+    verdict = check.verdict(round_, digest, _active(party))
+    if verdict is True:
+        return ""
+    what = "was audited false" if verdict is False else "is not final (no audits of its rota)"
+    return f"ProofError: round {round_} {what}; not pulled"
 
 
 def take_refutations(party: Party, record: ConfigRecord | None) -> None:

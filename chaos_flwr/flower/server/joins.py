@@ -143,6 +143,9 @@ class JoinRelay:
             self.settings.min_shard_bytes,
             self._total,
         )
+        proofs = self.courier.proofs
+        if proofs is not None:  # the joiner takes only a final state: here are its audits
+            start["audits"] = proofs.audits_of(spec.server_round, spec.digest)
         run = _Run(
             spec=spec,
             node_of={holders[d][0]: d for d in donors},
