@@ -32,6 +32,7 @@ from chaos_flwr.flower.keys import charter_path, load_federation, make_federatio
 from chaos_flwr.flower.server import (
     ChaosStrategy,
     JoinLog,
+    JoinSettings,
     PhaseSettings,
     RoundLog,
     certified_digest,
@@ -160,7 +161,7 @@ def test_a_joiner_is_sponsored_then_pulls_from_several_donors_and_trains(
         w.add(p)
     joiner: dict[str, FakeNode] = {}
     w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))  # a SuperNode appears mid-training
-    strategy = w.strategy()
+    strategy = w.strategy(joins=JoinSettings(source="peers"))  # the multi-source pull
     result = strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
     founders = sorted(w.pid(p) for p in range(3))
     jp = w.pid(3)
@@ -226,7 +227,7 @@ def test_a_donor_sending_bad_shards_is_dropped_and_its_shares_replanned(tmp_path
     for p in range(3):
         w.add(p)
     w.hooks[1] = lambda: w.add(3) and None
-    strategy = w.strategy()
+    strategy = w.strategy(joins=JoinSettings(source="peers"))
     strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
     ((rlog, join),) = _joins(strategy, w.pid(3))
     bad = w.pid(1)
@@ -316,8 +317,9 @@ def test_restarted_parties_with_and_without_their_disks(tmp_path: Path) -> None:
     assert hello.server_round == 3 and w.pid(3) in hello.holders  # its replica verified
     assert second.last_pull is not None and len(second.last_pull.shares) >= 2  # in parallel
     assert w.pid(4) not in hello.holders
-    assert [j.party for j in hello.joins] == [w.pid(4)]  # only the diskless one pulls
-    assert hello.joins[0].ok and len(hello.joins[0].bytes_per_donor) >= 2
+    assert [j.party for j in hello.joins] == [w.pid(4)]  # only the diskless one joins
+    # the resumed ServerApp holds the state it pulled: it sends it in one message
+    assert hello.joins[0].ok and hello.joins[0].source == "server" and hello.joins[0].steps == 1
     assert all(w.nodes[p].node_id in second.rounds[-1].trained for p in range(5))
     assert new3.held_digest == new4.held_digest == second.rounds[-1].digest
     assert sorted(second.rounds[-1].members["active"]) == sorted(w.pid(p) for p in range(5))
@@ -606,7 +608,8 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
             w.add(p, **extra)
         joiner: dict[str, FakeNode] = {}
         w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
-        strategy = w.strategy()
+        # the ServerApp learns of direct links from a pull only (not yet from signed endpoints)
+        strategy = w.strategy(joins=JoinSettings(source="peers"))
         strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
     finally:
         stop_servers()

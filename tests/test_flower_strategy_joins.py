@@ -1,4 +1,5 @@
-"""Several joiners in one round pull the certified state concurrently (fake Grid, signed)."""
+"""Several joiners in one round get the certified state concurrently: pulled from its holders,
+or from the ServerApp in one message each (fake Grid, signed)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from chaos_flwr.flower.keys import charter_path, load_federation, make_federatio
 from chaos_flwr.flower.server import (
     ChaosStrategy,
     JoinLog,
+    JoinSettings,
     PhaseSettings,
     RoundLog,
     certified_digest,
@@ -97,12 +99,13 @@ class World:
         enable(app, party_factory=default_party_factory)
         return app
 
-    def run(self) -> tuple[ChaosStrategy, dict[int, int]]:
+    def run(self, source: str = "peers") -> tuple[ChaosStrategy, dict[int, int]]:
         """Run 5 rounds; return the strategy and the exchanges each round's join phase used."""
         strategy = ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
             phases=PhaseSettings(phase_timeout_s=2.0),
+            joins=JoinSettings(source=source),
         )
         exchanges: dict[int, int] = {}
         count = {"n": 0}
@@ -112,11 +115,9 @@ class World:
             count["n"] += 1
             return real_exchange(*a, **kw)
 
-        def counted_pulls(
-            grid: Any, rnd: int, digest: bytes, rlog: RoundLog, t: float, total: int | None
-        ) -> float:
+        def counted_pulls(grid: Any, rnd: int, digest: bytes, rlog: RoundLog, *rest: Any) -> float:
             before = count["n"]
-            out = real_pulls(grid, rnd, digest, rlog, t, total)
+            out = real_pulls(grid, rnd, digest, rlog, *rest)
             exchanges[rlog.server_round] = count["n"] - before
             return out
 
@@ -165,3 +166,23 @@ def test_two_joiners_in_one_round_pull_together_in_the_exchanges_of_one(
     assert ex2[rlog.server_round] == ex1[r1.server_round] == 2 * steps - 1
     assert steps == j1.steps
     assert sorted(s2.rounds[-1].members["active"]) == sorted([*founders, *jids])
+
+
+def test_two_joiners_take_the_state_from_the_server_in_one_exchange(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
+    two = World(tmp_path, 2)
+    strategy, exchanges = two.run(source="auto")  # relay only: the server's copy
+    joins = _joins(strategy)
+    assert len(joins) == 2 and joins[0][0] is joins[1][0]
+    rlog = joins[0][0]
+    assert exchanges[rlog.server_round] == 1  # one message to each joiner, one exchange
+    assert all(n == 0 for r, n in exchanges.items() if r != rlog.server_round)
+    for p in (FOUNDERS, FOUNDERS + 1):
+        (j,) = [j for _, j in joins if j.node == two.nodes[p].node_id]
+        assert j.ok and j.source == "server" and j.steps == 1 and j.bytes_per_donor == {}
+        held = ReplicaStore(two.state_root / f"party-{p}" / "replicas").get(j.server_round)
+        assert held.digest() == rlog.digest and j.total_bytes == len(held.to_bytes())
+        later = [r for r in strategy.rounds if r.server_round > rlog.server_round]
+        assert later and all(two.nodes[p].node_id in r.trained for r in later)

@@ -11,7 +11,9 @@ records. Every Chaos message and reply carries a ConfigRecord under :data:`CHAOS
 A pull adds records of its own (:data:`PULL_DATA_KEY` for the joiner's control record, and
 ``chaos-pull.<party id>`` per donor, :func:`donor_key`); their contents are the messages of
 :mod:`chaos_flwr.pull.messages`. Messages Chaos sends besides the inner strategy's are of type
-:data:`CHAOS_MESSAGE_TYPE`.
+:data:`CHAOS_MESSAGE_TYPE`. When the ServerApp sends a joiner the certified state itself
+(:func:`take_record`), the join's control record carries the state's canonical bytes; the
+joiner checks them against the holders' receipts before taking them up.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "AUDIT_RECORD_PREFIX",
     "CHAOS_MESSAGE_TYPE",
     "CHAOS_RECORD_KEY",
+    "JOIN_TAKE_OP",
     "PULL_DATA_KEY",
     "RECORD_VERSION",
     "OutgoingLike",
@@ -42,6 +45,7 @@ __all__ = [
     "server_record",
     "split_chaos",
     "start_record",
+    "take_record",
     "with_chaos",
 ]
 
@@ -53,6 +57,8 @@ CHAOS_RECORD_KEY: str = "chaos"
 AUDIT_RECORD_PREFIX: str = "chaos-upd."
 #: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
 PULL_DATA_KEY: str = "chaos-pull"
+#: ``op`` of a join control record that carries the certified state (:func:`take_record`).
+JOIN_TAKE_OP: str = "take"
 #: Version of the record layouts below.
 RECORD_VERSION = 1
 
@@ -245,4 +251,18 @@ def start_record(
     )
     if total is not None:
         record["total"] = total
+    return record
+
+
+def take_record(start: ConfigRecord, state: bytes) -> ConfigRecord:
+    """A join control record that hands the joiner the certified state itself.
+
+    It is ``start`` (the holders and their signed receipts, the round's audits) with ``op``
+    :data:`JOIN_TAKE_OP` and ``state``: the state's canonical bytes
+    (:meth:`chaos_flwr.state.TrainingState.to_bytes`, arrays and strategy state), which must
+    hash to the digest the receipts name. The bytes are shared, not copied.
+    """
+    record = ConfigRecord(dict(start.items()))
+    record["op"] = JOIN_TAKE_OP
+    record["state"] = state
     return record

@@ -42,7 +42,8 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
 )
-from chaos_flwr.errors import ChaosError
+from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.flower.schema import JOIN_TAKE_OP
 from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import (
     PULL_ASSUMED_BANDWIDTH_BPS,
@@ -53,9 +54,9 @@ from chaos_flwr.pull.negotiation import (
     Status,
 )
 from chaos_flwr.pull.saved import load_negotiation, save_negotiation
-from chaos_flwr.state import TrainingState
+from chaos_flwr.state import TrainingState, state_digest
 
-__all__ = ["JoinerPull", "JoiningParty", "join_step"]
+__all__ = ["JoinerPull", "JoiningParty", "join_step", "take_state"]
 
 
 def _address_ok(value: str) -> str:
@@ -260,6 +261,10 @@ class JoiningParty(Protocol):
         self, state: TrainingState, arrays: ArrayRecord | None = ..., digest: bytes = ...
     ) -> None: ...
 
+    def hold(
+        self, state: TrainingState, arrays: ArrayRecord | None = ..., digest: bytes = ...
+    ) -> None: ...
+
     def max_signed_round(self) -> int: ...
 
     def signed_digest(self, rnd: int) -> bytes | None: ...
@@ -277,6 +282,86 @@ def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
         return value if ok else None  # type: ignore[return-value]
 
     return positive("min-shard") or FLOWER_JOIN_MIN_SHARD_BYTES, positive("total")
+
+
+def _check_start(
+    party: JoiningParty, rnd: int, digest: bytes, control: ConfigRecord
+) -> tuple[list[str], ConfigRecord | None]:
+    """The checks before a joiner takes ``(rnd, digest)`` from anyone: the holders' signed
+    receipts (those that verify against the keyring, at least one), the round's audits (a
+    final state only) and, for a party that certified another state of this very round, the
+    equivocation it shows. Returns the holders whose receipts verify, and the ``failed``
+    reply when a check fails (``None`` when all pass)."""
+    donors = control.get("donors", [])
+    blobs = control.get("receipts", [])
+    if not isinstance(donors, list) or not isinstance(blobs, list):
+        return [], ConfigRecord({"status": "failed", "error": "bad start record"})
+    good = [
+        d
+        for d, b in zip(donors, blobs, strict=False)
+        if isinstance(d, str) and isinstance(b, bytes) and party._receipt_ok(d, rnd, digest, b)
+    ]
+    if not good:
+        return [], ConfigRecord({"status": "failed", "error": "no donor receipt verifies"})
+    why = party.unfinal(rnd, digest, control.get("audits"))
+    if why:
+        party.errors.append(why)
+        return [], ConfigRecord({"status": "failed", "error": why})
+    if rnd == party.held_round and party.held_round >= 0:
+        # it certified another state of this very round: the relay showed the round
+        # two ways. Never re-sign; the donors' receipts and its own are the evidence.
+        from chaos_flwr.receipts import Receipt
+
+        theirs = [
+            Receipt.from_flower(d, rnd, digest, b).encode()
+            for d, b in zip(donors, blobs, strict=False)
+            if d in good and isinstance(b, bytes)
+        ]
+        party.check_receipts(ConfigRecord({"receipts": theirs}))
+        why = f"EquivocationError: round {rnd} was shown with two digests"
+        return [], ConfigRecord({"status": "failed", "error": why})
+    return good, None
+
+
+def take_state(
+    party: JoiningParty, rnd: int, digest: bytes, control: ConfigRecord, holders: list[str]
+) -> ConfigRecord:
+    """Take up the certified state the ServerApp sent in ``control`` (a
+    :func:`~chaos_flwr.flower.schema.take_record`), after :func:`_check_start` passed.
+
+    The bytes must hash to ``digest``, which ``holders``' verified receipts name (hashed
+    once: the party holds the state under the digest checked here), and decode to a state
+    of round ``rnd``. Returns the control reply: ``done`` (the party holds the state; its
+    receipt goes out with this reply) or ``failed`` with the typed error, which is also
+    noted in the party's errors; a refused state changes nothing held, and the ServerApp
+    falls back to the multi-source pull.
+    """
+    t0 = party.clock()
+    data = control.get("state")
+    try:
+        if not isinstance(data, bytes):
+            raise DecodeError("join take record: field 'state' must be bytes")
+        if state_digest(data) != digest:
+            raise ShardIntegrityError(
+                f"the state the ServerApp sent for round {rnd} does not hash to the digest "
+                f"that {len(holders)} holder receipt(s) name"
+            )
+        state = TrainingState.from_bytes(data)
+        if state.round != rnd:  # the digest covers the round: only a broken encoder
+            raise ShardIntegrityError(f"the state sent is of round {state.round}, not {rnd}")
+    except ChaosError as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        party.errors.append(f"join take of round {rnd} refused: {why}")
+        reply = ConfigRecord({"status": "failed", "error": why, "source": "server"})
+        party.joins_done.append(reply)
+        return reply
+    party.joining = None
+    party.hold(state, digest=digest)  # the digest just checked: hashed once
+    reply = ConfigRecord(
+        {"status": "done", "source": "server", "total": len(data), "take-s": party.clock() - t0}
+    )
+    party.joins_done.append(reply)
+    return reply
 
 
 def join_step(
@@ -310,35 +395,13 @@ def join_step(
         return ConfigRecord({"status": "failed", "error": why}), {}
     now = party.clock()
     pull = party.joining
-    if control.get("op") == "start" or pull is None or pull.server_round != rnd:
-        donors = control.get("donors", [])
-        blobs = control.get("receipts", [])
-        if not isinstance(donors, list) or not isinstance(blobs, list):
-            return ConfigRecord({"status": "failed", "error": "bad start record"}), {}
-        good = [
-            d
-            for d, b in zip(donors, blobs, strict=False)
-            if isinstance(d, str) and isinstance(b, bytes) and party._receipt_ok(d, rnd, digest, b)
-        ]
-        if not good:
-            return ConfigRecord({"status": "failed", "error": "no donor receipt verifies"}), {}
-        why = party.unfinal(rnd, digest, control.get("audits"))
-        if why:
-            party.errors.append(why)
-            return ConfigRecord({"status": "failed", "error": why}), {}
-        if rnd == party.held_round and party.held_round >= 0:
-            # it certified another state of this very round: the relay showed the round
-            # two ways. Never re-sign; the donors' receipts and its own are the evidence.
-            from chaos_flwr.receipts import Receipt
-
-            theirs = [
-                Receipt.from_flower(d, rnd, digest, b).encode()
-                for d, b in zip(donors, blobs, strict=False)
-                if d in good and isinstance(b, bytes)
-            ]
-            party.check_receipts(ConfigRecord({"receipts": theirs}))
-            why = f"EquivocationError: round {rnd} was shown with two digests"
-            return ConfigRecord({"status": "failed", "error": why}), {}
+    op = control.get("op")
+    if op in ("start", JOIN_TAKE_OP) or pull is None or pull.server_round != rnd:
+        good, refused = _check_start(party, rnd, digest, control)
+        if refused is not None:
+            return refused, {}
+        if op == JOIN_TAKE_OP:
+            return take_state(party, rnd, digest, control, good), {}
         min_shard, total = _start_settings(control)
         pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total)
         party.joining = pull

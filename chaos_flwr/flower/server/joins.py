@@ -1,9 +1,22 @@
-"""The join relay: live parties that lack the certified state pull it from its holders.
+"""The join relay: live parties that lack the certified state get it, from the ServerApp or
+pulled from its holders.
 
-The joiner plans and verifies (:mod:`chaos_flwr.flower.client.joiner`); the ServerApp only carries
-its requests to the donors and the donors' shard replies back (it never assembles the state).
+**From the ServerApp** (:attr:`JoinSettings.source` ``auto`` when the relay is the only path,
+or ``server``): the ServerApp holds the newest certified state (it aggregated it), so, like
+plain Flower sending the model in a train message, it sends the state's bytes in the join
+exchange, one message per joiner (:func:`~chaos_flwr.flower.schema.take_record`, with the
+holders' signed receipts and the round's audits). The joiner checks them (receipts, final,
+digest; :func:`~chaos_flwr.flower.client.joiner.take_state`) and takes the state up, or
+refuses it with a typed error: then it falls back to the pull below, in the same join.
+
+**Pulled from the holders** (direct links known, ``peers``, or a refused copy): the joiner
+plans and verifies (:mod:`chaos_flwr.flower.client.joiner`); the ServerApp only carries its
+requests to the donors and the donors' shard replies back (it never assembles the state).
 Every joiner still pulling shares the same two exchanges per relay step (one with the
 joiners, one with the donors), so two joiners take as many exchanges as one.
+
+Either way nothing is sent in a round without a joiner: a churn-free round's messages are
+unchanged.
 """
 
 from __future__ import annotations
@@ -17,13 +30,20 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from chaos_flwr.flower.schema import PULL_DATA_KEY, donor_key, read_donor_records, start_record
+from chaos_flwr.flower.schema import (
+    PULL_DATA_KEY,
+    donor_key,
+    read_donor_records,
+    start_record,
+    take_record,
+)
 from chaos_flwr.flower.server.courier import Courier, PhaseSpec
 from chaos_flwr.flower.server.logs import JoinLog, RoundLog, read_join_stats
-from chaos_flwr.flower.server.settings import JoinSettings
+from chaos_flwr.flower.server.settings import JOIN_SOURCE_AUTO, JOIN_SOURCE_PEERS, JoinSettings
 from chaos_flwr.planner import Donor as PlanDonor
 from chaos_flwr.planner import lower_bound
 from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
+from chaos_flwr.state import TrainingState
 
 __all__ = ["JoinRelay"]
 
@@ -63,6 +83,13 @@ class JoinRelay:
         Smallest shard, most donors, most relay steps.
     clock:
         The ServerApp's clock (pull times).
+
+    Attributes
+    ----------
+    direct_parties:
+        Holders known to serve direct links (they named a direct address in a size or
+        manifest reply this relay carried); with ``source="auto"`` a join whose donors
+        include one is pulled, not sent by the ServerApp.
     """
 
     def __init__(
@@ -75,6 +102,7 @@ class JoinRelay:
         self.settings = settings
         self.clock = clock
         self._total: int | None = None
+        self.direct_parties: set[str] = set()
 
     def pull(
         self,
@@ -84,12 +112,15 @@ class JoinRelay:
         rlog: RoundLog,
         timeout: float,
         total: int | None = None,
+        state: TrainingState | None = None,
     ) -> float:
-        """Have every live party that lacks the certified state pull it from its holders.
+        """Have every live party that lacks the certified state take it up (module docstring).
 
         ``total`` is the certified state's size, named to the joiners as a hint (it saves
-        them a step; the donors' manifest decides). The pulls are filed in ``rlog.joins``;
-        returns the wall time they took.
+        them a step; the donors' manifest decides). ``state`` is the certified state itself
+        when the ServerApp holds it (it must hash to ``digest``): by
+        :attr:`JoinSettings.source` it is sent to the joiners in one message each; without
+        it they pull. The joins are filed in ``rlog.joins``; returns the wall time they took.
         """
         courier = self.courier
         t0 = self.clock()
@@ -113,9 +144,22 @@ class JoinRelay:
             return 0.0
         spec = PhaseSpec("join", rnd, digest)
         self._total = total
-        for jl in self._pull_for(grid, joiners, donors, spec, timeout, rlog):
+        taken: list[JoinLog] = []
+        refused: dict[int, str] = {}
+        if state is not None and self._server_path(donors):
+            taken, refused = self._send_state(grid, joiners, donors, spec, state, timeout, rlog)
+            joiners = [(n, p) for n, p in joiners if n in refused]
+        pulled = self._pull_for(grid, joiners, donors, spec, timeout, rlog) if joiners else []
+        for jl in pulled:
+            jl.server_refused = refused.get(jl.node, "")
+        for jl in [*taken, *pulled]:
             rlog.joins.append(jl)
-            if jl.ok:
+            if jl.ok and jl.source == "server":
+                log(
+                    INFO, "Chaos: %s took round %d (%d bytes) from the ServerApp in %.3fs",
+                    jl.party, rnd, jl.total_bytes, jl.pull_s,
+                )  # fmt: skip
+            elif jl.ok:
                 log(
                     INFO,
                     "Chaos: %s pulled round %d from %d donors in %.3fs (bound %.3fs): %s",
@@ -125,6 +169,75 @@ class JoinRelay:
             else:
                 log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
         return self.clock() - t0
+
+    def _server_path(self, donors: list[int]) -> bool:
+        """Whether the ServerApp sends the state (:attr:`JoinSettings.source`): always for
+        ``server``, never for ``peers``; for ``auto`` when the relay is the only path (no
+        donor offered is known to serve a direct link)."""
+        source = self.settings.source
+        if source == JOIN_SOURCE_PEERS:
+            return False
+        if source != JOIN_SOURCE_AUTO:
+            return True
+        holders = self.courier.holders
+        return not any(holders[d][0] in self.direct_parties for d in donors if d in holders)
+
+    def _start(self, donors: list[int], spec: PhaseSpec) -> ConfigRecord:
+        """The join's start record: the donors, their signed receipts, the round's audits."""
+        holders, receipts = self.courier.holders, self.courier.receipts
+        start = start_record(
+            [holders[d][0] for d in donors],
+            [receipts.get(d, b"") for d in donors],
+            self.settings.min_shard_bytes,
+            self._total,
+        )
+        proofs = self.courier.proofs
+        if proofs is not None:  # the joiner takes only a final state: here are its audits
+            start["audits"] = proofs.audits_of(spec.server_round, spec.digest)
+        return start
+
+    def _send_state(
+        self,
+        grid: Grid,
+        joiners: list[tuple[int, str]],
+        donors: list[int],
+        spec: PhaseSpec,
+        state: TrainingState,
+        timeout: float,
+        rlog: RoundLog,
+    ) -> tuple[list[JoinLog], dict[int, str]]:
+        """One exchange: every joiner gets the certified state in its join message and takes
+        it up (its receipt comes back with the reply) or refuses it. Returns the logs of
+        those that took it, and why each other joiner did not (they fall back to the pull)."""
+        t0 = self.clock()
+        data = state.to_bytes()  # one copy, shared by every joiner's message
+        ctl = take_record(self._start(donors, spec), data)
+        msgs: list[Message] = []
+        taken: dict[int, list[bytes]] = {}
+        for node, _ in joiners:
+            msg, taken[node] = self.courier.message(node, spec, RecordDict({PULL_DATA_KEY: ctl}))
+            msgs.append(msg)
+        res = self.courier.exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+        done: list[JoinLog] = []
+        refused: dict[int, str] = {}
+        for node, party in joiners:
+            reply = res.replies.get(node)
+            got = reply.content.get(PULL_DATA_KEY) if reply is not None else None
+            if not isinstance(got, ConfigRecord):
+                refused[node] = "the joiner did not answer"
+            elif got.get("status") != "done":
+                refused[node] = str(got.get("error", "failed"))
+            else:
+                jl = JoinLog(party=party, node=node, server_round=spec.server_round)
+                jl.digest, jl.source, jl.steps, jl.ok = spec.digest, "server", 1, True
+                jl.total_bytes, jl.pull_s = len(data), self.clock() - t0
+                done.append(jl)
+                continue
+            log(
+                WARNING, "Chaos: %s refused the state the ServerApp sent for round %d (%s); "
+                "it pulls it from the holders", party, spec.server_round, refused[node],
+            )  # fmt: skip
+        return done, refused
 
     def _pull_for(
         self,
@@ -136,16 +249,8 @@ class JoinRelay:
         rlog: RoundLog,
     ) -> list[JoinLog]:
         """Relay the joiners' pulls; they plan, we carry."""
-        holders, receipts = self.courier.holders, self.courier.receipts
-        start = start_record(
-            [holders[d][0] for d in donors],
-            [receipts.get(d, b"") for d in donors],
-            self.settings.min_shard_bytes,
-            self._total,
-        )
-        proofs = self.courier.proofs
-        if proofs is not None:  # the joiner takes only a final state: here are its audits
-            start["audits"] = proofs.audits_of(spec.server_round, spec.digest)
+        holders = self.courier.holders
+        start = self._start(donors, spec)
         run = _Run(
             spec=spec,
             node_of={holders[d][0]: d for d in donors},
@@ -235,6 +340,8 @@ class JoinRelay:
             data = r.content.get(PULL_DATA_KEY) if r is not None else None
             if isinstance(data, ConfigRecord):
                 run.replies[node][dparty] = data
+                if isinstance(data.get("direct"), str) and data.get("direct"):
+                    self.direct_parties.add(dparty)  # it serves direct links: pull next time
             else:
                 step.lost[node].add(dparty)
         for node in step.still:

@@ -74,6 +74,13 @@ class JoinLog:
     rate_bps:
         The per-donor rate estimates (bytes/s) the joiner planned with: measured on direct
         links, the assumed rate for relay-only donors.
+    source:
+        ``server``: the joiner took the state the ServerApp sent in one message (checked
+        against the holders' receipts; :attr:`donors` is then empty, :attr:`steps` 1);
+        ``pull``: the multi-source pull from the holders.
+    server_refused:
+        Why the joiner refused the state the ServerApp sent (its typed error), when it then
+        fell back to the pull; ``""`` otherwise.
     """
 
     party: str
@@ -96,6 +103,8 @@ class JoinLog:
     direct_bytes: dict[str, int] = field(default_factory=dict)
     direct_failed: list[str] = field(default_factory=list)
     rate_bps: dict[str, float] = field(default_factory=dict)
+    source: str = "pull"
+    server_refused: str = ""
 
     @property
     def delay_ratio(self) -> float:

@@ -29,6 +29,11 @@ from chaos_flwr.errors import ConfigError
 
 __all__ = [
     "FLAT_KEYS",
+    "JOIN_DEFAULT_SOURCE",
+    "JOIN_SOURCES",
+    "JOIN_SOURCE_AUTO",
+    "JOIN_SOURCE_PEERS",
+    "JOIN_SOURCE_SERVER",
     "RESUME_AUTO",
     "RESUME_DEFAULT_MODE",
     "RESUME_FRESH",
@@ -131,12 +136,37 @@ class PhaseSettings:
         return min(timeout, self.first_deadline_s)
 
 
+#: The ServerApp sends the state itself when the relay is the only path: no donor offered is
+#: known to serve direct links (:class:`JoinSettings`).
+JOIN_SOURCE_AUTO = "auto"
+#: The ServerApp always sends the state it holds (in one message; the joiner checks it).
+JOIN_SOURCE_SERVER = "server"
+#: Always the multi-source pull from the holders (planner-sized shards, direct links if any).
+JOIN_SOURCE_PEERS = "peers"
+#: The sources, in the order the docs list them.
+JOIN_SOURCES = (JOIN_SOURCE_AUTO, JOIN_SOURCE_SERVER, JOIN_SOURCE_PEERS)
+#: The default source: the server's copy when the relay is the only path.
+JOIN_DEFAULT_SOURCE = JOIN_SOURCE_AUTO
+
+
 @dataclass(frozen=True)
 class JoinSettings:
-    """A joiner's pull of the certified state from its donors, through the relay.
+    """How a live party that lacks the certified state gets it: from the ServerApp in one
+    message, or pulled in shards from its holders.
 
     Attributes
     ----------
+    source:
+        ``auto`` (default, :data:`JOIN_DEFAULT_SOURCE`): when the relay is the only path (no
+        donor offered is known to serve a direct link: none named one in a pull the ServerApp
+        carried) the ServerApp sends the certified state it holds in the join exchange, in
+        one message per joiner, like plain Flower sends the model in a train message; the
+        joiner checks it against the holders' signed receipts and the round's audits before
+        taking it up, and trains in the next round. Otherwise (direct links known) the
+        multi-source pull. ``server``: the ServerApp's copy whenever it holds the state.
+        ``peers``: always the multi-source pull. A copy the joiner refuses (any check fails)
+        falls back to the pull in the same join. Set as
+        ``ChaosStrategy(joins=JoinSettings(source=...))``.
     min_shard_bytes:
         Smallest shard the joiner plans; default
         :data:`~chaos_flwr.defaults.FLOWER_JOIN_MIN_SHARD_BYTES`.
@@ -150,14 +180,19 @@ class JoinSettings:
     Raises
     ------
     ConfigError
-        A value is not a positive integer.
+        A count is not a positive integer, or ``source`` is not one of :data:`JOIN_SOURCES`.
     """
 
     min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES
     max_donors: int = FLOWER_JOIN_MAX_DONORS
     max_steps: int = FLOWER_JOIN_MAX_STEPS
+    source: str = JOIN_DEFAULT_SOURCE
 
     def __post_init__(self) -> None:
+        if self.source not in JOIN_SOURCES:
+            raise ConfigError(
+                f"JoinSettings.source must be one of {', '.join(JOIN_SOURCES)}; got {self.source!r}"
+            )
         for name in ("min_shard_bytes", "max_donors", "max_steps"):
             _positive_int("JoinSettings", name, getattr(self, name))
 

@@ -14,7 +14,9 @@ on them, so a churn-free round costs about what the inner strategy's round costs
 2. **certify + evaluate**: the inner strategy's ``configure_evaluate`` messages carry the new
    state; nodes not sampled for evaluation get it in a ``query.chaos`` certify message. Every
    reply carries the party's receipt (round, digest), signed by the party's key.
-3. **joins**: live parties that lack the certified state pull it from its holders.
+3. **joins**: live parties that lack the certified state get it: in one message from the
+   ServerApp when the relay is the only path (they check it against the holders' receipts),
+   else pulled from its holders (:mod:`.joins`, :attr:`JoinSettings.source`).
 
 Replies are stripped of their Chaos record before the inner strategy aggregates them, so the
 inner strategy sees exactly what it would have seen without Chaos.
@@ -120,8 +122,10 @@ class ChaosStrategy(Strategy):
         floor and a ceiling; capped by ``start(timeout=...)``) and the pause between pulls
         while a phase waits; default :class:`PhaseSettings()`.
     joins:
-        A joiner's pull (:mod:`chaos_flwr.flower.client.joiner`): smallest shard, most donors, most
-        relay steps; default :class:`JoinSettings()`.
+        How a joiner gets the certified state: from the ServerApp in one message when the
+        relay is the only path (``source``), else its pull
+        (:mod:`chaos_flwr.flower.client.joiner`): smallest shard, most donors, most relay
+        steps; default :class:`JoinSettings()`.
     resume:
         On start, rebuild the newest state that at least ``resume.min_receipts`` parties
         certified (verified receipts only), pulled in shards from all its holders at once, and
@@ -418,9 +422,9 @@ class ChaosStrategy(Strategy):
             restore_strategy_state(self.inner, sstate)
             self.courier.forward_round = rnd
             run.result.arrays = arrays
-            size = certified_state(arrays, rnd, sstate).serialized_size()
+            state = certified_state(arrays, rnd, sstate)  # the joiners may take it from here
             found.hello.join_s = self.join_relay.pull(
-                grid, rnd, digest, found.hello, run.timeout, size
+                grid, rnd, digest, found.hello, run.timeout, state.serialized_size(), state
             )
             self._finish(found.hello)
             return _Held(rnd, arrays, digest, sstate)
@@ -526,7 +530,7 @@ class ChaosStrategy(Strategy):
         rlog.digest = digest
 
         # certify + evaluate: the new state goes to the live nodes that held the previous one
-        # or trained on it; receipts come back. Others (joiners) pull it from parties.
+        # or trained on it; receipts come back. Others (joiners) get it in the join below.
         receivers = self._receivers(grid, prev_holders | set(rlog.trained))
         eval_msgs: list[Message] = []
         if len(receivers) >= min_nodes(self.inner, "evaluate"):
@@ -553,7 +557,7 @@ class ChaosStrategy(Strategy):
         if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
             log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
         else:
-            rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size)
+            rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size, state)
         if eval_msgs:
             agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
             if agg_eval is not None:

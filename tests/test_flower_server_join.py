@@ -1,0 +1,244 @@
+"""A joiner takes the certified state from the ServerApp in one message when the relay is the
+only path (issue #16 item 4), checked against the holders' receipts and the round's audits;
+a state that fails a check is refused with a typed error, changes nothing, and the joiner
+falls back to the multi-source pull (fake Grid, signed parties, audited rounds)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import ConfigRecord, Message
+from test_flower_lib_join import _initial
+from verified_world import VerifiedWorld
+
+from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower.relay import Relay
+from chaos_flwr.flower.schema import JOIN_TAKE_OP, PULL_DATA_KEY, start_record, take_record
+from chaos_flwr.flower.server import ChaosStrategy, JoinLog, JoinSettings, PhaseSettings, RoundLog
+from chaos_flwr.flower.server.courier import Courier
+from chaos_flwr.flower.server.joins import JoinRelay
+from chaos_flwr.state import TrainingState
+
+#: Every test runs Flower offline with a private FLWR_HOME (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("flower_env")
+
+#: Founders that train from round 1; the joiner is partition FOUNDERS.
+FOUNDERS = 3
+#: The round during whose training the joiner's SuperNode appears.
+JOIN_AT = 3
+ROUNDS = 6
+
+
+def _world(tmp: Path) -> VerifiedWorld:
+    w = VerifiedWorld(tmp, FOUNDERS + 1)
+    for p in range(FOUNDERS):
+        w.add(p)
+    w.hooks[JOIN_AT] = lambda: w.add(FOUNDERS) and None
+    return w
+
+
+def _run(w: VerifiedWorld, **kw: Any) -> tuple[ChaosStrategy, dict[int, int]]:
+    """Run ROUNDS rounds; return the strategy and the exchanges each round's join used."""
+    strategy = w.strategy(**kw)
+    exchanges: dict[int, int] = {}
+    count = {"n": 0}
+    real_exchange, real_pull = strategy.courier.exchange, strategy.join_relay.pull
+
+    def counting_exchange(*a: Any, **k: Any) -> Any:
+        count["n"] += 1
+        return real_exchange(*a, **k)
+
+    def counted_pull(grid: Any, rnd: int, digest: bytes, rlog: RoundLog, *rest: Any) -> float:
+        before = count["n"]
+        out = real_pull(grid, rnd, digest, rlog, *rest)
+        exchanges[rlog.server_round] = count["n"] - before
+        return out
+
+    strategy.courier.exchange = counting_exchange  # type: ignore[method-assign]
+    strategy.join_relay.pull = counted_pull  # type: ignore[method-assign]
+    strategy.start(w.grid, _initial(), num_rounds=ROUNDS, timeout=10)
+    return strategy, exchanges
+
+
+def _join(strategy: ChaosStrategy, party: str) -> tuple[RoundLog, JoinLog]:
+    ((rlog, jl),) = [(r, j) for r in strategy.rounds for j in r.joins if j.party == party]
+    return rlog, jl
+
+
+def _first_trained(strategy: ChaosStrategy, node: int) -> int:
+    return min(r.server_round for r in strategy.rounds if node in r.trained)
+
+
+def _take_ctl(msg: Message) -> ConfigRecord | None:
+    """The control record of a join message that carries the state, else ``None``."""
+    ctl = msg.content.get(PULL_DATA_KEY) if msg.has_content() else None
+    ok = isinstance(ctl, ConfigRecord) and ctl.get("op") == JOIN_TAKE_OP
+    return ctl if ok else None  # type: ignore[return-value]
+
+
+def test_a_joiner_takes_the_state_from_the_server_in_one_message_and_trains_next_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # it reads the joined round back later
+    w = _world(tmp_path)
+    held: list[tuple[int, bytes]] = []
+
+    def after(msg: Message, reply: Message) -> None:
+        if _take_ctl(msg) is not None:
+            held.append((w.party(FOUNDERS).held_round, w.party(FOUNDERS).held_digest))
+
+    w.grid.after.append(after)
+    strategy, exchanges = _run(w)
+    jp, node = w.pid(FOUNDERS), w.nodes[FOUNDERS].node_id
+    rlog, jl = _join(strategy, jp)
+    # one message from the ServerApp: no donor was asked for a byte
+    assert jl.ok and jl.error == "" and jl.source == "server" and jl.server_refused == ""
+    assert jl.steps == 1 and jl.donors == [] and jl.bytes_per_donor == {}
+    assert jl.digest == rlog.digest and jl.server_round == rlog.server_round
+    assert exchanges[rlog.server_round] == 1
+    # rounds without a joiner add no exchange for joins (churn-free rounds unchanged)
+    assert all(n == 0 for r, n in exchanges.items() if r != rlog.server_round)
+    party = w.party(FOUNDERS)
+    assert held == [(rlog.server_round, rlog.digest)]  # held right after that one message
+    stored = party.store.get(rlog.server_round)  # type: ignore[union-attr]
+    assert stored.digest() == rlog.digest and jl.total_bytes == len(stored.to_bytes())
+    assert party.joins_done[-1]["source"] == "server"
+    # its signed receipt came back with the reply: it trains in the very next round
+    assert jp in strategy.rounds[-1].holders
+    assert _first_trained(strategy, node) == rlog.server_round + 1
+    assert all(node in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)
+    assert not [e for e in party.errors if "refused" in e]
+
+
+def test_the_pull_setting_keeps_the_multi_source_pull(tmp_path: Path) -> None:
+    w = _world(tmp_path)
+    strategy, exchanges = _run(w, joins=JoinSettings(source="peers"))
+    rlog, jl = _join(strategy, w.pid(FOUNDERS))
+    assert jl.ok and jl.source == "pull" and len(jl.bytes_per_donor) >= 2
+    assert exchanges[rlog.server_round] == 2 * jl.steps - 1 > 1
+    assert _first_trained(strategy, w.nodes[FOUNDERS].node_id) == rlog.server_round + 1
+
+
+def _refused_then_pulled(
+    tmp_path: Path, tamper: Callable[[ConfigRecord], ConfigRecord]
+) -> tuple[VerifiedWorld, ChaosStrategy, RoundLog, JoinLog, list[tuple[int, bytes, list[int]]]]:
+    """Run with a relay that hands the joiner ``tamper(take record)``; note what the joiner
+    held right after it answered that message (round, digest, replica rounds)."""
+    w = _world(tmp_path)
+    seen: list[tuple[int, bytes, list[int]]] = []
+
+    def before(msg: Message) -> None:
+        ctl = _take_ctl(msg)
+        if ctl is not None:
+            msg.content[PULL_DATA_KEY] = tamper(ctl)
+
+    def after(msg: Message, reply: Message) -> None:
+        if _take_ctl(msg) is not None:
+            p = w.party(FOUNDERS)
+            seen.append((p.held_round, p.held_digest, p.store.rounds()))  # type: ignore[union-attr]
+
+    w.grid.before.append(before)
+    w.grid.after.append(after)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # the joined round is read back later
+    try:
+        strategy, _ = _run(w)
+    finally:
+        monkeypatch.undo()
+    rlog, jl = _join(strategy, w.pid(FOUNDERS))
+    return w, strategy, rlog, jl, seen
+
+
+def _assert_fell_back(
+    w: VerifiedWorld, strategy: ChaosStrategy, rlog: RoundLog, jl: JoinLog, seen: list[Any]
+) -> None:
+    assert seen == [(-1, b"", [])]  # the refused state changed nothing it holds
+    # the joiner then pulled the certified state from the holders, in the same join
+    assert jl.ok and jl.source == "pull" and len(jl.bytes_per_donor) >= 2
+    assert jl.digest == rlog.digest
+    assert w.party(FOUNDERS).store.get(rlog.server_round).digest() == rlog.digest  # type: ignore[union-attr]
+    assert _first_trained(strategy, w.nodes[FOUNDERS].node_id) == rlog.server_round + 1
+
+
+def test_a_state_that_does_not_match_the_receipts_is_refused_and_the_joiner_pulls(
+    tmp_path: Path,
+) -> None:
+    def other_state(ctl: ConfigRecord) -> ConfigRecord:
+        data = ctl["state"]
+        assert isinstance(data, bytes)
+        real = TrainingState.from_bytes(data, copy=True)
+        fake = {k: a + 1 for k, a in real.arrays.items()}  # the same round, other arrays
+        forged = TrainingState(arrays=fake, round=real.round, strategy_state=real.strategy_state)
+        return take_record(ctl, forged.to_bytes())
+
+    w, strategy, rlog, jl, seen = _refused_then_pulled(tmp_path, other_state)
+    assert jl.server_refused.startswith("ShardIntegrityError: the state the ServerApp sent")
+    assert any(e.startswith("join take of round") and "ShardIntegrityError" in e
+               for e in w.party(FOUNDERS).errors)  # fmt: skip
+    _assert_fell_back(w, strategy, rlog, jl, seen)
+
+
+def test_a_non_final_state_is_refused_and_the_joiner_pulls(tmp_path: Path) -> None:
+    def without_audits(ctl: ConfigRecord) -> ConfigRecord:
+        return ConfigRecord({k: v for k, v in ctl.items() if k != "audits"})
+
+    w, strategy, rlog, jl, seen = _refused_then_pulled(tmp_path, without_audits)
+    assert jl.server_refused.startswith(f"ProofError: round {rlog.server_round} is not final")
+    _assert_fell_back(w, strategy, rlog, jl, seen)
+
+
+def test_take_state_refuses_bad_records_with_typed_errors(tmp_path: Path) -> None:
+    w = VerifiedWorld(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=2, timeout=10)
+    last = strategy.rounds[-1]
+    donors = [w.pid(p) for p in (1, 2)]
+    receipts = [w.party(p)._receipt() for p in (1, 2)]
+    start = start_record(donors, receipts)
+    start["audits"] = strategy.courier.proofs.audits_of(2, last.digest)  # type: ignore[union-attr]
+    state = w.party(1).held_state
+    assert state is not None
+    joiner = w.party(0)
+    joiner.held_round, joiner.held_digest = 1, joiner.store.get(1).digest()  # type: ignore[union-attr]
+    record = ConfigRecord({"round": 2, "digest": last.digest})
+    cases = {
+        "DecodeError": ConfigRecord({**dict(start.items()), "op": JOIN_TAKE_OP}),  # no state
+        "ShardIntegrityError": take_record(start, state.to_bytes()[:-1]),  # truncated
+    }
+    for name, ctl in cases.items():
+        reply, asks = joiner.join_step(record, ctl, {})
+        assert reply["status"] == "failed" and str(reply["error"]).startswith(name)
+        assert asks == {} and (joiner.held_round, joiner.held_digest)[0] == 1
+    # receipts that name another digest: refused before the bytes are even hashed
+    forged = take_record(start_record(donors, [b"x" * 64, b"y" * 64]), state.to_bytes())
+    reply, _ = joiner.join_step(record, forged, {})
+    assert reply["status"] == "failed" and reply["error"] == "no donor receipt verifies"
+    assert joiner.held_round == 1
+    # the real one is taken up under the digest it was checked against
+    reply, _ = joiner.join_step(record, take_record(start, state.to_bytes()), {})
+    assert reply["status"] == "done" and reply["source"] == "server"
+    assert (joiner.held_round, joiner.held_digest) == (2, last.digest)
+
+
+def test_join_source_is_validated_and_auto_pulls_when_a_donor_serves_direct_links() -> None:
+    with pytest.raises(ConfigError, match=r"JoinSettings\.source must be one of auto, server"):
+        JoinSettings(source="fastest")
+    assert JoinSettings().source == "auto"
+    courier = Courier(Relay(), PhaseSettings())
+    courier.holders = {1: ("a", 2, b"d"), 2: ("b", 2, b"d")}
+    paths = {}
+    for source in ("auto", "server", "peers"):
+        relay = JoinRelay(courier, JoinSettings(source=source))
+        before = relay._server_path([1, 2])
+        relay.direct_parties.add("b")  # b named a direct address in a pull it served
+        paths[source] = (before, relay._server_path([1, 2]), relay._server_path([1]))
+    assert paths == {
+        "auto": (True, False, True),  # relay only: the server's copy; a direct donor: pull
+        "server": (True, True, True),
+        "peers": (False, False, False),
+    }
