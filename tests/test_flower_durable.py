@@ -31,7 +31,7 @@ from chaos_flwr.errors import StoreError
 from chaos_flwr.flower import durable
 from chaos_flwr.flower.client import Party, default_party_factory, enable, forget_party, party_for
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
-from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
+from chaos_flwr.flower.server import ChaosStrategy, JoinSettings, PhaseSettings
 from chaos_flwr.store import ReplicaStore
 
 
@@ -121,11 +121,12 @@ class PerMessage:
     def pid(self, partition: int) -> str:
         return self.fed.party_ids[partition]
 
-    def strategy(self) -> ChaosStrategy:
+    def strategy(self, source: str = "peers") -> ChaosStrategy:
         return ChaosStrategy(
             FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
             charter=self.charter,
             phases=PhaseSettings(phase_timeout_s=2.0),
+            joins=JoinSettings(source=source),  # peers: a pull that spans several messages
         )
 
 
@@ -157,6 +158,27 @@ def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(
     assert after and all(n in r.trained for r in after)
     assert strategy.rounds[-1].members == {"active": sorted([*founders, jp])}
     assert w.builds > 20  # the parties really were rebuilt, message after message
+
+
+def test_a_joiner_takes_the_servers_state_when_every_message_is_a_new_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
+    w = PerMessage(tmp_path, 4)
+    for p in range(3):
+        w.add(p)
+    joiner: dict[str, FakeNode] = {}
+    w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
+    strategy = w.strategy(source="auto")
+    strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    ((rlog, join),) = [(r, j) for r in strategy.rounds for j in r.joins if j.party == w.pid(3)]
+    assert join.ok and join.source == "server" and join.steps == 1, join.error
+    # what the one message carried was saved before the reply left the "process"
+    pulled = ReplicaStore(w.state_root / "party-3" / "replicas").get(join.server_round)
+    assert pulled.digest() == join.digest == rlog.digest
+    n = joiner["n"].node_id
+    after = [r for r in strategy.rounds if r.server_round > rlog.server_round]
+    assert after and all(n in r.trained for r in after)
 
 
 def test_founders_keep_their_incarnation_and_do_not_re_bootstrap(tmp_path: Path) -> None:
