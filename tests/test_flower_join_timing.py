@@ -77,6 +77,7 @@ def run_once(mode: str, work: Path, keys: Path, model_mib: float) -> dict[str, A
     cfg: dict[str, object] = {
         "mode": mode,
         "num-server-rounds": ROUNDS,
+        "min-nodes": FOUNDERS,  # the rounds before the join train with the founders
         "hidden": hidden_for_mib(model_mib),
         "round-timeout-s": EXCHANGE_TIMEOUT_S,
         "phase-timeout-s": EXCHANGE_TIMEOUT_S,
@@ -139,10 +140,12 @@ def test_a_joiner_through_the_relay_trains_about_when_a_fedavg_joiner_does(
     print(json.dumps(fig, indent=1))  # the measured figures (pytest -s)
     fedavg, chaos = fig["runs"]["fedavg"][0], fig["runs"]["chaos"][0]
     assert fedavg["first_trained_round"] == JOIN_AT
-    # Chaos admits it first (a signed join record), then it takes the state in one message
+    # Chaos admits it first (a join record it and a sponsor sign, relayed), then it takes the
+    # state in one message and trains in the next round
     ((join,),) = [chaos["joins"]]
     assert join["ok"] and join["source"] == "server" and join["steps"] == 1
-    assert chaos["first_trained_round"] == join["server_round"] + 1 <= JOIN_AT + 1
+    assert join["server_round"] >= JOIN_AT and join["total_bytes"] >= MODEL_MIB * (1 << 20)
+    assert chaos["first_trained_round"] == join["server_round"] + 1
     assert chaos["join_to_trained_s"] is not None and fedavg["join_to_trained_s"] is not None
 
 
