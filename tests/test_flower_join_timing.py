@@ -144,7 +144,7 @@ def test_a_joiner_through_the_relay_trains_about_when_a_fedavg_joiner_does(
     # state in one message and trains in the next round
     ((join,),) = [chaos["joins"]]
     assert join["ok"] and join["source"] == "server" and join["steps"] == 1
-    assert join["server_round"] >= JOIN_AT and join["total_bytes"] >= MODEL_MIB * (1 << 20)
+    assert join["server_round"] >= JOIN_AT and join["total_bytes"] >= 0.99 * MODEL_MIB * (1 << 20)
     assert chaos["first_trained_round"] == join["server_round"] + 1
     assert chaos["join_to_trained_s"] is not None and fedavg["join_to_trained_s"] is not None
 
