@@ -122,10 +122,8 @@ class ChaosStrategy(Strategy):
         floor and a ceiling; capped by ``start(timeout=...)``) and the pause between pulls
         while a phase waits; default :class:`PhaseSettings()`.
     joins:
-        How a joiner gets the certified state: from the ServerApp in one message when the
-        relay is the only path (``source``), else its pull
-        (:mod:`chaos_flwr.flower.client.joiner`): smallest shard, most donors, most relay
-        steps; default :class:`JoinSettings()`.
+        How a joiner gets the certified state (``source``: from the ServerApp, or pulled),
+        smallest shard, most donors, most relay steps; default :class:`JoinSettings()`.
     resume:
         On start, rebuild the newest state that at least ``resume.min_receipts`` parties
         certified (verified receipts only), pulled in shards from all its holders at once, and
