@@ -242,3 +242,34 @@ def test_join_source_is_validated_and_auto_pulls_when_a_donor_serves_direct_link
         "server": (True, True, True),
         "peers": (False, False, False),
     }
+
+
+def test_a_late_newcomer_is_admitted_and_takes_the_state_in_the_round_it_first_answers(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    # the joiner's node is there from the start but fails every message (as a node that is
+    # not there yet: the churn emulation), so it is a suspect; from round JOIN_AT on it
+    # answers, a little later than the trainers: the train exchange does not wait for it
+    w = VerifiedWorld(tmp_path, FOUNDERS + 1)
+    w.grid._clock = time.monotonic  # type: ignore[attr-defined]  # real time: delays count
+    for p in range(FOUNDERS + 1):
+        w.add(p).delay_s = 0.2  # every reply takes 0.2 s ...
+    late = w.nodes[FOUNDERS]
+    late.mode = "error"
+
+    def comes() -> None:
+        late.mode, late.delay_s = "ok", 0.3  # ... the newcomer's a little longer
+
+    w.hooks[JOIN_AT] = comes
+    strategy, exchanges = _run(w)
+    rlog, jl = _join(strategy, w.pid(FOUNDERS))
+    # its request reached the relay after this round's certify messages had gone out; the
+    # members' envelopes were carried at once (one exchange), a sponsor countersigned, and it
+    # took the state in the same round's join
+    assert rlog.server_round == JOIN_AT and jl.ok and jl.source == "server"
+    assert [e.kind for e in rlog.events if e.subject == w.pid(FOUNDERS)] == ["join"]
+    assert exchanges[JOIN_AT] == 2  # the envelopes' exchange, then the state's
+    assert all(n == 0 for r, n in exchanges.items() if r != JOIN_AT)
+    assert _first_trained(strategy, late.node_id) == JOIN_AT + 1

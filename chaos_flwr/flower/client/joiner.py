@@ -271,6 +271,8 @@ class JoiningParty(Protocol):
 
     def unfinal(self, rnd: int, digest: bytes, audits: object) -> str: ...
 
+    def take_envelopes(self, record: ConfigRecord) -> None: ...
+
 
 def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
     """The shard floor and the size hint a start record names (each ignored unless an int
@@ -383,6 +385,7 @@ def join_step(
         return ConfigRecord({"status": "failed", "error": "no round/digest"}), {}
     if party.left:
         return ConfigRecord({"status": "failed", "error": "party left"}), {}
+    party.take_envelopes(record)  # the view they bring first (e.g. its own join record)
     if rnd == party.held_round and digest == party.held_digest:
         party.joining = None
         return ConfigRecord({"status": "done", "error": "already held"}), {}

@@ -495,14 +495,10 @@ class Party(VerifiedRounds):
         ``content`` is the message's RecordDict (audit material rides on train messages).
         """
         now = self.clock()
+        if record is not None:
+            self.take_envelopes(record)
         outgoing: list[OutgoingLike] = list(self.pending)
         self.pending.clear()
-        if record is not None and self.peer is not None:
-            for data in _envelopes(record):
-                try:
-                    outgoing.extend(self.peer.handle(data, now))
-                except ChaosError as exc:  # a bad envelope changes nothing; note and go on
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
         if record is not None and self.peer is not None:
             outgoing.extend(self._maybe_join(record, now))
             outgoing.extend(self._auto_links(now))
@@ -539,6 +535,22 @@ class Party(VerifiedRounds):
         del self.errors[:-PARTY_MAX_ERRORS]  # the newest only: garbage input cannot grow it
         del self.joins_done[:-PARTY_MAX_JOINS_DONE]
         return out
+
+    def take_envelopes(self, record: ConfigRecord) -> None:
+        """Handle the relayed envelopes of a message now (once: they are taken off
+        ``record``); what they make the peer send waits in :attr:`pending` for the reply.
+        A joiner does this before its join step, so it checks the state it is handed with
+        the view those envelopes bring (e.g. its own join record)."""
+        envelopes = _envelopes(record)
+        record.pop("env", None)
+        if self.peer is None:
+            return
+        now = self.clock()
+        for data in envelopes:
+            try:
+                self.pending.extend(self.peer.handle(data, now))
+            except ChaosError as exc:  # a bad envelope changes nothing; note and go on
+                self.errors.append(f"{type(exc).__name__}: {exc}")
 
     def take_certified(self, record: ConfigRecord, arrays: ArrayRecord | None) -> None:
         """Take up the state a certify names before training on it (an initial state whose

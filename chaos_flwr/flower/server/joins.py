@@ -124,6 +124,7 @@ class JoinRelay:
         """
         courier = self.courier
         t0 = self.clock()
+        self._admit(grid, rnd, digest, rlog, timeout)
         nodes = [n for n in grid.get_node_ids() if n not in courier.suspects]
         active = courier.active()
         holding = courier.holding(nodes, rnd, digest)
@@ -169,6 +170,46 @@ class JoinRelay:
             else:
                 log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
         return self.clock() - t0
+
+    def _admit(self, grid: Grid, rnd: int, digest: bytes, rlog: RoundLog, timeout: float) -> None:
+        """Carry a newcomer's join request to its sponsors now, not with the next round.
+
+        A live party the charter's keyring names but the view has never listed (a newcomer)
+        whose request reached the relay too late for this round's certify messages (e.g. its
+        node was a suspect, so the train exchange did not wait for it) would be admitted one
+        round later, and only then take the state. When such a newcomer is live and active
+        members have envelopes waiting, one relay exchange with those members delivers them
+        (a sponsor countersigns and broadcasts the join record), so the newcomer joins in this
+        round's join. Nothing is sent otherwise: churn-free rounds are unchanged.
+        """
+        courier, view = self.courier, self.courier.view
+        if view is None:
+            return
+        relay = courier.relay
+        live = [n for n in grid.get_node_ids() if n not in courier.suspects]
+        newcomers = [
+            p
+            for n in live
+            if (p := relay.party_of.get(n)) is not None
+            and p in view.keyring
+            and view.status(p) is None
+        ]
+        if not newcomers:
+            return
+        active = view.active()
+        carry = [
+            n
+            for n in live
+            if (p := relay.party_of.get(n)) is not None and p in active and relay.pending(p) > 0
+        ]
+        if not carry:
+            return
+        spec = PhaseSpec("relay", rnd, digest, everyone=True)
+        courier.phase(grid, [], carry, spec, timeout=timeout, log_=rlog)
+        log(
+            INFO, "Chaos: carried %d member(s)' envelopes at once for newcomer(s) %s",
+            len(carry), ", ".join(sorted(newcomers)),
+        )  # fmt: skip
 
     def _server_path(self, donors: list[int]) -> bool:
         """Whether the ServerApp sends the state (:attr:`JoinSettings.source`): always for
