@@ -133,7 +133,7 @@ class PerMessage:
 def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # it reads the joined round back later
     w = PerMessage(tmp_path, 4)
     for p in range(3):
         w.add(p)
@@ -163,7 +163,7 @@ def test_a_joiner_pulls_and_trains_when_every_message_is_a_new_process(
 def test_a_joiner_takes_the_servers_state_when_every_message_is_a_new_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # it reads the joined round back later
     w = PerMessage(tmp_path, 4)
     for p in range(3):
         w.add(p)

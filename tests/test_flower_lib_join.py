@@ -155,7 +155,7 @@ def test_make_federation_writes_keys_and_a_founder_signed_charter(tmp_path: Path
 def test_a_joiner_is_sponsored_then_pulls_from_several_donors_and_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "3")  # it reads the joined round back later
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # it reads the joined round back later
     w = World(tmp_path, 4)
     for p in range(3):
         w.add(p)
@@ -596,8 +596,9 @@ def _free_port() -> int:
 
 
 def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")  # it reads the joined round back later
     # two founders serve their replicas on loopback (chaos-direct-addr); the third is relay-only
     from chaos_flwr.flower.direct import stop_servers
 

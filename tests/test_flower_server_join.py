@@ -97,8 +97,10 @@ def test_a_joiner_takes_the_state_from_the_server_in_one_message_and_trains_next
     # one message from the ServerApp: no donor was asked for a byte
     assert jl.ok and jl.error == "" and jl.source == "server" and jl.server_refused == ""
     assert jl.steps == 1 and jl.donors == [] and jl.bytes_per_donor == {}
-    assert jl.digest == rlog.digest and jl.server_round == rlog.server_round
-    assert exchanges[rlog.server_round] == 1
+    assert jl.digest == rlog.digest and jl.server_round == rlog.server_round == JOIN_AT
+    # it answered round JOIN_AT's certify message (its join request); one exchange carried
+    # the request to its sponsors, one the state to it
+    assert exchanges[rlog.server_round] == 2
     # rounds without a joiner add no exchange for joins (churn-free rounds unchanged)
     assert all(n == 0 for r, n in exchanges.items() if r != rlog.server_round)
     party = w.party(FOUNDERS)
@@ -108,7 +110,9 @@ def test_a_joiner_takes_the_state_from_the_server_in_one_message_and_trains_next
     assert party.joins_done[-1]["source"] == "server"
     # its signed receipt came back with the reply: it trains in the very next round
     assert jp in strategy.rounds[-1].holders
-    assert _first_trained(strategy, node) == rlog.server_round + 1
+    # a plain FedAvg joiner whose SuperNode comes during round JOIN_AT's training is first
+    # sampled in round JOIN_AT + 1: so is this one
+    assert _first_trained(strategy, node) == rlog.server_round + 1 == JOIN_AT + 1
     assert all(node in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)
     assert not [e for e in party.errors if "refused" in e]
 
@@ -118,7 +122,7 @@ def test_the_pull_setting_keeps_the_multi_source_pull(tmp_path: Path) -> None:
     strategy, exchanges = _run(w, joins=JoinSettings(source="peers"))
     rlog, jl = _join(strategy, w.pid(FOUNDERS))
     assert jl.ok and jl.source == "pull" and len(jl.bytes_per_donor) >= 2
-    assert exchanges[rlog.server_round] == 2 * jl.steps - 1 > 1
+    assert exchanges[rlog.server_round] == 1 + 2 * jl.steps - 1 > 2  # admission, relay steps
     assert _first_trained(strategy, w.nodes[FOUNDERS].node_id) == rlog.server_round + 1
 
 

@@ -545,8 +545,10 @@ class ChaosStrategy(Strategy):
         spec = PhaseSpec(
             "certify", rnd, digest, arrays, frozenset(receivers), sstate, fields, audit
         )
+        # every node connected now: one that came during training answers its certify message
+        # (its join request), so it can be admitted and take the state in this round's join
         eval_replies, rlog.certify_s = courier.phase(
-            grid, eval_msgs, known, spec, timeout=run.timeout, log_=rlog
+            grid, eval_msgs, list(grid.get_node_ids()), spec, timeout=run.timeout, log_=rlog
         )
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
