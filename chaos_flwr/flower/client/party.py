@@ -537,10 +537,8 @@ class Party(VerifiedRounds):
         return out
 
     def take_envelopes(self, record: ConfigRecord) -> None:
-        """Handle the relayed envelopes of a message now (once: they are taken off
-        ``record``); what they make the peer send waits in :attr:`pending` for the reply.
-        A joiner does this before its join step, so it checks the state it is handed with
-        the view those envelopes bring (e.g. its own join record)."""
+        """Handle a message's relayed envelopes now, once (taken off ``record``; what they make
+        the peer send waits in :attr:`pending`): a joiner's join step sees their view."""
         envelopes = _envelopes(record)
         record.pop("env", None)
         if self.peer is None:

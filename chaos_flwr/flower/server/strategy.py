@@ -545,8 +545,7 @@ class ChaosStrategy(Strategy):
         spec = PhaseSpec(
             "certify", rnd, digest, arrays, frozenset(receivers), sstate, fields, audit
         )
-        # every node connected now: one that came during training answers its certify message
-        # (its join request), so it can be admitted and take the state in this round's join
+        # every node connected now: one that came during training can join in this round
         eval_replies, rlog.certify_s = courier.phase(
             grid, eval_msgs, list(grid.get_node_ids()), spec, timeout=run.timeout, log_=rlog
         )
