@@ -16,8 +16,10 @@ request message size (``LINK_MAX_REQUEST_BYTES``, refused by grpc before it is r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -27,6 +29,9 @@ from ..defaults import (
     LINK_MAX_CONCURRENT_REQUESTS,
     LINK_MAX_REPLY_BYTES,
     LINK_MAX_REQUEST_BYTES,
+    LINK_MAX_TRACKED_PEERS,
+    LINK_PEER_WINDOW_BYTES,
+    LINK_PEER_WINDOW_S,
     TRANSPORT_CHUNK_BYTES,
     TRANSPORT_STOP_GRACE_S,
 )
@@ -45,6 +50,8 @@ from ..errors import (
     StoreError,
     TransportError,
 )
+from ..membership import EndpointInfo, Policy, View, parse_address
+from .shaping import Shaper
 from .tls import (
     LINK_SERVER_NAME,
     LinkCredentials,
@@ -53,7 +60,15 @@ from .tls import (
     verify_dial_cert,
 )
 
-__all__ = ["LinkDialer", "LinkHandler", "LinkServer", "typed_error"]
+__all__ = [
+    "LinkAccess",
+    "LinkDialer",
+    "LinkHandler",
+    "LinkLimits",
+    "LinkServer",
+    "PeerQuota",
+    "typed_error",
+]
 
 _SERVICE = "chaos.Link"
 _METHOD = f"/{_SERVICE}/Call"
@@ -142,6 +157,9 @@ class LinkServer:
         ``host:port`` (port 0 picks a free one; see :attr:`address`).
     max_concurrent, max_request_bytes, chunk_bytes
         Requests served at once, largest request message, reply chunk size.
+    shaper
+        Paces replies (one-way delay, then each chunk through this party's uplink; tests and
+        benchmarks).
 
     Attributes
     ----------
@@ -159,8 +177,10 @@ class LinkServer:
         max_concurrent: int = LINK_MAX_CONCURRENT_REQUESTS,
         max_request_bytes: int = LINK_MAX_REQUEST_BYTES,
         chunk_bytes: int = TRANSPORT_CHUNK_BYTES,
+        shaper: Shaper | None = None,
     ) -> None:
         self.creds = creds
+        self._shaper = shaper
         self._keyring = keyring
         self._authorize = authorize
         self._listen = listen
@@ -247,8 +267,13 @@ class LinkServer:
                 await context.abort(*self._refuse(exc))
                 return
             view = memoryview(reply)
+            if self._shaper is not None:
+                await asyncio.sleep(self._shaper.delay_to(party))
             for start in range(0, len(view), self._chunk):
-                yield bytes(view[start : start + self._chunk])
+                chunk = bytes(view[start : start + self._chunk])
+                if self._shaper is not None:
+                    await self._shaper.pace_send(party, len(chunk))
+                yield chunk
         finally:
             self._active -= 1
 
@@ -329,3 +354,99 @@ class LinkDialer:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+@dataclass(frozen=True)
+class LinkAccess:
+    """What a party needs for authenticated links: its credentials, policy and view.
+
+    Parameters
+    ----------
+    creds
+        The party's link key and certificates.
+    policy
+        The federation's policy (name and charter keyring).
+    view
+        Returns the party's current view (e.g. ``records.view``); read per request, so a
+        member that leaves or fails is refused from then on.
+    """
+
+    creds: LinkCredentials
+    policy: Policy
+    view: Callable[[], View]
+
+    def authorize(self, party: str) -> None:
+        """Raise :class:`~chaos_flwr.errors.NotMemberError` unless ``party`` is active."""
+        if not self.view().is_active(party):
+            raise NotMemberError(f"{party} is not an active member in this donor's view")
+
+    def endpoint(self, party: str, offered: str | None = None) -> EndpointInfo:
+        """The endpoint to dial ``party`` at: from its verified endpoint record only.
+
+        Parameters
+        ----------
+        offered
+            An address that arrived some other way (the relay); it must be the signed one.
+
+        Raises
+        ------
+        EndpointError
+            ``party`` is not active or announced no endpoint for its incarnation, or
+            ``offered`` is not the address its record signs.
+        """
+        ep = self.view().endpoint(party)
+        if ep is None:
+            raise EndpointError(
+                f"no verified endpoint record of an active member {party}: not dialled"
+            )
+        if offered is not None:
+            try:
+                host_port = parse_address(offered)
+            except DecodeError as exc:
+                raise EndpointError(f"offered address for {party} is malformed: {exc}") from None
+            if host_port != (ep.host, ep.port):
+                raise EndpointError(
+                    f"address {offered!r:.80} offered for {party} is not the one its endpoint "
+                    f"record signs ({ep.address}): not dialled"
+                )
+        return ep
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """A donor's limits (defaults: ``LINK_*`` in :mod:`chaos_flwr.defaults`)."""
+
+    max_concurrent: int = LINK_MAX_CONCURRENT_REQUESTS
+    max_request_bytes: int = LINK_MAX_REQUEST_BYTES
+    max_reply_bytes: int = LINK_MAX_REPLY_BYTES
+    peer_window_bytes: int = LINK_PEER_WINDOW_BYTES
+    peer_window_s: float = LINK_PEER_WINDOW_S
+
+
+class PeerQuota:
+    """Reply bytes per peer per fixed window (``limits.peer_window_*``; ``clock``: seconds)."""
+
+    def __init__(self, limits: LinkLimits, clock: Callable[[], float]) -> None:
+        self._limits, self._clock = limits, clock
+        self._windows: dict[str, tuple[float, int]] = {}
+
+    def charge(self, peer: str, nbytes: int) -> None:
+        """Count ``nbytes`` to ``peer``'s window.
+
+        Raises
+        ------
+        LinkQuotaError
+            The window would pass ``peer_window_bytes`` (nothing is counted then).
+        """
+        now = self._clock()
+        start, used = self._windows.get(peer, (now, 0))
+        if now - start >= self._limits.peer_window_s:
+            start, used = now, 0
+        if used + nbytes > self._limits.peer_window_bytes:
+            raise LinkQuotaError(
+                f"{peer} asked {used + nbytes} bytes in {self._limits.peer_window_s:g} s, above "
+                f"{self._limits.peer_window_bytes}; retry in the next window"
+            )
+        if peer not in self._windows and len(self._windows) >= LINK_MAX_TRACKED_PEERS:
+            self._windows.clear()  # only a long-lived churn of ids gets here
+        self._windows[peer] = (start, used + nbytes)
