@@ -21,6 +21,7 @@ from chaos_flwr import codec
 from chaos_flwr.flower.direct import BytesSource, DirectServer, LinkAccess, LinkLimits, on_signals
 from chaos_flwr.identity import Identity
 from chaos_flwr.membership import Policy, Record, RecordSet, endpoint_body, join_body
+from chaos_flwr.transport.shaping import Shaper, parse_profile
 from chaos_flwr.transport.tls import LinkCredentials
 
 FED = "link-fed"
@@ -68,14 +69,21 @@ def access(name: str, rs: RecordSet, creds: LinkCredentials | None = None) -> Li
 
 
 def main(argv: list[str]) -> int:
-    """The donor process (``argv[0]``: JSON of :class:`LinkLimits` fields)."""
+    """The donor process (``argv[0]``: JSON of :class:`LinkLimits` fields; ``argv[1]``: an
+    uplink in MB/s that paces its replies, optional)."""
     limits = LinkLimits(**json.loads(argv[0])) if argv else LinkLimits()
+    shaper = None
+    if len(argv) > 1:
+        profile = parse_profile({"parties": {"a": {"up_mb_s": float(argv[1])}}})
+        shaper = Shaper(profile, "a")
     me = ident("a")
     creds = LinkCredentials.create(me, FED)
     rs = records()
     view: Callable[[], Any] = rs.view
     link = LinkAccess(creds, rs.policy, view)
-    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), "127.0.0.1:0", link=link, limits=limits)
+    server = DirectServer(
+        BytesSource(ROUND, DIGEST, DATA), "127.0.0.1:0", link=link, limits=limits, shaper=shaper
+    )
     address = server.start()
     own = endpoint_record(me, address, creds)
     rs.add(own)
@@ -89,7 +97,9 @@ def main(argv: list[str]) -> int:
         server.stop()
         restore()
     print(f"refused {json.dumps(server.refusals(), sort_keys=True)}", flush=True)
-    print(f"served {server.requests_served} {server.bytes_served}", flush=True)
+    carrier = server._carrier
+    peak = getattr(carrier, "peak_concurrent", 0)
+    print(f"served {server.requests_served} {server.bytes_served} {peak}", flush=True)
     return 0
 
 
