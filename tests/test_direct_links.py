@@ -370,3 +370,26 @@ def test_a_flood_of_concurrent_requests_is_refused_busy_and_memory_stays_bounded
     # the donor refused them itself (a few may be refused by grpc's backstop limit, uncounted)
     assert 0 < d.refused.get("LinkBusyError", 0) <= len(busy)
     assert d.served[0] == len(served) + 1 and d.served[2] == 4  # LINK_MAX_CONCURRENT_REQUESTS
+
+
+@pytest.mark.parametrize("listen", ["[::1]:0", "127.0.0.1:0"])
+def test_links_over_ipv6_and_a_host_name_from_signed_endpoints(listen: str) -> None:
+    rs = records()
+    a = ident("a")
+    creds = LinkCredentials.create(a, FED)
+    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), listen, link=access("a", rs, creds))
+    address = server.start()
+    try:
+        port = address.rsplit(":", 1)[1]
+        # announce a host name for the IPv4 server (what a multi-site deployment does)
+        signed = address if listen.startswith("[") else f"localhost:{port}"
+        rs.add(endpoint_record(a, signed, creds))
+        pid = a.party_id
+        got = fetch_ranges(
+            {}, {pid: [(0, 100, 200)]}, server_round=ROUND, digest=DIGEST, timeout_s=10.0,
+            link=access("b", rs),
+        )[pid]  # fmt: skip
+        assert got.exc is None and got.shards[0][1] == DATA[100:200]
+        assert rs.endpoint(pid) is not None and rs.endpoint(pid).address == signed  # type: ignore[union-attr]
+    finally:
+        server.stop()

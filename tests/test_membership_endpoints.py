@@ -130,3 +130,32 @@ def test_the_view_lists_an_endpoint_only_for_an_active_member_at_its_incarnation
     lone = RecordSet(policy())
     lone.add(endpoint_record(d, "10.0.0.3:1", CERT))
     assert len(lone) == 1 and lone.endpoint(d.party_id) is None
+
+
+def test_endpoint_records_converge_across_peers_and_the_newest_wins_after_a_partition() -> None:
+    from test_peer import FED as PEER_FED
+    from test_peer import F, J, cluster
+
+    net, _ = cluster(joiners=1)
+    f0 = net.peers[F[0].party_id]
+    creds = LinkCredentials.create(F[0], PEER_FED)
+
+    def ep(seq: int, address: str) -> Record:
+        cert = creds.serve_cert_der
+        body = endpoint_body(PEER_FED, F[0].party_id, f0.incarnation, seq, address, cert)
+        return Record.sign(body, [F[0]])
+
+    f0.load_records([ep(1, "10.0.0.1:9000").to_wire()], net.now)
+    net.tick(rounds=12)  # anti-entropy carries it like any record
+    got = {pid: p.view().endpoint(F[0].party_id) for pid, p in net.peers.items()}
+    assert all(e is not None and e.address == "10.0.0.1:9000" for e in got.values()), got
+    assert len(net.digests()) == 1
+    # f0 moves while cut off from half the federation; the newer record wins everywhere
+    net.partition([F[0].party_id, F[1].party_id], [F[2].party_id, J[0].party_id])
+    f0.load_records([ep(2, "[2001:db8::1]:9000").to_wire()], net.now)
+    net.tick(rounds=4)
+    assert net.peers[F[2].party_id].view().endpoint(F[0].party_id).address == "10.0.0.1:9000"  # type: ignore[union-attr]
+    net.heal()
+    net.tick(rounds=12)
+    addrs = {p.view().endpoint(F[0].party_id).address for p in net.live()}  # type: ignore[union-attr]
+    assert addrs == {"[2001:db8::1]:9000"} and len(net.digests()) == 1
