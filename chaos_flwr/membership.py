@@ -391,9 +391,15 @@ def _canonical_host(host: str) -> str:
     if not 0 < len(host) <= ENDPOINT_MAX_HOST_CHARS:
         raise DecodeError(f"an endpoint host must have 1..{ENDPOINT_MAX_HOST_CHARS} characters")
     try:
-        return str(ipaddress.ip_address(host))
+        ip = ipaddress.ip_address(host)
     except ValueError:
-        pass
+        ip = None
+    if ip is not None:
+        # no form whose text differs across Python versions (IPv4-mapped) or that names no
+        # one host (unspecified, multicast): every party must read the same canonical bytes
+        if ip.is_unspecified or ip.is_multicast or getattr(ip, "ipv4_mapped", None):
+            raise DecodeError(f"an endpoint host must be one unicast address, got {host!r}")
+        return str(ip)
     name = host.lower().rstrip(".")
     labels = name.split(".")
     for label in labels:

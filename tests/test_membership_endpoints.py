@@ -46,7 +46,8 @@ def test_addresses_parse_to_one_canonical_form(address: str, host: str, port: in
 @pytest.mark.parametrize(
     "address",
     ["127.0.0.1", "127.0.0.1:0", "127.0.0.1:65536", "::1:80", "[127.0.0.1]:80", "a_b.org:80",
-     "-a.org:80", "x" * 300 + ":80", "1.2.3:80", 5, "host:+80", "[::1]:99999"],
+     "-a.org:80", "x" * 300 + ":80", "1.2.3:80", 5, "host:+80", "[::1]:99999", "0.0.0.0:80",
+     "[::]:80", "224.0.0.1:80", "[::ffff:10.0.0.1]:80"],
 )  # fmt: skip
 def test_bad_addresses_are_refused_with_decode_error(address: object) -> None:
     with pytest.raises(DecodeError):
