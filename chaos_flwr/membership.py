@@ -47,11 +47,12 @@ record set. The view then folds the records deterministically:
 
 Compaction: the record frontier
 -------------------------------
-The view depends only on each subject's highest join and highest end and on each link's highest
-record (version ``(epoch, inc_a, inc_b)``, a down over an up of the same version). A
-:class:`RecordSet` therefore holds only its *frontier*: the records no held record supersedes
-(:func:`supersedes`). At most two records per charter party and one per link are held, however
-old the federation; adding a superseded record changes nothing, and a record that supersedes
+The view depends only on each subject's highest join, highest end and highest endpoint and on
+each link's highest record (version ``(epoch, inc_a, inc_b)``, a down over an up of the same
+version). A :class:`RecordSet` therefore holds only its *frontier*: the records no held record
+supersedes (:func:`supersedes`). At most three records per charter party and one per link are
+held, however old the federation (endpoint records live beside the others: they neither
+supersede nor are superseded by a join or an end); adding a superseded record changes nothing, and a record that supersedes
 held ones replaces them (``docs/internals.md``, "Compaction: the record frontier", argues why
 every party still converges to the same frontier and view).
 
@@ -1030,8 +1031,9 @@ class RecordSet:
     """The frontier of the records a party received, validated and folded into a :class:`View`.
 
     Only records no held record supersedes are held (see "Compaction" in the module docstring):
-    per subject its highest join and highest end, per link its highest record. Folding is
-    incremental: each record changes at most one member entry or one link entry.
+    per subject its highest join, highest end and highest endpoint, per link its highest
+    record. Folding is incremental: each record changes at most one member entry or one link
+    entry (an endpoint record none: endpoints are read at view time).
 
     Parameters
     ----------
