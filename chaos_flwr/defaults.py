@@ -117,6 +117,9 @@ LINK_MAX_CONCURRENT_REQUESTS: int = 4
 LINK_MAX_REQUEST_BYTES: int = 64 * 1024
 #: Most reply bytes one link request may ask for; more: ReplyTooLargeError (no amplification).
 LINK_MAX_REPLY_BYTES: int = 4 * 1024 * 1024
+#: Most ranges one link request may name (a dialler sends at most this many; more:
+#: RequestTooLargeError); at about 20 encoded bytes a range, far below LINK_MAX_REQUEST_BYTES.
+LINK_MAX_RANGES_PER_REQUEST: int = 1024
 #: Reply bytes one party may take from a donor per window; more: LinkQuotaError.
 LINK_PEER_WINDOW_BYTES: int = 512 * 1024 * 1024
 #: Length of that window, in seconds.

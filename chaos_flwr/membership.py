@@ -52,9 +52,9 @@ each link's highest record (version ``(epoch, inc_a, inc_b)``, a down over an up
 version). A :class:`RecordSet` therefore holds only its *frontier*: the records no held record
 supersedes (:func:`supersedes`). At most three records per charter party and one per link are
 held, however old the federation (endpoint records live beside the others: they neither
-supersede nor are superseded by a join or an end); adding a superseded record changes nothing, and a record that supersedes
-held ones replaces them (``docs/internals.md``, "Compaction: the record frontier", argues why
-every party still converges to the same frontier and view).
+supersede nor are superseded by a join or an end); adding a superseded record changes nothing,
+and a record that supersedes held ones replaces them (``docs/internals.md``, "Compaction: the
+record frontier", argues why every party still converges to the same frontier and view).
 
 Small clusters: a fail record always needs ``failure_quorum`` signatures. While fewer than
 ``failure_quorum`` live members other than the suspect remain, no fail record can be formed: the

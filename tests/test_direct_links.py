@@ -272,6 +272,8 @@ def test_oversized_and_amplifying_requests_are_refused_with_their_types(donor: D
         _request(donor, creds, {**ask, "start": [0], "end": [len(DATA)]})
     with pytest.raises(ReplyTooLargeError):  # the same 1 MiB range, many times over
         _request(donor, creds, {**ask, "start": [0] * 8, "end": [MiB] * 8})
+    with pytest.raises(RequestTooLargeError, match="ranges"):  # small, but too many ranges
+        _request(donor, creds, {**ask, "start": [0] * 2000, "end": [1] * 2000})
     ok = codec.decode(_request(donor, creds, {**ask, "start": [5], "end": [9]}))
     assert ok == {"data": [DATA[5:9]]}
 
@@ -282,6 +284,7 @@ def test_the_donor_counted_each_refusal_by_its_type(donor: Donor) -> None:
     assert donor.refused.get("NotMemberError", 0) >= 2
     assert donor.refused.get("LinkAuthError", 0) >= 2
     assert donor.refused.get("ReplyTooLargeError", 0) == 2
+    assert donor.refused.get("RequestTooLargeError", 0) == 1  # the other one grpc refused
     assert donor.refused.get("StoreError", 0) == 1
     assert "EndpointError" not in donor.refused  # refused by the dialler, never sent
     assert donor.served[1] == len(DATA) + 10 + 4

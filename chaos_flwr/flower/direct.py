@@ -57,6 +57,7 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_HOSTS,
     FLOWER_DIRECT_TIMEOUT_S,
+    LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
 )
 from chaos_flwr.errors import (
@@ -171,6 +172,10 @@ def _ranges(value: Mapping[str, object]) -> list[tuple[int, int]]:
     starts, ends = value.get("start"), value.get("end")
     if not isinstance(starts, list) or not isinstance(ends, list) or len(starts) != len(ends):
         raise DecodeError("direct request 'start'/'end' must be lists of one length")
+    if len(starts) > LINK_MAX_RANGES_PER_REQUEST:
+        raise RequestTooLargeError(
+            f"direct request names {len(starts)} ranges, above {LINK_MAX_RANGES_PER_REQUEST}"
+        )
     out: list[tuple[int, int]] = []
     for s, e in zip(starts, ends, strict=True):
         if not (isinstance(s, int) and isinstance(e, int)) or not 0 <= s <= e:
@@ -441,7 +446,10 @@ async def _fetch_one(
         size = batch[0][2] - batch[0][1]
         # ranges up to batch_bytes per request, never above what a donor serves per request
         while (
-            todo and size < batch_bytes and size + todo[0][2] - todo[0][1] <= LINK_MAX_REPLY_BYTES
+            todo
+            and size < batch_bytes
+            and len(batch) < LINK_MAX_RANGES_PER_REQUEST
+            and size + todo[0][2] - todo[0][1] <= LINK_MAX_REPLY_BYTES
         ):
             size += todo[0][2] - todo[0][1]
             batch.append(todo.pop(0))
