@@ -621,6 +621,30 @@ def to_array_record(state: TrainingState) -> ArrayRecord:
     return record
 
 
+def _npy_view(data: bytes) -> np.ndarray[Any, Any]:
+    """A read-only array viewing the ``.npy`` bytes ``data`` (no copy of the elements).
+
+    Only the header is parsed, with NumPy's own reader (no unpickling); anything but a plain
+    C-order array whose elements fill the rest of ``data`` exactly goes through
+    ``numpy.load``, which copies (and refuses object arrays with ``ValueError``).
+    """
+    import io
+
+    from numpy.lib import format as npy
+
+    stream = io.BytesIO(data)
+    readers = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
+    try:
+        shape, fortran, dtype = readers[npy.read_magic(stream)](stream)
+    except (KeyError, ValueError, TypeError, SyntaxError, EOFError):
+        return np.load(io.BytesIO(data), allow_pickle=False)  # type: ignore[no-any-return]
+    offset = stream.tell()
+    count = math.prod(shape)
+    if fortran or dtype.hasobject or count * dtype.itemsize != len(data) - offset:
+        return np.load(io.BytesIO(data), allow_pickle=False)  # type: ignore[no-any-return]
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
 def from_array_record(
     record: ArrayRecord,
     *,
@@ -628,7 +652,9 @@ def from_array_record(
     strategy_state: bytes = b"",
     meta: Mapping[str, Any] | None = None,
 ) -> TrainingState:
-    """Build a state from a Flower ``ArrayRecord`` (each ``Array`` decoded with ``.numpy()``).
+    """Build a state from a Flower ``ArrayRecord``: each NumPy ``Array`` is viewed in place
+    (read-only, no copy of a model that may be hundreds of MiB), others decoded with
+    ``.numpy()``.
 
     Raises
     ------
@@ -640,7 +666,7 @@ def from_array_record(
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for name, arr in record.items():
         try:
-            arrays[name] = arr.numpy()
+            arrays[name] = _npy_view(arr.data) if arr.stype == "numpy.ndarray" else arr.numpy()
         except ValueError as exc:  # e.g. an object array, which would need unpickling
             raise DecodeError(
                 f"arrays[{name!r}]: not a plain numpy array ({exc}); object arrays are refused"

@@ -75,12 +75,14 @@ def _round_of(name: str) -> int | None:
     return round_ if round_ < 2**63 and _file_name(round_) == name else None
 
 
-def _write_replica(fd: int, tmp: Path, state: TrainingState, fields: dict[str, Any]) -> bytes:
+def _write_replica(
+    fd: int, tmp: Path, state: TrainingState, fields: dict[str, Any], known: bytes = b""
+) -> bytes:
     """Write a replica file to ``fd``: header, state bytes, then the header with its digest.
 
     The header is written first with a zero digest (the same length), the state streamed and
-    hashed, then the header rewritten in place with the digest and its checksum, and synced.
-    Returns the state digest.
+    hashed (unless its digest is ``known``), then the header rewritten in place with the
+    digest and its checksum, and synced. Returns the state digest.
     """
     total = fields["state_bytes"]
     header = codec.encode(fields)
@@ -92,12 +94,13 @@ def _write_replica(fd: int, tmp: Path, state: TrainingState, fields: dict[str, A
         view = memoryview(chunk).cast("B")
         for pos in range(0, len(view), STORE_IO_CHUNK_BYTES):
             piece = view[pos : pos + STORE_IO_CHUNK_BYTES]
-            h.update(piece)
+            if not known:
+                h.update(piece)
             _write_chunk(fd, piece)
             written += len(piece)
     if written != total:
         raise StoreError(f"{tmp}: wrote {written} bytes, expected {total}")
-    digest = h.digest()
+    digest = known or h.digest()
     fields["state_digest"] = digest
     header = codec.encode(fields)
     check = hashlib.sha256(prefix + header).digest()
@@ -366,7 +369,11 @@ class ReplicaStore:
         return sorted(out)
 
     def put(
-        self, state: TrainingState | bytes | bytearray | memoryview, certificate: bytes = b""
+        self,
+        state: TrainingState | bytes | bytearray | memoryview,
+        certificate: bytes = b"",
+        *,
+        digest: bytes = b"",
     ) -> Path:
         """Store a state atomically and prune old rounds.
 
@@ -376,6 +383,10 @@ class ReplicaStore:
             The state, or its serialised bytes (decoded to check them and read the round).
         certificate : bytes, optional
             Opaque certificate (e.g. signed receipts naming the state digest).
+        digest : bytes, optional
+            The state's SHA-256 digest when the caller has just computed or checked it: the
+            state is then written without hashing it again. A wrong digest is not trusted
+            blindly: the replica then fails its check when it is read (:meth:`get`).
 
         Returns
         -------
@@ -396,6 +407,8 @@ class ReplicaStore:
                 ) from exc
         if not isinstance(certificate, (bytes, bytearray)):
             raise StoreError("certificate: give bytes (or b'' for none)")
+        if not isinstance(digest, bytes) or len(digest) not in (0, 32):
+            raise StoreError("digest: give the state's 32-byte SHA-256 digest (or b'')")
         if len(certificate) > STORE_MAX_CERTIFICATE_BYTES:
             raise StoreError(
                 f"certificate: {len(certificate)} bytes exceeds STORE_MAX_CERTIFICATE_BYTES"
@@ -414,7 +427,7 @@ class ReplicaStore:
             raise StoreError(f"{tmp}: cannot create ({exc.strerror})") from exc
         try:
             try:
-                digest = _write_replica(fd, tmp, state, fields)
+                digest = _write_replica(fd, tmp, state, fields, digest)
             finally:
                 os.close(fd)
             if final.exists():

@@ -93,6 +93,10 @@ def _wrap(
         if record is not None and message.metadata.message_type.startswith("train"):
             party = parties(context)
             proofs.take_refutations(party, record)  # before it trains on a refuted state
+            if record.get("phase") == "certify":  # an initial state rides on its first train
+                party.take_certified(
+                    record, next(iter(message.content.array_records.values()), None)
+                )
             if party.check_receipts(record):
                 # it will not train on a round that was shown two ways (evidence goes out
                 # with its next relay reply)

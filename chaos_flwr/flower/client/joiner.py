@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-from flwr.app import ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord
 
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
@@ -275,7 +275,9 @@ class JoiningParty(Protocol):
 
     def _receipt_ok(self, party: str, rnd: int, digest: bytes, blob: bytes) -> bool: ...
 
-    def _hold(self, state: TrainingState) -> None: ...
+    def _hold(
+        self, state: TrainingState, arrays: ArrayRecord | None = ..., digest: bytes = ...
+    ) -> None: ...
 
     def max_signed_round(self) -> int: ...
 
@@ -370,7 +372,7 @@ def join_step(
         reply["status"] = status
         party.joining = None
         if status == "done" and pull.state is not None:
-            party._hold(pull.state)
+            party._hold(pull.state, digest=pull.negotiation.digest)  # it checked the digest
         party.joins_done.append(reply)
         if status == "failed":
             party.errors.append(f"join pull of round {rnd} failed: {pull.error}")

@@ -210,7 +210,7 @@ def take_certify(party: Party, record: ConfigRecord, arrays: ArrayRecord) -> Non
         _refuse(party, exc)
         return
     _note_commitments(party, proof, commits)
-    party.hold(state, arrays)
+    party.hold(state, arrays, proof.digest)
     party.held_rota = guard.rota_of(proof.round, _active(party))
     party.held_commits = commits_digest(proof.commitments)
 

@@ -58,7 +58,9 @@ class VerifiedRounds:
         refutations: list[bytes]
         _saved_held: tuple[int, list[str], bytes] | None
 
-        def hold(self, state: TrainingState, arrays: ArrayRecord | None = None) -> None: ...
+        def hold(
+            self, state: TrainingState, arrays: ArrayRecord | None = None, digest: bytes = b""
+        ) -> None: ...
 
     def _rounds_saved(self) -> dict[str, object]:
         """The verifiable rounds' part of the saved state (bounded)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,15 @@ __all__ = ["ChaosStrategy"]
 
 @dataclass(frozen=True)
 class _Held:
-    """The newest certified state: its round, arrays and digest."""
+    """The newest certified state: its round, arrays and digest. ``genesis`` is the proof of
+    an initial state that no party holds yet: its certify rides on the first round's train
+    messages (which carry those arrays anyway), so a fresh start adds no exchange."""
 
     server_round: int
     arrays: ArrayRecord
     digest: bytes
     strategy_state: bytes = b""
+    genesis: tuple[tuple[str, Any], ...] | None = None
 
 
 @dataclass
@@ -433,8 +436,12 @@ class ChaosStrategy(Strategy):
     def _certify_initial(
         self, run: _Run, initial_arrays: ArrayRecord, known: list[int], why: str
     ) -> _Held:
-        """Certify the initial state on every node that answers, numbered 0 or above every
-        round a party already signed (a fresh start never reuses a round number)."""
+        """The initial state, numbered 0 or above every round a party already signed (a fresh
+        start never reuses a round number). In a verified federation whose parties answered
+        the hello and none of which signed a round, its certify rides on the first round's
+        train messages
+        (:meth:`_genesis_taken`; nodes no train message reaches get it in a certify message
+        of that exchange); otherwise it is certified in an exchange of its own."""
         round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
         proofs = self.courier.proofs
         if proofs is not None and round0 > 0:
@@ -450,16 +457,52 @@ class ChaosStrategy(Strategy):
             self.resume.mode, round0, why,
         )  # fmt: skip
         digest = certified_digest(initial_arrays, round0)
-        log0 = RoundLog(round0, digest=digest)
+        self.courier.forward_round = round0
         genesis = proofs.certify_fields((-1, b""), []) if proofs is not None else ()
+        fresh = self.round_floor < 0  # no party signed a round: every party takes it up
+        if (
+            proofs is not None
+            and fresh
+            and len(self._genesis_takers(known)) >= min_nodes(self.inner, "train")
+        ):
+            # signed commitments name their base, so an update trained on a state its party
+            # refused never counts: the certify may ride on the first train messages
+            return _Held(round0, initial_arrays, digest, genesis=genesis)
+        log0 = RoundLog(round0, digest=digest)
         spec = PhaseSpec("certify", round0, digest, arrays=initial_arrays, fields=genesis)
         _, log0.certify_s = self.courier.phase(
             run.grid, [], known, spec, timeout=run.timeout, log_=log0
         )
         log0.holders = self.courier.holder_parties(round0, digest)
         self._finish(log0)
-        self.courier.forward_round = round0
         return _Held(round0, initial_arrays, digest)
+
+    def _genesis_taken(self, held: _Held, rlog: RoundLog) -> _Held:
+        """After a train exchange that carried the initial state's certify: log round 0 (its
+        holders, from the receipts in the train replies) and, once a party holds it, certify
+        it no more (it is then a certified state like any other)."""
+        if held.genesis is None:
+            return held
+        log0 = RoundLog(held.server_round, digest=held.digest)
+        log0.certify_s = rlog.train_s
+        log0.unsigned_receipts = list(rlog.unsigned_receipts)
+        log0.holders = self.courier.holder_parties(held.server_round, held.digest)
+        self._finish(log0)
+        return replace(held, genesis=None) if log0.holders else held
+
+    def _genesis_takers(self, known: list[int]) -> list[int]:
+        """Who may train on an initial state that rides on the train messages: every live
+        node whose party answered the hello and is active in the signed view, since none
+        holds the state before the message comes."""
+        active = self.courier.active()
+        party_of = self.relay.party_of
+        return [
+            n
+            for n in known
+            if n not in self.courier.suspects
+            and n in party_of
+            and (active is None or party_of[n] in active)
+        ]
 
     def _round(self, run: _Run, rnd: int, held: _Held) -> _Held:
         """One round: train on the eligible nodes, certify the new state, relay the joins."""
@@ -469,6 +512,9 @@ class ChaosStrategy(Strategy):
         known = list(grid.get_node_ids())
         prev_holders = set(courier.holding(known, held.server_round, held.digest))
         trained = self._train(run, rnd, rlog, known, held)
+        if held.genesis is not None:  # those that took the initial state with this exchange
+            prev_holders |= set(courier.holding(known, held.server_round, held.digest))
+        held = self._genesis_taken(held, rlog)
         if trained is None:  # nothing to certify: the round is tried again
             restore_strategy_state(self.inner, held.strategy_state)
             self._finish(rlog)
@@ -525,7 +571,10 @@ class ChaosStrategy(Strategy):
     ) -> tuple[ArrayRecord, tuple[tuple[str, Any], ...], list[Chosen]] | None:
         """The train exchange on the eligible nodes: the aggregated arrays, the certify's proof
         fields and the updates used; ``None`` when there is nothing to certify."""
-        eligible = self.courier.eligible(known, held.digest, held.server_round)
+        if held.genesis is None:
+            eligible = self.courier.eligible(known, held.digest, held.server_round)
+        else:
+            eligible = self._genesis_takers(known)
         rlog.eligible = eligible
         need = min_nodes(self.inner, "train")
         train_msgs: list[Message] = []
@@ -544,6 +593,10 @@ class ChaosStrategy(Strategy):
         active = sorted(self.view.active()) if self.view is not None else []
         audit = proofs.audit_job(active) if proofs is not None else None
         spec = PhaseSpec("relay", held.server_round, held.digest, audit=audit)
+        if held.genesis is not None:  # the initial state's certify rides on these messages
+            spec = PhaseSpec(
+                "certify", held.server_round, held.digest, held.arrays, fields=held.genesis
+            )
         train_replies, rlog.train_s = self.courier.phase(
             run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog
         )
