@@ -16,6 +16,10 @@ FLOWER_STOP_GRACE_S: float = 5.0
 #: How often the deployment runner looks for new ClientApp processes below the SuperNodes
 #: (when asked to count them), in seconds; each lives for seconds (it imports the app).
 FLOWER_CLIENTAPP_SAMPLE_S: float = 0.25
+#: Bound of one ``flwr`` CLI command the lab runs (e.g. ``flwr supernode register``).
+FLOWER_CLI_TIMEOUT_S: float = 60.0
+#: How long the certificates the lab makes for a deployment stay valid, in days.
+LAB_TLS_VALID_DAYS: int = 7
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 
