@@ -73,3 +73,12 @@ FLOWER_OVERHEAD_RUN_TIMEOUT_S: float = 1800.0
 FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S: float = 300.0
 #: Example model layer width when no size is asked for (the example's own, about 27 KB).
 FLOWER_OVERHEAD_DEFAULT_HIDDEN: int = 64
+
+# --- the multi-site testbed (chaos-flwr testbed, bench flower-wan) ---------------------------
+#: Rounds of a ``chaos-flwr testbed`` run.
+TESTBED_ROUNDS: int = 3
+#: Wall-time bound of one run on the testbed, in seconds.
+TESTBED_RUN_TIMEOUT_S: float = 900.0
+#: Bound of every exchange on the testbed, both modes (FedAvg's ``round-timeout-s``, Chaos's
+#: first-round ``phase-timeout-s``); a ClientApp process starts per message there.
+TESTBED_EXCHANGE_TIMEOUT_S: float = 240.0
