@@ -972,11 +972,11 @@ def testbed_cmd(
 
     from chaos_flwr.errors import ChaosError
     from chaos_flwr.lab.testbed import load_testbed_profile
-    from chaos_flwr.lab.testbed_run import TestbedSpec, bytes_table, run_on_testbed
+    from chaos_flwr.lab.testbed_run import WanRunSpec, bytes_table, run_on_testbed
 
     try:
         wan = load_testbed_profile(profile)
-        spec = TestbedSpec(
+        spec = WanRunSpec(
             mode=mode, rounds=rounds, model_mib=model_mib or None, server=server,
             institutions=tuple(_split_names(institutions) or ()) or None, timeout_s=timeout_s,
         )  # fmt: skip

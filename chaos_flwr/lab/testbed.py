@@ -1,6 +1,6 @@
 """A multi-site Flower deployment on one machine: hosts in network namespaces, shaped WAN links.
 
-:func:`testbed` builds, from a WAN profile (:mod:`chaos_flwr.transport.shaping`'s YAML: an
+:func:`wan_testbed` builds, from a WAN profile (:mod:`chaos_flwr.transport.shaping`'s YAML: an
 access link per party), one network namespace per host on a bridge of its own
 (:func:`chaos_flwr.transport.netns.lan`, addresses in ``10.77.0.0/24`` that exist only inside
 the namespaces), with each host's uplink and downlink shaped by ``tc tbf``. The SuperLink runs
@@ -10,7 +10,7 @@ institution, registered with ``flwr supernode register``); each institution's Su
 in its own namespace. The ``flwr`` CLI (runs, registrations) runs in the server's namespace.
 
 Only bandwidth is shaped: ``netem`` is missing here, so the profile's latencies are recorded
-(:attr:`Testbed.latency_ms`) and reported, not applied by the kernel.
+(:attr:`WanTestbed.latency_ms`) and reported, not applied by the kernel.
 
 On exit, normal, by error, by Ctrl-C or by SIGTERM, every process started is stopped by pid,
 then every namespace (with its veths, bridge and qdiscs) is deleted.
@@ -36,11 +36,11 @@ from chaos_flwr.transport.shaping import WanProfile, load_profile
 
 __all__ = [
     "DEFAULT_SERVER",
-    "Testbed",
+    "WanTestbed",
     "default_profile_path",
     "host_rates_bit_s",
     "load_testbed_profile",
-    "testbed",
+    "wan_testbed",
 ]
 
 #: The profile's party that hosts the SuperLink unless told otherwise.
@@ -74,8 +74,8 @@ def host_rates_bit_s(
 
 
 @dataclass
-class Testbed:
-    """A running testbed (see :func:`testbed`).
+class WanTestbed:
+    """A running testbed (see :func:`wan_testbed`).
 
     Attributes
     ----------
@@ -172,7 +172,7 @@ def _stop_on_signals() -> Iterator[None]:
 
 
 @contextmanager
-def testbed(
+def wan_testbed(
     profile: WanProfile,
     work_dir: Path,
     *,
@@ -181,7 +181,7 @@ def testbed(
     institutions: Sequence[str] | None = None,
     supernode_auth: bool = True,
     name: str | None = None,
-) -> Iterator[Testbed]:
+) -> Iterator[WanTestbed]:
     """Build the testbed of ``profile``; remove everything it made on exit.
 
     Parameters
@@ -226,7 +226,7 @@ def testbed(
             host=address, netns=net.namespaces[server], tls=tls, supernode_auth=supernode_auth
         )
         with DeploymentCluster(app_dir, work / "home", site=site) as cluster:
-            bed = Testbed(net, cluster, profile, server, insts, tls)
+            bed = WanTestbed(net, cluster, profile, server, insts, tls)
             for h in insts:
                 private, public = make_auth_key(work / "certs", h)
                 if supernode_auth:

@@ -1,10 +1,11 @@
 """One run of the multi-institution example on a fresh testbed (``chaos-flwr testbed``).
 
-:func:`run_on_testbed` builds the testbed of a WAN profile (:func:`chaos_flwr.lab.testbed.testbed`),
-starts every institution's SuperNode, runs the example for a few rounds with plain FedAvg or
-ChaosStrategy(FedAvg) (signed parties), reports each round as it finishes, and returns the
-figures: round wall times, ClientApp processes per round, the bytes each host's interface sent
-and received during the run, the shaping in place, and what was left behind (nothing).
+:func:`run_on_testbed` builds the testbed of a WAN profile
+(:func:`~chaos_flwr.lab.testbed.wan_testbed`), starts every institution's SuperNode, runs the
+example for a few rounds with plain FedAvg or ChaosStrategy(FedAvg) (signed parties), reports
+each round as it finishes, and returns the figures: round wall times, ClientApp processes per
+round, the bytes each host's interface sent and received during the run, the shaping in place,
+and what was left behind (nothing).
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ from chaos_flwr.lab.settings import (
     TESTBED_ROUNDS,
     TESTBED_RUN_TIMEOUT_S,
 )
-from chaos_flwr.lab.testbed import DEFAULT_SERVER, Testbed, testbed
+from chaos_flwr.lab.testbed import DEFAULT_SERVER, WanTestbed, wan_testbed
 from chaos_flwr.transport.netns import namespaces
 from chaos_flwr.transport.shaping import WanProfile
 
-__all__ = ["MODES", "TestbedSpec", "bytes_table", "run_on_testbed", "start_run"]
+__all__ = ["MODES", "WanRunSpec", "bytes_table", "run_on_testbed", "start_run"]
 
 MODES = ("fedavg", "chaos")
 
 
 @dataclass(frozen=True)
-class TestbedSpec:
+class WanRunSpec:
     """One run on the testbed: mode, rounds, model size, where the server is, bounds."""
 
     mode: str = "fedavg"
@@ -78,7 +79,7 @@ def _keys(work: Path, n: int) -> Path:
 
 
 def run_config(
-    spec: TestbedSpec, keys: Path | None, work: Path, min_nodes: int
+    spec: WanRunSpec, keys: Path | None, work: Path, min_nodes: int
 ) -> dict[str, object]:
     """The example's run config for ``spec`` (results and progress files under ``work``)."""
     cfg: dict[str, object] = {
@@ -100,7 +101,7 @@ def run_config(
 
 
 def start_run(
-    bed: Testbed, spec: TestbedSpec, work: Path, *, min_nodes: int | None = None
+    bed: WanTestbed, spec: WanRunSpec, work: Path, *, min_nodes: int | None = None
 ) -> tuple[Any, list[Mapping[str, object]]]:
     """Make the run's keys (chaos: signed parties) and node configs, start ``flwr run``.
 
@@ -115,7 +116,7 @@ def start_run(
 
 
 def _follow(
-    bed: Testbed,
+    bed: WanTestbed,
     proc: Any,
     work: Path,
     timeout_s: float,
@@ -154,7 +155,7 @@ def _delta(
 
 def run_on_testbed(
     profile: WanProfile,
-    spec: TestbedSpec,
+    spec: WanRunSpec,
     work_dir: Path,
     *,
     say: Callable[[str], None] | None = None,
@@ -179,7 +180,7 @@ def run_on_testbed(
     ns_before = namespaces()
     out: dict[str, Any] = {"mode": spec.mode, "rounds": spec.rounds, "hidden": spec.hidden}
     clientapps: dict[int, float] = {}
-    with testbed(profile, work / "bed", app_dir=app, server=spec.server,
+    with wan_testbed(profile, work / "bed", app_dir=app, server=spec.server,
                  institutions=spec.institutions) as bed:  # fmt: skip
         out["testbed"] = bed.describe()
         tell(f"testbed up: SuperLink at {out['testbed']['superlink']} (TLS, SuperNode auth), "

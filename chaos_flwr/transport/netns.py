@@ -558,13 +558,26 @@ class NetnsLan:
         return ["ip", "netns", "exec", self.namespaces[host], *argv]
 
     def qdiscs(self, host: str) -> dict[str, str]:
-        """``tc qdisc show`` of ``host``'s link: ``{"up": ..., "down": ...}`` (its interface
-        and its bridge port)."""
+        """``tc -s qdisc show`` (with the bytes each qdisc sent) of ``host``'s link:
+        ``{"up": ..., "down": ...}`` (its interface and its bridge port)."""
         ns, dev, port = self.namespaces[host], self.devices[host], self.ports[host]
+        show = ["tc", "-s", "qdisc", "show", "dev"]
         return {
-            "up": run_cmd(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev]),
-            "down": run_cmd(["ip", "netns", "exec", self.hub, "tc", "qdisc", "show", "dev", port]),
+            "up": run_cmd(["ip", "netns", "exec", ns, *show, dev]),
+            "down": run_cmd(["ip", "netns", "exec", self.hub, *show, port]),
         }
+
+    def pair(self, src: str, dst: str) -> NetnsPair:
+        """Hosts ``src`` (side a) and ``dst`` (side b) as a :class:`NetnsPair`, e.g. for
+        :func:`measure_tcp_rate` across the bridge."""
+        return NetnsPair(
+            ns_a=self.namespaces[src],
+            ns_b=self.namespaces[dst],
+            dev_a=self.devices[src],
+            dev_b=self.devices[dst],
+            addr_a=self.addresses[src],
+            addr_b=self.addresses[dst],
+        )
 
     def counters(self, host: str) -> dict[str, int]:
         """:func:`link_counters` of ``host``'s interface (inside its namespace)."""
