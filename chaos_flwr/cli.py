@@ -1002,6 +1002,53 @@ def testbed_cmd(
     typer.echo(fig["testbed"]["latency"])
 
 
+@bench_app.command("flower-wan")
+def bench_flower_wan(
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="WAN profile YAML (default: testbed5).")
+    ] = None,
+    model_mib: float = typer.Option(64.0, help="Example model size in MiB."),
+    rounds: int = typer.Option(6, help="Rounds of each run (the joiner starts after round 2)."),
+    repeats: int = typer.Option(1, help="Interleaved FedAvg/Chaos runs per placement (medians)."),
+    joiner: str = typer.Option("inst3", help="The institution that joins mid-run."),
+    placement: str = typer.Option(
+        "",
+        help="Comma-separated name=host placements of the SuperLink (default: "
+        "server_at_institution=inst2,server_well_connected=superlink).",
+    ),
+    work_dir: str = typer.Option("", help="Keep keys, certificates and logs here (default: temp)."),
+    as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
+) -> None:
+    """Plain FedAvg vs Chaos on the multi-site testbed (needs root, ip, tc): a joiner's time
+    from its SuperNode's start to its first training round (with lower bounds from the link
+    rates), churn-free round wall time and its ratio, ClientApp processes per round, for each
+    placement of the SuperLink. Server-loss figures and direct links are not measured (null).
+    """
+    import tempfile
+
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.lab.testbed import load_testbed_profile
+    from chaos_flwr.lab.wan_bench import WanBenchSpec, measure_flower_wan, wan_table
+
+    try:
+        wan = load_testbed_profile(profile)
+        where = dict(p.split("=", 1) for p in _split_names(placement) or [] if "=" in p)
+        spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
+                            placements=where or None)  # fmt: skip
+    except ChaosError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    say = (lambda _m: None) if as_json else typer.echo
+    with tempfile.TemporaryDirectory(prefix="chaos-flwr-wan-") as tmp:
+        try:
+            fig = measure_flower_wan(wan, spec, Path(work_dir) if work_dir else Path(tmp), say=say)
+        except ChaosError as exc:
+            _fail(exc)
+    if as_json:
+        _print_json(fig)
+    else:
+        typer.echo(wan_table(fig))
+
+
 def main() -> None:
     """Run the ``chaos-flwr`` command line."""
     app()

@@ -82,3 +82,16 @@ TESTBED_RUN_TIMEOUT_S: float = 900.0
 #: Bound of every exchange on the testbed, both modes (FedAvg's ``round-timeout-s``, Chaos's
 #: first-round ``phase-timeout-s``); a ClientApp process starts per message there.
 TESTBED_EXCHANGE_TIMEOUT_S: float = 240.0
+#: Model size of ``chaos-flwr bench flower-wan``, in MiB (the issue's default).
+WAN_BENCH_MODEL_MIB: float = 64.0
+#: Rounds of each run of the WAN bench (the joiner starts after WAN_BENCH_JOIN_AFTER_ROUND).
+WAN_BENCH_ROUNDS: int = 6
+#: Rounds every institution but the joiner trains before the joiner's SuperNode starts.
+WAN_BENCH_JOIN_AFTER_ROUND: int = 2
+#: The profile's institution that joins mid-run in the WAN bench.
+WAN_BENCH_JOINER: str = "inst3"
+#: Placements of the SuperLink in the WAN bench: name -> its host in the profile (testbed5).
+WAN_BENCH_PLACEMENTS: dict[str, str] = {
+    "server_at_institution": "inst2",
+    "server_well_connected": "superlink",
+}
