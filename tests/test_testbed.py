@@ -27,6 +27,7 @@ from chaos_flwr.lab.processes import alive, descendants
 from chaos_flwr.lab.testbed import host_rates_bit_s, load_testbed_profile, wan_testbed
 from chaos_flwr.lab.testbed_run import WanRunSpec, run_on_testbed
 from chaos_flwr.lab.tls import make_auth_key, make_tls
+from chaos_flwr.lab.wan_bench import WanBenchSpec, _joiner_trained, join_bounds
 from chaos_flwr.transport.netns import _lan_topology, lan, measure_tcp_rate, wire_rate_bit_s
 from chaos_flwr.transport.shaping import parse_profile
 
@@ -133,6 +134,31 @@ def test_testbed_refuses_an_unknown_server_before_making_anything(tmp_path: Path
     with bad, wan_testbed(profile, tmp_path, app_dir=EXAMPLE, server="s", institutions=["zz"]):
         pass
     assert not (tmp_path / "certs").exists()
+
+
+def test_join_bounds_follow_the_relay_path_and_the_donors_uplinks() -> None:
+    profile = parse_profile({"parties": {
+        "hub": {"up_mb_s": 50.0, "down_mb_s": 50.0},
+        "d1": {"up_mb_s": 1.0}, "d2": {"up_mb_s": 2.0},
+        "new": {"down_mb_s": 100.0},
+    }})  # fmt: skip
+    w = 6_000_000
+    b = join_bounds(profile, "hub", "new", ["d1", "d2", "new"], w)
+    assert b["plain"] == pytest.approx(w / 50e6)  # the server's uplink is the bottleneck
+    assert b["relay"] == pytest.approx(w / 3e6)  # both donors at once: 1 + 2 MB/s
+    # the server at a donor's host: that donor reaches the relay without a link
+    at_d2 = join_bounds(profile, "d2", "new", ["d1", "d2", "new"], w)
+    assert at_d2["plain"] == pytest.approx(w / 2e6)  # d2's uplink now carries everything
+    assert at_d2["relay"] == pytest.approx(w / 2e6)  # and caps the relay too
+
+
+def test_a_plain_joiner_has_trained_once_every_node_trained_in_a_round() -> None:
+    line = {"round": 3, "trainers_per_round": [2, 2, 3]}
+    assert _joiner_trained(line, "fedavg", 3, None)
+    assert not _joiner_trained({**line, "round": 2}, "fedavg", 3, None)
+    assert not _joiner_trained(line, "chaos", 3, None)  # chaos needs the joiner's party id
+    with pytest.raises(ConfigError, match="rounds"):
+        WanBenchSpec(rounds=3)  # the join after round 2 needs rounds after it
 
 
 # --- with root: real links ---------------------------------------------------------------------
