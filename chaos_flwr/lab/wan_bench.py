@@ -21,6 +21,7 @@ disk, plain Flower with and without checkpointing) and the timeline plot.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -228,7 +229,10 @@ def _placement(
     for rep in range(spec.repeats):
         for mode in ("fedavg", "chaos"):  # interleaved, so load drifts hit both alike
             say(f"{name} (SuperLink at {server}), {mode}, repeat {rep + 1}/{spec.repeats}")
-            fig = _one_run(profile, spec, server, mode, work / f"{name}-{mode}-{rep}")
+            run_dir = work / f"{name}-{mode}-{rep}"
+            fig = _one_run(profile, spec, server, mode, run_dir)
+            # each run's figures stay on disk too: a long bench stopped midway keeps them
+            (run_dir / "figure.json").write_text(json.dumps(fig), encoding="utf-8")
             say(f"  joiner trained after {fig['join_s']} s (round {fig['joiner_trained_in_round']})"
                 f", churn-free round {fig['churn_free_round_s']} s")  # fmt: skip
             runs[mode].append(fig)
