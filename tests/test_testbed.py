@@ -27,7 +27,7 @@ from chaos_flwr.lab.processes import alive, descendants
 from chaos_flwr.lab.testbed import host_rates_bit_s, load_testbed_profile, wan_testbed
 from chaos_flwr.lab.testbed_run import WanRunSpec, run_on_testbed
 from chaos_flwr.lab.tls import make_auth_key, make_tls
-from chaos_flwr.lab.wan_bench import WanBenchSpec, _joiner_trained, join_bounds
+from chaos_flwr.lab.wan_bench import WanBenchSpec, _joiner_trained, join_bounds, overhead_ratio
 from chaos_flwr.transport.netns import _lan_topology, lan, measure_tcp_rate, wire_rate_bit_s
 from chaos_flwr.transport.shaping import parse_profile
 
@@ -159,6 +159,16 @@ def test_a_plain_joiner_has_trained_once_every_node_trained_in_a_round() -> None
     assert not _joiner_trained(line, "chaos", 3, None)  # chaos needs the joiner's party id
     with pytest.raises(ConfigError, match="rounds"):
         WanBenchSpec(rounds=3)  # the join after round 2 needs rounds after it
+
+
+def test_round_overhead_compares_rounds_churn_free_in_both_runs_of_a_pair() -> None:
+    fedavg = [{"round_wall_s": [9.0, 10.0, 30.0, 40.0, 20.0], "churn_free_rounds": [2, 5]}]
+    chaos = [{"round_wall_s": [9.0, 12.0, 30.0, 40.0, 99.0], "churn_free_rounds": [2]}]
+    out = overhead_ratio(fedavg, chaos)
+    assert out["pairs"][0]["rounds"] == [2]  # round 5 was a join round for Chaos
+    assert out["ratio"] == pytest.approx(1.2)
+    none = overhead_ratio(fedavg, [{"round_wall_s": [1.0], "churn_free_rounds": []}])
+    assert none["ratio"] is None
 
 
 # --- with root: real links ---------------------------------------------------------------------

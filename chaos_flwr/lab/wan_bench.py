@@ -57,6 +57,7 @@ __all__ = [
     "WanBenchSpec",
     "join_bounds",
     "measure_flower_wan",
+    "overhead_ratio",
     "wan_table",
 ]
 
@@ -221,6 +222,24 @@ def _median(values: Sequence[float | None]) -> float | None:
     return statistics.median(known) if known else None
 
 
+def overhead_ratio(
+    fedavg: Sequence[Mapping[str, Any]], chaos: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Chaos's round time over plain FedAvg's, pair by pair (run ``i`` of each mode), on the
+    rounds churn-free in both runs of the pair (so both count the same nodes); the median of
+    the pairs' ratios, each pair's ratio and the rounds it used."""
+    pairs: list[dict[str, Any]] = []
+    for f, c in zip(fedavg, chaos, strict=False):
+        common = sorted(set(f["churn_free_rounds"]) & set(c["churn_free_rounds"]))
+        if not common:
+            pairs.append({"rounds": [], "ratio": None})
+            continue
+        f_s = statistics.median(f["round_wall_s"][r - 1] for r in common)
+        c_s = statistics.median(c["round_wall_s"][r - 1] for r in common)
+        pairs.append({"rounds": common, "plain_s": f_s, "chaos_s": c_s, "ratio": c_s / f_s})
+    return {"ratio": _median([p["ratio"] for p in pairs]), "pairs": pairs}
+
+
 def _placement(
     profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
     say: Callable[[str], None],
@@ -238,8 +257,9 @@ def _placement(
             runs[mode].append(fig)
     model = runs["chaos"][-1]["model_bytes"]
     bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
-    plain_round = _median([r["churn_free_round_s"] for r in runs["fedavg"]])
-    chaos_round = _median([r["churn_free_round_s"] for r in runs["chaos"]])
+    overhead = overhead_ratio(runs["fedavg"], runs["chaos"])
+    plain_round = _median([p.get("plain_s") for p in overhead["pairs"]])
+    chaos_round = _median([p.get("chaos_s") for p in overhead["pairs"]])
     return {
         "server_host": server,
         "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
@@ -252,7 +272,8 @@ def _placement(
         "plain_rounds_lost": None,
         "plain_round_s": plain_round,
         "chaos_round_s": chaos_round,
-        "round_overhead_ratio": chaos_round / plain_round if plain_round and chaos_round else None,
+        "round_overhead_ratio": overhead["ratio"],
+        "round_overhead_pairs": overhead["pairs"],
         "clientapp_per_round": {
             m: _median([statistics.median(r["clientapp_per_round"]) for r in runs[m]]) for m in runs
         },
