@@ -940,6 +940,115 @@ def serve_replica(
     typer.echo(f"stopped: {server.requests_served} requests, {server.bytes_served} bytes served")
 
 
+# --- testbed ---------------------------------------------------------------------------------
+# (section owned by the multi-site testbed, issue #17)
+
+
+@app.command("testbed")
+def testbed_cmd(
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="WAN profile YAML (default: testbed5).")
+    ] = None,
+    mode: str = typer.Option("fedavg", help="fedavg (plain Flower) or chaos (signed parties)."),
+    rounds: int = typer.Option(3, help="Federated rounds."),
+    model_mib: float = typer.Option(0.0, help="Example model size in MiB (0: its own, 36 KB)."),
+    server: str = typer.Option("superlink", help="The profile's host that runs the SuperLink."),
+    institutions: str = typer.Option(
+        "", help="Comma-separated hosts running a SuperNode (default: all but the server)."
+    ),
+    work_dir: str = typer.Option("", help="Keep certificates, keys and logs here (default: temp)."),
+    timeout_s: float = typer.Option(900.0, help="Wall-time bound of the run."),
+    as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
+) -> None:
+    """Run the example on a multi-site testbed built on this machine (needs root, ip, tc).
+
+    Every host of the WAN profile gets a network namespace on a bridge (10.77.0.0/24), its
+    uplink and downlink shaped with tc tbf; the SuperLink runs at the server's host with TLS
+    and SuperNode authentication, one SuperNode per institution in its own namespace. Shows
+    each round, then the bytes each host's interface sent and received; everything it made is
+    removed on exit, error or Ctrl-C. Latencies are recorded only (netem is missing here).
+    """
+    import tempfile
+
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.lab.testbed import load_testbed_profile
+    from chaos_flwr.lab.testbed_run import WanRunSpec, bytes_table, run_on_testbed
+
+    try:
+        wan = load_testbed_profile(profile)
+        spec = WanRunSpec(
+            mode=mode, rounds=rounds, model_mib=model_mib or None, server=server,
+            institutions=tuple(_split_names(institutions) or ()) or None, timeout_s=timeout_s,
+        )  # fmt: skip
+    except ChaosError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    say = (lambda _m: None) if as_json else typer.echo
+    with tempfile.TemporaryDirectory(prefix="chaos-flwr-testbed-") as tmp:
+        try:
+            fig = run_on_testbed(wan, spec, Path(work_dir) if work_dir else Path(tmp), say=say)
+        except ChaosError as exc:
+            _fail(exc)
+    if as_json:
+        _print_json(fig)
+        return
+    typer.echo(bytes_table(fig))
+    typer.echo(
+        f"{fig['mode']}: {fig['rounds']} rounds, model {fig['model_bytes']} bytes, round wall "
+        f"time median {fig['round_wall_s_median']:.1f} s, ClientApp processes per round "
+        f"{fig['clientapp_per_round']}, final accuracy {fig['final_accuracy']:.3f}; "
+        f"left behind: {len(fig['pids_alive'])} processes, {len(fig['namespaces_left'])} "
+        "namespaces"
+    )
+    typer.echo(fig["testbed"]["latency"])
+
+
+@bench_app.command("flower-wan")
+def bench_flower_wan(
+    profile: Annotated[
+        Path | None, typer.Option("--profile", help="WAN profile YAML (default: testbed5).")
+    ] = None,
+    model_mib: float = typer.Option(64.0, help="Example model size in MiB."),
+    rounds: int = typer.Option(6, help="Rounds of each run (the joiner starts after round 2)."),
+    repeats: int = typer.Option(1, help="Interleaved FedAvg/Chaos runs per placement (medians)."),
+    joiner: str = typer.Option("inst3", help="The institution that joins mid-run."),
+    placement: str = typer.Option(
+        "",
+        help="Comma-separated name=host placements of the SuperLink (default: "
+        "server_at_institution=inst2,server_well_connected=superlink).",
+    ),
+    work_dir: str = typer.Option("", help="Keep keys, certificates and logs here (default: temp)."),
+    as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
+) -> None:
+    """Plain FedAvg vs Chaos on the multi-site testbed (needs root, ip, tc): a joiner's time
+    from its SuperNode's start to its first training round (with lower bounds from the link
+    rates), churn-free round wall time and its ratio, ClientApp processes per round, for each
+    placement of the SuperLink. Server-loss figures and direct links are not measured (null).
+    """
+    import tempfile
+
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.lab.testbed import load_testbed_profile
+    from chaos_flwr.lab.wan_bench import WanBenchSpec, measure_flower_wan, wan_table
+
+    try:
+        wan = load_testbed_profile(profile)
+        where = dict(p.split("=", 1) for p in _split_names(placement) or [] if "=" in p)
+        spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
+                            placements=where or None)  # fmt: skip
+    except ChaosError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    say = (lambda _m: None) if as_json else typer.echo
+    with tempfile.TemporaryDirectory(prefix="chaos-flwr-wan-") as tmp:
+        try:
+            fig = measure_flower_wan(wan, spec, Path(work_dir) if work_dir else Path(tmp), say=say)
+        except ChaosError as exc:
+            _fail(exc)
+    if as_json:
+        _print_json(fig)
+    else:
+        typer.echo(wan_table(fig))
+
+
 def main() -> None:
     """Run the ``chaos-flwr`` command line."""
     app()

@@ -99,16 +99,39 @@ FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE: int = 64
 FLOWER_RESUME_MIN_RECEIPTS: int = 1
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
-#: Direct joiner pulls (chaos_flwr.flower.direct): hosts a joiner dials (the address comes
-#: through the untrusted relay, so loopback only), bound of the probe and of all direct fetches
-#: of one joiner step (below FLOWER_DEADLINE_FLOOR_S, so the step's reply is in time), bytes
-#: per grpc request, largest request/reply (the probe's size is chaos_flwr.pull.negotiation's).
+#: Direct joiner pulls (chaos_flwr.flower.direct): hosts the legacy (unauthenticated) links
+#: dial (the address comes through the untrusted relay, so loopback only; authenticated links
+#: dial signed endpoints, any host), bound of the probe and of all direct fetches of one joiner
+#: step (below FLOWER_DEADLINE_FLOOR_S, so the step's reply is in time), bytes per grpc request
+#: (the largest request/reply: LINK_* below; the probe's size is chaos_flwr.pull.negotiation's).
 FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
-FLOWER_DIRECT_MAX_BYTES: int = 64 * 1024 * 1024
 #: node_config key of a party's direct replica server address (optional, ``127.0.0.1:PORT``).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
+
+# --- authenticated direct links (flower/direct.py, transport/tls.py) -----------------------------
+#: Link requests a donor serves at once; more are refused with LinkBusyError (bounds memory).
+LINK_MAX_CONCURRENT_REQUESTS: int = 4
+#: Largest link request message a donor reads (bytes); larger: RequestTooLargeError.
+LINK_MAX_REQUEST_BYTES: int = 64 * 1024
+#: Most reply bytes one link request may ask for; more: ReplyTooLargeError (no amplification).
+LINK_MAX_REPLY_BYTES: int = 4 * 1024 * 1024
+#: Most ranges one link request may name (a dialler sends at most this many; more:
+#: RequestTooLargeError); at about 20 encoded bytes a range, far below LINK_MAX_REQUEST_BYTES.
+LINK_MAX_RANGES_PER_REQUEST: int = 1024
+#: Reply bytes one party may take from a donor per window; more: LinkQuotaError.
+LINK_PEER_WINDOW_BYTES: int = 512 * 1024 * 1024
+#: Length of that window, in seconds.
+LINK_PEER_WINDOW_S: float = 1.0
+#: Peers whose window a donor tracks at once (charter parties bound it anyway).
+LINK_MAX_TRACKED_PEERS: int = 4096
+#: Validity of a link certificate from its creation, in seconds.
+LINK_CERT_VALIDITY_S: float = 30 * 24 * 3600.0
+#: Largest link certificate (DER) an endpoint record may carry or a peer may present.
+LINK_CERT_MAX_BYTES: int = 2048
+#: Longest host name an endpoint record may carry (DNS limit).
+ENDPOINT_MAX_HOST_CHARS: int = 253
 #: Folder layout of :func:`chaos_flwr.flower.keys.make_federation`: key file prefix
 #: (``party-<partition-id>.key``) and charter file name.
 FLOWER_FEDERATION_KEY_PREFIX: str = "party-"

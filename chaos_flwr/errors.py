@@ -13,16 +13,25 @@ __all__ = [
     "ConfigError",
     "DecodeError",
     "EncodeError",
+    "EndpointError",
     "EquivocationError",
     "FederationMismatchError",
     "KeyFileError",
+    "LinkAuthError",
+    "LinkBusyError",
+    "LinkError",
+    "LinkLimitError",
+    "LinkQuotaError",
     "NetnsError",
+    "NotMemberError",
     "OversizeError",
     "PartyConfigError",
     "PlanError",
     "PolicyError",
     "ProfileError",
     "ReplayError",
+    "ReplyTooLargeError",
+    "RequestTooLargeError",
     "ResumeError",
     "ShardIntegrityError",
     "SignatureError",
@@ -166,3 +175,46 @@ class AuditError(ChaosError):
     """An aggregate cannot be recomputed with the federation's rule (e.g. the rule's strategy
     aggregates the given updates to nothing), or a recomputed aggregate differs from the one
     certified."""
+
+
+class LinkError(ChaosError):
+    """A direct link (:mod:`chaos_flwr.flower.direct`) refused a request or cannot be set up.
+
+    A donor refuses with one of the subclasses and the dialler raises the same class."""
+
+
+class LinkAuthError(LinkError, SignatureError):
+    """A link peer did not prove a party identity: no or a malformed binding, a binding that
+    does not verify under the charter key of the party it names, a binding copied from another
+    certificate, or a TLS handshake that failed (the peer's certificate is not the one its
+    signed endpoint names, or ours was not accepted)."""
+
+
+class NotMemberError(LinkError, PolicyError):
+    """A link peer is not a charter party, or not an active member in the donor's view."""
+
+
+class EndpointError(LinkError, PolicyError):
+    """An address no verified endpoint record of an active member names (e.g. one the relay
+    supplied), or an endpoint record that is malformed."""
+
+
+class LinkLimitError(LinkError):
+    """A link request was refused by one of the donor's limits (see the subclasses)."""
+
+
+class LinkBusyError(LinkLimitError):
+    """The donor already serves its maximum of concurrent link requests; retry later."""
+
+
+class LinkQuotaError(LinkLimitError):
+    """The requesting party used up its bytes for the donor's current window; retry later."""
+
+
+class RequestTooLargeError(LinkLimitError, OversizeError):
+    """A link request message is larger than the donor accepts."""
+
+
+class ReplyTooLargeError(LinkLimitError):
+    """A link request asks for more reply bytes than one request may (an amplifying request);
+    split it into smaller ranges."""

@@ -18,6 +18,14 @@ signed records it holds. Five kinds of record exist:
 ``link_up`` / ``link_down``
     The link ``a``-``b`` (``a < b``, between incarnations ``inc_a``/``inc_b``) is up or down at
     ``epoch``. Up is signed by both ends, down by either end.
+``endpoint``
+    ``subject`` (at ``incarnation``) can be reached for direct links at ``host``:``port``
+    (an IPv4 or IPv6 address or a DNS name, in canonical form), serving with the TLS
+    certificate ``cert`` (DER; see :mod:`chaos_flwr.transport.tls`). Signed by the subject
+    alone. The highest ``(incarnation, seq, host, port, cert)`` of a subject wins (a changed
+    address is announced with a higher ``seq``); the view lists an endpoint only while its
+    subject is active at exactly that incarnation (:meth:`RecordSet.endpoint`), so a rejoin
+    announces again. A dialler takes addresses only from there, never from the relay.
 
 Validation is *stateless*: a record is valid or not from its own bytes and the charter policy
 alone, never from the records already held. That is what makes the view a pure function of the
@@ -39,13 +47,14 @@ record set. The view then folds the records deterministically:
 
 Compaction: the record frontier
 -------------------------------
-The view depends only on each subject's highest join and highest end and on each link's highest
-record (version ``(epoch, inc_a, inc_b)``, a down over an up of the same version). A
-:class:`RecordSet` therefore holds only its *frontier*: the records no held record supersedes
-(:func:`supersedes`). At most two records per charter party and one per link are held, however
-old the federation; adding a superseded record changes nothing, and a record that supersedes
-held ones replaces them (``docs/internals.md``, "Compaction: the record frontier", argues why
-every party still converges to the same frontier and view).
+The view depends only on each subject's highest join, highest end and highest endpoint and on
+each link's highest record (version ``(epoch, inc_a, inc_b)``, a down over an up of the same
+version). A :class:`RecordSet` therefore holds only its *frontier*: the records no held record
+supersedes (:func:`supersedes`). At most three records per charter party and one per link are
+held, however old the federation (endpoint records live beside the others: they neither
+supersede nor are superseded by a join or an end); adding a superseded record changes nothing,
+and a record that supersedes held ones replaces them (``docs/internals.md``, "Compaction: the
+record frontier", argues why every party still converges to the same frontier and view).
 
 Small clusters: a fail record always needs ``failure_quorum`` signatures. While fewer than
 ``failure_quorum`` live members other than the suspect remain, no fail record can be formed: the
@@ -75,6 +84,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import ipaddress
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +92,8 @@ from typing import Any
 
 from . import codec
 from .defaults import (
+    ENDPOINT_MAX_HOST_CHARS,
+    LINK_CERT_MAX_BYTES,
     MEMBERSHIP_MAX_COUNTER,
     MEMBERSHIP_PROOF_MAX_BYTES,
     MEMBERSHIP_SIGNATURE_CACHE_ENTRIES,
@@ -94,6 +106,7 @@ from .wire import Envelope, open_sealed
 __all__ = [
     "KINDS",
     "PROOF_KIND",
+    "EndpointInfo",
     "LinkInfo",
     "MemberInfo",
     "Policy",
@@ -101,10 +114,13 @@ __all__ = [
     "RecordSet",
     "SignatureCache",
     "View",
+    "endpoint_address",
+    "endpoint_body",
     "fail_body",
     "join_body",
     "leave_body",
     "link_body",
+    "parse_address",
     "record_id_of",
     "signing_bytes",
     "supersedes",
@@ -115,7 +131,7 @@ __all__ = [
 _RECORD_DOMAIN = b"chaos-flwr/record/v1\x00"
 _VIEW_DOMAIN = b"chaos-flwr/view/v1\x00"
 
-KINDS = ("join", "leave", "fail", "link_up", "link_down")
+KINDS = ("join", "leave", "fail", "link_up", "link_down", "endpoint")
 #: Envelope kind whose signature is also its sender's signature of the record it carries.
 PROOF_KIND = "own"
 _MEMBER_KINDS = ("join", "leave", "fail")
@@ -133,6 +149,9 @@ _FIELDS: dict[str, frozenset[str]] = {
     "fail": frozenset({"kind", "federation", "subject", "incarnation"}),
     "link_up": frozenset({"kind", "federation", "a", "b", "inc_a", "inc_b", "epoch"}),
     "link_down": frozenset({"kind", "federation", "a", "b", "inc_a", "inc_b", "epoch"}),
+    "endpoint": frozenset(
+        {"kind", "federation", "subject", "incarnation", "seq", "host", "port", "cert"}
+    ),
 }
 
 
@@ -300,6 +319,116 @@ def link_body(
     }
 
 
+def endpoint_body(
+    federation: str,
+    subject: str,
+    incarnation: int,
+    seq: int,
+    address: str,
+    cert: bytes,
+) -> dict[str, Any]:
+    """Body of an endpoint record: ``subject`` serves direct links at ``address``.
+
+    Parameters
+    ----------
+    address
+        ``host:port``; an IPv6 host in brackets (``[::1]:9000``). The host is put in canonical
+        form (compressed IP address, lower-case name).
+    seq
+        Orders the subject's endpoint records of one incarnation (higher supersedes).
+    cert
+        DER of the party's serve certificate (:class:`chaos_flwr.transport.tls.LinkCredentials`).
+
+    Raises
+    ------
+    DecodeError
+        If the address or another field is malformed (as a receiver would refuse it).
+    """
+    host, port = parse_address(address)
+    body = {
+        "kind": "endpoint",
+        "federation": federation,
+        "subject": subject,
+        "incarnation": int(incarnation),
+        "seq": int(seq),
+        "host": host,
+        "port": port,
+        "cert": bytes(cert),
+    }
+    return _check_body(body)
+
+
+def parse_address(address: object) -> tuple[str, int]:
+    """``(canonical host, port)`` of ``host:port`` (IPv6 host in brackets).
+
+    Raises
+    ------
+    DecodeError
+        Not a string ``host:port``, a port outside 1..65535, or a host that is neither an IP
+        address nor a DNS name.
+    """
+    if not isinstance(address, str) or len(address) > ENDPOINT_MAX_HOST_CHARS + 8:
+        raise DecodeError(
+            f"an endpoint address must be a short 'host:port' string, got {address!r:.80}"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or len(port) > 5:
+        raise DecodeError(f"an endpoint address needs a port 1..65535: {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            raise DecodeError(f"only an IPv6 host goes in brackets: {address!r}")
+    elif ":" in host:
+        raise DecodeError(f"an IPv6 host must be in brackets ([::1]:9000): {address!r}")
+    return _canonical_host(host), int(port)
+
+
+def endpoint_address(host: str, port: int) -> str:
+    """``host:port`` of an endpoint (an IPv6 host in brackets); inverse of :func:`parse_address`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _canonical_host(host: str) -> str:
+    if not 0 < len(host) <= ENDPOINT_MAX_HOST_CHARS:
+        raise DecodeError(f"an endpoint host must have 1..{ENDPOINT_MAX_HOST_CHARS} characters")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        # no form whose text differs across Python versions (IPv4-mapped) or that names no
+        # one host (unspecified, multicast): every party must read the same canonical bytes
+        if ip.is_unspecified or ip.is_multicast or getattr(ip, "ipv4_mapped", None):
+            raise DecodeError(f"an endpoint host must be one unicast address, got {host!r}")
+        return str(ip)
+    name = host.lower().rstrip(".")
+    labels = name.split(".")
+    for label in labels:
+        ok = 0 < len(label) <= 63 and label.isascii() and label.replace("-", "").isalnum()
+        if not ok or label.startswith("-") or label.endswith("-"):
+            raise DecodeError(
+                f"an endpoint host is neither an IP address nor a DNS name: {host!r:.80}"
+            )
+    if labels[-1].isdigit():
+        raise DecodeError(f"an endpoint host is neither an IP address nor a DNS name: {host!r:.80}")
+    return name
+
+
+def _check_endpoint(body: Mapping[str, Any]) -> None:
+    if not isinstance(body["subject"], str) or not body["subject"]:
+        raise DecodeError("record field 'subject' must be a non-empty party id")
+    _check_int(body, "incarnation")
+    _check_int(body, "seq")
+    host, port = body["host"], body["port"]
+    if not isinstance(host, str) or _canonical_host(host) != host:
+        raise DecodeError("endpoint record field 'host' must be a host in canonical form")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise DecodeError("endpoint record field 'port' must be an integer 1..65535")
+    cert = body["cert"]
+    if not isinstance(cert, bytes) or not 0 < len(cert) <= LINK_CERT_MAX_BYTES:
+        raise DecodeError(f"endpoint record field 'cert' must be 1..{LINK_CERT_MAX_BYTES} bytes")
+
+
 def signing_bytes(body: Mapping[str, Any]) -> bytes:
     """The exact bytes a record signature covers (domain tag + canonical body)."""
     return _RECORD_DOMAIN + codec.encode(dict(body))
@@ -324,7 +453,9 @@ def _check_body(body: Any) -> dict[str, Any]:
         raise DecodeError(f"{kind} record has unknown fields {extra} / missing fields {missing}")
     if not isinstance(body["federation"], str):
         raise DecodeError("record field 'federation' must be a string")
-    if kind in _MEMBER_KINDS:
+    if kind == "endpoint":
+        _check_endpoint(body)
+    elif kind in _MEMBER_KINDS:
         if not isinstance(body["subject"], str) or not body["subject"]:
             raise DecodeError("record field 'subject' must be a non-empty party id")
         _check_int(body, "incarnation")
@@ -555,7 +686,14 @@ def validate_record(
 def _check_signers(body: dict[str, Any], signers: set[str], policy: Policy) -> None:
     """Check that a (verified) record's signers are the ones its kind and the charter demand."""
     kind = body["kind"]
-    if kind in _MEMBER_KINDS:
+    if kind == "endpoint":
+        if body["subject"] not in policy.keyring:
+            raise UnknownPartyError(
+                f"endpoint record field 'subject' {body['subject']!r} is not a party of the charter"
+            )
+        if signers != {body["subject"]}:
+            raise PolicyError("an endpoint record is signed by its subject alone")
+    elif kind in _MEMBER_KINDS:
         subject = body["subject"]
         if kind == "join":
             if subject not in policy.keyring:
@@ -691,19 +829,63 @@ class LinkInfo:
     live: bool
 
 
-class View:
-    """Members, neighbour graph and link states: a pure function of a record set.
+@dataclass(frozen=True)
+class EndpointInfo:
+    """Where an active member serves direct links, from its verified endpoint record.
 
-    Built by :meth:`RecordSet.view`; never mutated.
+    Attributes
+    ----------
+    party_id : str
+    incarnation, seq : int
+        The record's incarnation (the member's current one) and sequence number.
+    host : str
+        Canonical host (IP address or DNS name; an IPv6 address without brackets).
+    port : int
+    cert : bytes
+        DER of the party's serve certificate (a dialler pins it).
+    """
+
+    party_id: str
+    incarnation: int
+    seq: int
+    host: str
+    port: int
+    cert: bytes = field(repr=False)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to dial (an IPv6 host in brackets)."""
+        return endpoint_address(self.host, self.port)
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> EndpointInfo:
+        """The endpoint an endpoint record body names."""
+        return cls(
+            str(body["subject"]),
+            int(body["incarnation"]),
+            int(body["seq"]),
+            str(body["host"]),
+            int(body["port"]),
+            bytes(body["cert"]),
+        )
+
+
+class View:
+    """Members, neighbour graph, link states and endpoints: a pure function of a record set.
+
+    Built by :meth:`RecordSet.view`; never mutated. ``endpoints`` holds the endpoints of the
+    active members (at their current incarnation) only.
     """
 
     def __init__(
         self,
         members: Mapping[str, MemberInfo],
         links: Mapping[tuple[str, str], LinkInfo],
+        endpoints: Mapping[str, EndpointInfo] | None = None,
     ) -> None:
         self.members: Mapping[str, MemberInfo] = dict(sorted(members.items()))
         self.links: Mapping[tuple[str, str], LinkInfo] = dict(sorted(links.items()))
+        self.endpoints: Mapping[str, EndpointInfo] = dict(sorted((endpoints or {}).items()))
         nbrs: dict[str, set[str]] = {pid: set() for pid in self.members}
         for (a, b), link in self.links.items():
             if link.live:
@@ -754,9 +936,14 @@ class View:
                     have.add(pid)
         return tuple(sorted(chosen))
 
+    def endpoint(self, party_id: str) -> EndpointInfo | None:
+        """The endpoint of ``party_id`` if it is active and announced one (this incarnation)."""
+        return self.endpoints.get(party_id)
+
     def to_value(self) -> dict[str, Any]:
-        """The view as a codec value (what :attr:`digest` hashes)."""
-        return {
+        """The view as a codec value (what :attr:`digest` hashes; no ``endpoints`` key when
+        no active member announced one, so such views hash as before endpoints existed)."""
+        value: dict[str, Any] = {
             "members": [
                 [m.party_id, m.status, m.incarnation, m.joined_at] for m in self.members.values()
             ],
@@ -765,6 +952,12 @@ class View:
                 for ln in self.links.values()
             ],
         }
+        if self.endpoints:
+            value["endpoints"] = [
+                [e.party_id, e.incarnation, e.seq, e.host, e.port, e.cert]
+                for e in self.endpoints.values()
+            ]
+        return value
 
     @property
     def digest(self) -> bytes:
@@ -792,6 +985,8 @@ def _order(body: Mapping[str, Any]) -> tuple[Any, ...]:
     kind = body["kind"]
     if kind == "join":
         return (body["incarnation"], -body["at"])
+    if kind == "endpoint":
+        return (body["incarnation"], body["seq"], body["host"], body["port"], body["cert"])
     if kind in _LINK_KINDS:
         return (body["epoch"], body["inc_a"], body["inc_b"], kind == "link_down")
     return (body["incarnation"], kind == "leave")
@@ -808,6 +1003,12 @@ def supersedes(newer: Mapping[str, Any], older: Mapping[str, Any]) -> bool:
     supersedes (``docs/internals.md``, "Compaction: the record frontier").
     """
     kind, old_kind = newer["kind"], older["kind"]
+    if kind == "endpoint" or old_kind == "endpoint":
+        return (
+            kind == old_kind
+            and newer["subject"] == older["subject"]
+            and _order(newer) > _order(older)
+        )
     if kind in _LINK_KINDS:
         return (
             old_kind in _LINK_KINDS
@@ -830,8 +1031,9 @@ class RecordSet:
     """The frontier of the records a party received, validated and folded into a :class:`View`.
 
     Only records no held record supersedes are held (see "Compaction" in the module docstring):
-    per subject its highest join and highest end, per link its highest record. Folding is
-    incremental: each record changes at most one member entry or one link entry.
+    per subject its highest join, highest end and highest endpoint, per link its highest
+    record. Folding is incremental: each record changes at most one member entry or one link
+    entry (an endpoint record none: endpoints are read at view time).
 
     Parameters
     ----------
@@ -850,6 +1052,8 @@ class RecordSet:
         self._join: dict[str, Record] = {}
         self._end: dict[str, Record] = {}
         self._link_rec: dict[tuple[str, str], Record] = {}
+        # subject -> its highest endpoint record
+        self._endpoint: dict[str, Record] = {}
         # (party, incarnation) -> links whose held record names that party at that incarnation:
         # only those can change liveness when the party's status or incarnation changes.
         self._links_of: dict[tuple[str, int], set[tuple[str, str]]] = {}
@@ -907,6 +1111,8 @@ class RecordSet:
         kind = body["kind"]
         if kind in _LINK_KINDS:
             top = self._link_rec.get((body["a"], body["b"]))
+        elif kind == "endpoint":
+            top = self._endpoint.get(body["subject"])
         else:
             top = (self._join if kind == "join" else self._end).get(body["subject"])
         if top is not None and top.body == body:
@@ -919,6 +1125,9 @@ class RecordSet:
             held = self._link_rec.get((body["a"], body["b"]))
             return held if held is not None and supersedes(held.body, body) else None
         subject = body["subject"]
+        if kind == "endpoint":
+            held = self._endpoint.get(subject)
+            return held if held is not None and supersedes(held.body, body) else None
         join = self._join.get(subject)
         if join is not None and supersedes(join.body, body):
             return join
@@ -975,6 +1184,12 @@ class RecordSet:
             self._hold_link(record)
             return True
         subject = body["subject"]
+        if kind == "endpoint":
+            old_ep = self._endpoint.get(subject)
+            self._endpoint[subject] = record
+            if old_ep is not None:
+                self._drop(old_ep)
+            return True
         table = self._join if kind == "join" else self._end
         old = table.get(subject)
         table[subject] = record
@@ -1083,6 +1298,17 @@ class RecordSet:
         """The view's entry for ``party_id`` (cheap; no full view built)."""
         return self._members.get(party_id)
 
+    def endpoint(self, party_id: str) -> EndpointInfo | None:
+        """The endpoint a dialler may use for ``party_id``: from its held (verified) endpoint
+        record, only while it is an active member at exactly the record's incarnation."""
+        record = self._endpoint.get(party_id)
+        member = self._members.get(party_id)
+        if record is None or member is None or member.status != ACTIVE:
+            return None
+        if member.incarnation != record.body["incarnation"]:
+            return None
+        return EndpointInfo.of(record.body)
+
     def link(self, a: str, b: str) -> LinkInfo | None:
         """The view's entry for the link between ``a`` and ``b`` (either order)."""
         if self._stale_members or self._stale_links:
@@ -1094,6 +1320,7 @@ class RecordSet:
         if not self._view_fresh or self._view is None:
             if self._stale_members or self._stale_links:
                 self._flush_links()
-            self._view = View(self._members, self._links)
+            endpoints = {p: e for p in self._endpoint if (e := self.endpoint(p)) is not None}
+            self._view = View(self._members, self._links, endpoints)
             self._view_fresh = True
         return self._view

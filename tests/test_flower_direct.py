@@ -1,7 +1,9 @@
 """Direct grpc links for joiner pulls (chaos_flwr.flower.direct) and per-donor rate estimates.
 
 Real grpc servers on 127.0.0.1, stopped at the end of each test; the relay is a small loop
-that answers the joiner's relay requests with ``serve_request`` over each donor's bytes.
+that answers the joiner's relay requests with ``serve_request`` over each donor's bytes. The
+pull tests run twice: over authenticated links (``signed``: donors are charter members with
+signed endpoint records, mutual TLS) and over the legacy loopback links.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
+from link_world import access, endpoint_record, ident, records
 
 from chaos_flwr.errors import ConfigError, StoreError
 from chaos_flwr.flower.client.donor import serve_request
@@ -77,21 +80,47 @@ class Relay:
         return status
 
 
-@pytest.fixture
-def servers() -> Iterator[list[DirectServer]]:
-    started: list[DirectServer] = []
-    yield started
-    for server in started:
+class Net:
+    """Donor servers and the joiner's pull, over signed (authenticated) or legacy links.
+
+    Donors are named ``a``..``d`` (charter members of tests/link_world.py); :meth:`pid` gives
+    the id a pull uses (the party id when signed, the name itself when legacy).
+    """
+
+    def __init__(self, signed: bool) -> None:
+        self.signed = signed
+        self.records = records()
+        self.started: list[DirectServer] = []
+
+    def pid(self, name: str) -> str:
+        return ident(name).party_id if self.signed else name
+
+    def serve(self, name: str, data: bytes = DATA, shaper: Shaper | None = None) -> DirectServer:
+        from chaos_flwr.transport.tls import LinkCredentials
+
+        creds = LinkCredentials.create(ident(name), "link-fed") if self.signed else None
+        link = access(name, self.records, creds) if creds is not None else None
+        server = DirectServer(BytesSource(ROUND, DIGEST, data), shaper=shaper, link=link)
+        address = server.start()
+        self.started.append(server)
+        if creds is not None:
+            self.records.add(endpoint_record(ident(name), address, creds))
+        return server
+
+    def pull(self, names: list[str], **kw: object) -> JoinerPull:
+        link = access("e", self.records) if self.signed else None  # e joins through the pull
+        return JoinerPull(ROUND, DIGEST, [self.pid(n) for n in names], link=link, **kw)  # type: ignore[arg-type]
+
+    def relay(self, addrs: Mapping[str, str], dead: set[str] | None = None) -> Relay:
+        return Relay({self.pid(n): a for n, a in addrs.items()}, dead)
+
+
+@pytest.fixture(params=["signed", "legacy"])
+def net(request: pytest.FixtureRequest) -> Iterator[Net]:
+    n = Net(request.param == "signed")
+    yield n
+    for server in n.started:
         server.stop()
-
-
-def _serve(
-    servers: list[DirectServer], data: bytes = DATA, shaper: Shaper | None = None
-) -> DirectServer:
-    server = DirectServer(BytesSource(ROUND, DIGEST, data), shaper=shaper)
-    server.start()
-    servers.append(server)
-    return server
 
 
 def _check(pull: JoinerPull, status: str) -> None:
@@ -101,36 +130,35 @@ def _check(pull: JoinerPull, status: str) -> None:
     assert pull.state.same_as(STATE)
 
 
-def test_two_direct_donors_and_one_relay_donor_pull_the_certified_state(
-    servers: list[DirectServer],
-) -> None:
-    a, b = _serve(servers), _serve(servers)
+def test_two_direct_donors_and_one_relay_donor_pull_the_certified_state(net: Net) -> None:
+    a, b = net.serve("a"), net.serve("b")
     assert a.address and b.address
-    relay = Relay({"a": a.address, "b": b.address})
-    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"])
+    relay = net.relay({"a": a.address, "b": b.address})
+    pull = net.pull(["a", "b", "c"])
     _check(pull, relay.run(pull))
+    pa, pb, pc = net.pid("a"), net.pid("b"), net.pid("c")
     stats = pull.stats()
-    assert stats["direct-donors"] == ["a", "b"]
-    assert pull.direct_bytes["a"] > 0 and pull.direct_bytes["b"] > 0
+    assert stats["direct-donors"] == sorted([pa, pb])
+    assert pull.direct_bytes[pa] > 0 and pull.direct_bytes[pb] > 0
     # every direct byte the joiner counted left a direct server (plus the probes)
-    assert a.bytes_served >= pull.direct_bytes["a"]
-    assert b.bytes_served >= pull.direct_bytes["b"]
-    assert "a" not in relay.shard_bytes and "b" not in relay.shard_bytes
+    assert a.bytes_served >= pull.direct_bytes[pa]
+    assert b.bytes_served >= pull.direct_bytes[pb]
+    assert pa not in relay.shard_bytes and pb not in relay.shard_bytes
     planned = dict(zip(stats["plan-donors"], stats["plan-bytes"], strict=True))  # type: ignore[arg-type]
-    assert planned["c"] > 0
-    assert pull.received["c"] == relay.shard_bytes["c"] == planned["c"]
-    assert "c" not in pull.direct_bytes
+    assert planned[pc] > 0
+    assert pull.received[pc] == relay.shard_bytes[pc] == planned[pc]
+    assert pc not in pull.direct_bytes
     assert sum(pull.received.values()) == len(DATA)
     rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
-    assert set(rates) == {"a", "b", "c"} and all(r > 0 for r in rates.values())
+    assert set(rates) == {pa, pb, pc} and all(r > 0 for r in rates.values())
+    assert a.refusals() == {} and b.refusals() == {}
 
 
-def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(
-    servers: list[DirectServer],
-) -> None:
-    a, b = _serve(servers), _serve(servers)
+def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(net: Net) -> None:
+    a, b = net.serve("a"), net.serve("b")
     assert a.address and b.address
-    relay = Relay({"a": a.address, "b": b.address})
+    relay = net.relay({"a": a.address, "b": b.address})
+    pa, pb = net.pid("a"), net.pid("b")
     reads = 0
 
     class Dying(BytesSource):
@@ -138,72 +166,93 @@ def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(
             nonlocal reads
             reads += 1
             if reads > 2:  # the probe and one shard range, then the donor is gone
-                relay.dead.add("a")  # gone from the relay too
+                relay.dead.add(pa)  # gone from the relay too
                 threading.Thread(target=a.stop).start()
                 raise StoreError("donor crashed")
             return super().read(server_round, digest, start, end)
 
     a.source = Dying(ROUND, DIGEST, DATA)
-    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"], direct_batch_bytes=1)
+    pull = net.pull(["a", "b", "c"], direct_batch_bytes=1)
     _check(pull, relay.run(pull))
-    assert pull.direct_bytes["a"] > 0  # it sent some shards before it died
-    assert "a" in pull.direct_failed and "a" in pull.lost
-    assert pull.direct_bytes["b"] > 0
+    assert pull.direct_bytes[pa] > 0  # it sent some shards before it died
+    assert pa in pull.direct_failed and pa in pull.lost
+    assert pull.direct_bytes[pb] > 0
     assert sum(pull.received.values()) == len(DATA)
 
 
-def test_a_donor_advertising_a_bad_address_falls_back_to_the_relay(
-    servers: list[DirectServer],
-) -> None:
-    a = _serve(servers)
+def test_a_donor_advertising_a_bad_address_falls_back_to_the_relay(net: Net) -> None:
+    a = net.serve("a")
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
     assert a.address
-    relay = Relay({"a": a.address, "b": closed, "c": "10.1.2.3:9000"})
-    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"])
+    relay = net.relay({"a": a.address, "b": closed, "c": "10.1.2.3:9000"})
+    pull = net.pull(["a", "b", "c"])
     _check(pull, relay.run(pull))
-    assert sorted(pull.direct_failed) == ["b", "c"]  # c is never dialled: not loopback
-    assert "not loopback" in pull.direct_failed["c"]
+    pa, pb, pc = net.pid("a"), net.pid("b"), net.pid("c")
+    assert sorted(pull.direct_failed) == sorted([pb, pc])  # c is never dialled
+    if net.signed:  # neither b nor c signed an endpoint: the relay's addresses are refused
+        assert all("EndpointError" in pull.direct_failed[d] for d in (pb, pc))
+    else:
+        assert "not loopback" in pull.direct_failed[pc]
     assert pull.lost == []
-    assert relay.shard_bytes["b"] == pull.received["b"] > 0
-    assert pull.direct_bytes["a"] == pull.received["a"] > 0
+    assert relay.shard_bytes[pb] == pull.received[pb] > 0
+    assert pull.direct_bytes[pa] == pull.received[pa] > 0
 
 
-def test_a_donor_sending_a_bad_shard_directly_is_dropped(servers: list[DirectServer]) -> None:
-    bad = (np.frombuffer(DATA, dtype=np.uint8) ^ 0xFF).tobytes()  # every shard it sends is bad
-    a, b = _serve(servers, bad), _serve(servers)
+def test_a_relay_pointing_a_donor_elsewhere_is_refused_and_bypassed(net: Net) -> None:
+    a, b = net.serve("a"), net.serve("b")
     assert a.address and b.address
-    relay = Relay({"a": a.address, "b": b.address})
-    pull = JoinerPull(ROUND, DIGEST, ["a", "b", "c"], direct_batch_bytes=1)
+    # the relay swaps the two donors' addresses: legacy links dial them (and the manifest
+    # check still catches nothing wrong, the bytes are the same); signed links refuse both
+    relay = net.relay({"a": b.address, "b": a.address})
+    pull = net.pull(["a", "b"])
     _check(pull, relay.run(pull))
+    if net.signed:
+        assert sorted(pull.direct_failed) == sorted([net.pid("a"), net.pid("b")])
+        assert all("EndpointError" in e for e in pull.direct_failed.values())
+        assert a.requests_served == b.requests_served == 0
+        assert sum(relay.shard_bytes.values()) == len(DATA)
+    else:
+        assert pull.direct_failed == {}
+
+
+def test_a_donor_sending_a_bad_shard_directly_is_dropped(net: Net) -> None:
+    bad = (np.frombuffer(DATA, dtype=np.uint8) ^ 0xFF).tobytes()  # every shard it sends is bad
+    a, b = net.serve("a", bad), net.serve("b")
+    assert a.address and b.address
+    relay = net.relay({"a": a.address, "b": b.address})
+    pull = net.pull(["a", "b", "c"], direct_batch_bytes=1)
+    _check(pull, relay.run(pull))
+    pa = net.pid("a")
     planned = dict(zip(pull.stats()["plan-donors"], pull.stats()["plan-bytes"], strict=True))  # type: ignore[arg-type]
-    assert planned["a"] > 0
-    assert "a" in pull.lost and "a" not in pull.received
-    assert "a" not in relay.shard_bytes  # dropped, not sent to the relay path
+    assert planned[pa] > 0
+    assert pa in pull.lost and pa not in pull.received
+    assert pa not in relay.shard_bytes  # dropped, not sent to the relay path
     assert sum(pull.received.values()) == len(DATA)
 
 
-def test_rate_estimates_shift_shares_toward_the_faster_donor(servers: list[DirectServer]) -> None:
+def test_rate_estimates_shift_shares_toward_the_faster_donor(net: Net) -> None:
     profile = parse_profile({"parties": {"replica": {"up_mb_s": 0.5}}})
-    slow = _serve(servers, shaper=Shaper(profile, "replica", burst=4096))
-    fast = _serve(servers)
+    slow = net.serve("a", shaper=Shaper(profile, "replica", burst=4096))
+    fast = net.serve("b")
     assert slow.address and fast.address
-    relay = Relay({"slow": slow.address, "fast": fast.address})
-    pull = JoinerPull(ROUND, DIGEST, ["slow", "fast"])
+    relay = net.relay({"a": slow.address, "b": fast.address})
+    pull = net.pull(["a", "b"])
     _check(pull, relay.run(pull))
+    ps, pf = net.pid("a"), net.pid("b")
     stats = pull.stats()
     rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
-    assert rates["slow"] < 0.6e6  # the probe passed the 0.5 MB/s bucket
-    assert rates["slow"] < rates["fast"]
+    assert rates[ps] < 0.6e6  # the probe passed the 0.5 MB/s bucket
+    assert rates[ps] < rates[pf]
     planned = dict(zip(stats["plan-donors"], stats["plan-bytes"], strict=True))  # type: ignore[arg-type]
-    assert planned.get("slow", 0) < planned["fast"]
-    assert pull.received.get("slow", 0) < pull.received["fast"]
+    assert planned.get(ps, 0) < planned[pf]
+    assert pull.received.get(ps, 0) < pull.received[pf]
     # without estimates the two would get equal shares
-    equal = JoinerPull(ROUND, DIGEST, ["slow", "fast"], direct=False)
+    equal = JoinerPull(ROUND, DIGEST, [ps, pf], direct=False)
     assert Relay({}).run(equal) == "done"
     eq = dict(zip(equal.stats()["plan-donors"], equal.stats()["plan-bytes"], strict=True))  # type: ignore[arg-type]
-    assert abs(eq["slow"] - eq["fast"]) <= len(DATA) // 4
+    assert abs(eq[ps] - eq[pf]) <= len(DATA) // 4
 
 
 def test_serve_request_names_the_direct_address_and_addresses_are_checked() -> None:

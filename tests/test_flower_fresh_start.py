@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from test_flower_lib_join import _initial
 from verified_world import VerifiedWorld
 
 from chaos_flwr.errors import DecodeError, StoreError
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+from chaos_flwr.flower.server.courier import message_kind
 from chaos_flwr.state import TrainingState, from_array_record
 from chaos_flwr.store import ReplicaStore
 
@@ -110,3 +112,16 @@ def test_a_fresh_verified_start_certifies_round_0_on_the_first_train_messages(
         party = w.party(p)
         assert (party.held_round, party.held_digest) == (3, logs[3].digest)
         assert not [e for e in party.errors if "Error" in e], party.errors
+
+
+def test_a_train_message_is_timed_as_training_whatever_rides_on_it() -> None:
+    # round 1's train messages carry the genesis certify; their reply times must feed the
+    # same history as every later train message (else round 2 has none to set its deadline)
+    def msg(kind: str, phase: str) -> Message:
+        content = RecordDict({CHAOS_RECORD_KEY: ConfigRecord({"phase": phase})})
+        return Message(content, dst_node_id=7, message_type=kind, group_id="g")
+
+    assert message_kind(msg("train", "certify")) == "relay:train"
+    assert message_kind(msg("train", "relay")) == "relay:train"
+    assert message_kind(msg("evaluate", "certify")) == "certify:evaluate"
+    assert message_kind(msg("query.chaos", "certify")) == "certify:query.chaos"

@@ -1041,7 +1041,7 @@ def test_an_auditors_message_is_timed_apart_from_lighter_ones() -> None:
         message_kind(FlowerMessage(RecordDict({"chaos": rec}), dst_node_id=1, message_type="train"))
         for rec in (plain, audited)
     ]
-    assert kinds == ["certify:train", "certify:train:audit"]
+    assert kinds == ["relay:train", "relay:train:audit"]  # a train message is timed as one
 
 
 def test_a_joiner_takes_only_a_final_state(tmp_path: Path) -> None:
@@ -1065,3 +1065,29 @@ def test_a_joiner_takes_only_a_final_state(tmp_path: Path) -> None:
     start["audits"] = strategy.courier.proofs.audits_of(2, last.digest)  # type: ignore[union-attr]
     ctl, asks = party.join_step(record, start, {})
     assert ctl["status"] == "want" and set(asks) <= set(donors) and asks
+
+
+def test_a_joiner_admitted_after_the_round_was_certified_counts_the_rota_without_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = _world(tmp_path)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    last = strategy.rounds[-1]
+    audits = strategy.courier.proofs.audits_of(5, last.digest)  # type: ignore[union-attr]
+    (auditor,) = {Audit.decode(b).party for b in audits}
+    certifiers = sorted(w.pid(p) for p in range(PARTIES))
+    guard = proofs.guard_of(w.party(0))
+    assert guard is not None
+    # a joiner whose own admission shifts the rota of round 5 away from its real auditor (a
+    # round above the member count: the rota's start moves with the count)
+    joiner = next(
+        f"p{i:016x}"
+        for i in range(1 << 16)
+        if auditor not in guard.rota_of(5, [*certifiers, f"p{i:016x}"])
+    )
+    party = w.party(0)
+    monkeypatch.setattr(party, "party_id", joiner)
+    monkeypatch.setattr(proofs, "_active", lambda _p: [*certifiers, joiner])
+    assert proofs.unfinal(party, 5, last.digest, audits) == ""  # the certifiers' rota counts
+    assert "not final" in proofs.unfinal(party, 5, last.digest, [])  # audits are still needed

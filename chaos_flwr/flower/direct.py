@@ -19,18 +19,35 @@ started once per address) does as well. Both read the replica files the party wr
 
 Wire format (codec maps): request ``{round, digest, start: [..], end: [..]}``, reply
 ``{data: [bytes, ..]}``; a donor that does not hold exactly that ``(round, digest)`` fails the
-call. Only loopback addresses are dialled (:data:`~chaos_flwr.defaults.FLOWER_DIRECT_HOSTS`):
-the address travels through the untrusted relay, which must not make a joiner connect
-elsewhere.
+call.
+
+Authenticated links (``link=``)
+-------------------------------
+Given a :class:`LinkAccess` (the party's link credentials, its policy and its view), a
+:class:`DirectServer` serves over mutual TLS (:class:`~chaos_flwr.transport.links.LinkServer`):
+only to a peer whose certificate is bound to a charter key (:mod:`chaos_flwr.transport.tls`)
+and that is an active member of the donor's view, and :func:`fetch_ranges` dials a donor only
+at the endpoint its verified endpoint record names (any host, IPv4, IPv6 or a name), pinning
+the certificate that record carries; an address the relay offered that no record signs is
+refused with :class:`~chaos_flwr.errors.EndpointError`. Limits (named defaults): requests
+served at once, request message size, reply bytes one request may ask for (no amplification)
+and reply bytes per peer per window; each refusal is a typed error the dialler raises as such
+(:attr:`DirectResult.exc`).
+
+Without ``link`` (the simulation engine and the ``serve-replica`` daemon until the party
+daemon hands them the party's credentials) the server is the legacy unauthenticated one:
+it listens and dials only loopback addresses (:data:`~chaos_flwr.defaults.FLOWER_DIRECT_HOSTS`,
+the address travels through the untrusted relay) and applies the same size limits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -39,18 +56,32 @@ from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_HOSTS,
-    FLOWER_DIRECT_MAX_BYTES,
     FLOWER_DIRECT_TIMEOUT_S,
+    LINK_MAX_RANGES_PER_REQUEST,
+    LINK_MAX_REPLY_BYTES,
 )
-from chaos_flwr.errors import ChaosError, ConfigError, DecodeError, StoreError, TransportError
+from chaos_flwr.errors import (
+    ChaosError,
+    ConfigError,
+    DecodeError,
+    EndpointError,
+    ReplyTooLargeError,
+    RequestTooLargeError,
+    StoreError,
+    TransportError,
+)
+from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.store import Replica, ReplicaStore
 from chaos_flwr.transport.grpc_carrier import GrpcCarrier
+from chaos_flwr.transport.links import LinkAccess, LinkDialer, LinkLimits, LinkServer, PeerQuota
 from chaos_flwr.transport.shaping import Shaper
 
 __all__ = [
     "BytesSource",
     "DirectResult",
     "DirectServer",
+    "LinkAccess",
+    "LinkLimits",
     "RangeSource",
     "StoreSource",
     "check_address",
@@ -141,13 +172,15 @@ def _ranges(value: Mapping[str, object]) -> list[tuple[int, int]]:
     starts, ends = value.get("start"), value.get("end")
     if not isinstance(starts, list) or not isinstance(ends, list) or len(starts) != len(ends):
         raise DecodeError("direct request 'start'/'end' must be lists of one length")
+    if len(starts) > LINK_MAX_RANGES_PER_REQUEST:
+        raise RequestTooLargeError(
+            f"direct request names {len(starts)} ranges, above {LINK_MAX_RANGES_PER_REQUEST}"
+        )
     out: list[tuple[int, int]] = []
     for s, e in zip(starts, ends, strict=True):
         if not (isinstance(s, int) and isinstance(e, int)) or not 0 <= s <= e:
             raise DecodeError("direct request ranges must be ints with 0 <= start <= end")
         out.append((s, e))
-    if sum(e - s for s, e in out) > FLOWER_DIRECT_MAX_BYTES:
-        raise DecodeError(f"direct request asks more than {FLOWER_DIRECT_MAX_BYTES} bytes")
     return out
 
 
@@ -162,35 +195,92 @@ class DirectServer:
         ``host:port`` to listen on (port 0 picks a free one; see :attr:`address`).
     shaper:
         Optional link shaping of this server's replies (tests, benchmarks).
+    link:
+        Serve authenticated links (mutual TLS, active members only); ``None``: the legacy
+        unauthenticated server (see the module docstring).
+    limits:
+        The donor's limits.
+    clock:
+        Monotonic clock of the per-peer windows.
+
+    Attributes
+    ----------
+    refused : dict[str, int]
+        Requests refused, by error class name.
     """
 
     def __init__(
-        self, source: RangeSource, listen: str = "127.0.0.1:0", *, shaper: Shaper | None = None
+        self,
+        source: RangeSource,
+        listen: str = "127.0.0.1:0",
+        *,
+        shaper: Shaper | None = None,
+        link: LinkAccess | None = None,
+        limits: LinkLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"listen address must be 'host:port', got {listen!r}")
         self.source = source
         self._host, self._port, self._shaper = host, int(port), shaper
+        self.link = link
+        self.limits = limits if limits is not None else LinkLimits()
+        self._quota = PeerQuota(self.limits, clock)
         self.address: str | None = None
         self.bytes_served = 0
         self.requests_served = 0
+        self.refused: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._carrier: GrpcCarrier | None = None
+        self._carrier: GrpcCarrier | LinkServer | None = None
         self._stopped = threading.Event()
 
+    def _refuse(self, exc: ChaosError) -> ChaosError:
+        name = type(exc).__name__
+        self.refused[name] = self.refused.get(name, 0) + 1
+        return exc
+
     async def _handle(self, src: str, data: bytes) -> bytes:
-        value = codec.decode(data, max_bytes=FLOWER_DIRECT_MAX_BYTES)
-        if not isinstance(value, dict):
-            raise DecodeError("direct request must be a map")
-        rnd, digest = value.get("round"), value.get("digest")
-        if not isinstance(rnd, int) or not isinstance(digest, bytes):
-            raise DecodeError("direct request needs 'round' (int) and 'digest' (bytes)")
-        chunks = [self.source.read(rnd, digest, s, e) for s, e in _ranges(value)]
+        try:
+            if len(data) > self.limits.max_request_bytes:
+                raise RequestTooLargeError(
+                    f"direct request of {len(data)} bytes, above {self.limits.max_request_bytes}"
+                )
+            value = codec.decode(data, max_bytes=self.limits.max_request_bytes)
+            if not isinstance(value, dict):
+                raise DecodeError("direct request must be a map")
+            rnd, digest = value.get("round"), value.get("digest")
+            if not isinstance(rnd, int) or not isinstance(digest, bytes):
+                raise DecodeError("direct request needs 'round' (int) and 'digest' (bytes)")
+            ranges = _ranges(value)
+            asked = sum(e - s for s, e in ranges)
+            if asked > self.limits.max_reply_bytes:
+                raise ReplyTooLargeError(
+                    f"direct request asks {asked} bytes, above {self.limits.max_reply_bytes} "
+                    "per request; ask smaller ranges"
+                )
+            self._quota.charge(src, asked)
+            chunks = [self.source.read(rnd, digest, s, e) for s, e in ranges]
+        except ChaosError as exc:
+            raise self._refuse(exc) from None
         self.requests_served += 1
         self.bytes_served += sum(len(c) for c in chunks)
         return codec.encode({"data": chunks})
+
+    def _make_carrier(self) -> GrpcCarrier | LinkServer:
+        if self.link is None:
+            return GrpcCarrier("replica", port=self._port, host=self._host, shaper=self._shaper)
+        link = self.link
+        return LinkServer(
+            link.creds,
+            lambda: link.policy.keyring,
+            link.authorize,
+            f"{self._host}:{self._port}",
+            max_concurrent=self.limits.max_concurrent,
+            max_request_bytes=self.limits.max_request_bytes,
+            shaper=self._shaper,
+        )
 
     def start(self) -> str:
         """Start serving; returns the bound address.
@@ -206,7 +296,7 @@ class DirectServer:
         def run() -> None:
             loop = asyncio.new_event_loop()
             self._loop = loop
-            carrier = GrpcCarrier("replica", port=self._port, host=self._host, shaper=self._shaper)
+            carrier = self._make_carrier()
             try:
                 loop.run_until_complete(carrier.start(self._handle))
             except BaseException as exc:  # reported to start()'s caller
@@ -232,6 +322,12 @@ class DirectServer:
         assert self.address is not None
         return self.address
 
+    def refusals(self) -> dict[str, int]:
+        """Every refusal so far by error class name (the link layer's and the handler's)."""
+        if isinstance(self._carrier, LinkServer):
+            return dict(self._carrier.refused)  # it saw the handler's refusals too
+        return dict(self.refused)
+
     def stop(self) -> None:
         """Stop serving and join the thread (idempotent)."""
         loop, thread = self._loop, self._thread
@@ -253,17 +349,20 @@ _SERVERS: dict[str, DirectServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def ensure_server(state_dir: str | Path, listen: str) -> DirectServer:
+def ensure_server(
+    state_dir: str | Path, listen: str, *, link: LinkAccess | None = None
+) -> DirectServer:
     """The in-process replica server for ``listen`` (started once per process and address).
 
     For the simulation engine, whose worker processes outlive one message. It serves
-    ``<state_dir>/replicas``.
+    ``<state_dir>/replicas`` (authenticated links with ``link``; else loopback only).
     """
-    check_address(listen)
+    if link is None:
+        check_address(listen)
     with _SERVERS_LOCK:
         server = _SERVERS.get(listen)
         if server is None:
-            server = DirectServer(StoreSource(Path(state_dir) / "replicas"), listen)
+            server = DirectServer(StoreSource(Path(state_dir) / "replicas"), listen, link=link)
             server.start()
             _SERVERS[listen] = server
         return server
@@ -294,20 +393,44 @@ class DirectResult:
         Wall time of this donor's fetch.
     nbytes:
         Bytes received.
+    exc:
+        The typed error the link failed with (``None`` if it did not), e.g. the class a donor
+        refused with.
     """
 
     shards: list[tuple[int, bytes, float]] = field(default_factory=list)
     error: str = ""
     seconds: float = 0.0
     nbytes: int = 0
+    exc: ChaosError | None = None
+
+    def fail(self, exc: ChaosError) -> None:
+        """Record ``exc`` as the reason this link stopped."""
+        self.exc = exc
+        self.error = f"{type(exc).__name__}: {exc}"
 
 
 Range = tuple[int, int, int]  # (index, start, end)
+#: Sends one request to a donor and returns its reply (``timeout`` in seconds).
+_Send = Callable[[bytes, float], Awaitable[bytes]]
+
+
+def _pieces(ranges: Sequence[Range], cap: int) -> list[tuple[int, int, int, bool]]:
+    """``ranges`` cut so no piece exceeds ``cap`` bytes: ``(index, start, end, last piece)``."""
+    out: list[tuple[int, int, int, bool]] = []
+    for i, s, e in ranges:
+        at = s
+        while True:
+            stop = min(e, at + cap)
+            out.append((i, at, stop, stop >= e))
+            if stop >= e:
+                break
+            at = stop
+    return out
 
 
 async def _fetch_one(
-    carrier: GrpcCarrier,
-    donor: str,
+    send: _Send,
     ranges: Sequence[Range],
     server_round: int,
     digest: bytes,
@@ -316,10 +439,19 @@ async def _fetch_one(
     batch_bytes: int,
 ) -> DirectResult:
     result = DirectResult()
-    batch: list[Range] = []
-    todo = list(ranges)
-    while todo or batch:
-        while todo and (not batch or sum(e - s for _, s, e in batch) < batch_bytes):
+    todo = _pieces(ranges, LINK_MAX_REPLY_BYTES)
+    partial: list[bytes] = []
+    while todo:
+        batch = [todo.pop(0)]
+        size = batch[0][2] - batch[0][1]
+        # ranges up to batch_bytes per request, never above what a donor serves per request
+        while (
+            todo
+            and size < batch_bytes
+            and len(batch) < LINK_MAX_RANGES_PER_REQUEST
+            and size + todo[0][2] - todo[0][1] <= LINK_MAX_REPLY_BYTES
+        ):
+            size += todo[0][2] - todo[0][1]
             batch.append(todo.pop(0))
         left = deadline - time.monotonic()
         if left <= 0:
@@ -329,31 +461,65 @@ async def _fetch_one(
             {
                 "round": server_round,
                 "digest": digest,
-                "start": [s for _, s, _ in batch],
-                "end": [e for _, _, e in batch],
+                "start": [s for _, s, _, _ in batch],
+                "end": [e for _, _, e, _ in batch],
             }
         )
         try:
-            raw = await carrier.request(donor, req, timeout=left)
-            value = codec.decode(raw, max_bytes=FLOWER_DIRECT_MAX_BYTES + 4096)
+            raw = await send(req, left)
+            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES + 65536)
             data = value.get("data") if isinstance(value, dict) else None
             if not isinstance(data, list) or len(data) != len(batch):
                 raise DecodeError("direct reply must carry one bytes item per range")
+            if not all(isinstance(c, bytes) for c in data):
+                raise DecodeError("a direct reply item is not bytes")
         except ChaosError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
+            result.fail(exc)
             break
         at = time.monotonic() - t0
-        for (i, _, _), chunk in zip(batch, data, strict=True):
-            if not isinstance(chunk, bytes):
-                result.error = "DecodeError: a direct reply item is not bytes"
-                break
-            result.shards.append((i, chunk, at))
+        for (i, _, _, last), chunk in zip(batch, data, strict=True):
+            partial.append(chunk)
             result.nbytes += len(chunk)
-        if result.error:
-            break
-        batch = []
+            if last:
+                result.shards.append((i, b"".join(partial), at))
+                partial = []
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _senders(
+    addresses: Mapping[str, str],
+    donors: Sequence[str],
+    link: LinkAccess | None,
+    timeout_s: float,
+) -> tuple[dict[str, _Send], dict[str, DirectResult], Callable[[], Awaitable[None]]]:
+    """A send function per dialable donor, the donors refused before dialling, and a closer."""
+    refused: dict[str, DirectResult] = {}
+    sends: dict[str, _Send] = {}
+    if link is None:
+        carrier = GrpcCarrier(_FROM, dict(addresses), request_timeout_s=timeout_s)
+        for d in donors:
+            if d in addresses:
+                sends[d] = functools.partial(_legacy_send, carrier, d)
+        return sends, refused, carrier.close
+    dialer = LinkDialer(link.creds)
+    for d in donors:
+        try:
+            ep = link.endpoint(d, addresses.get(d))
+        except EndpointError as exc:
+            refused[d] = DirectResult()
+            refused[d].fail(exc)
+            continue
+        sends[d] = functools.partial(_link_send, dialer, ep)
+    return sends, refused, dialer.close
+
+
+async def _legacy_send(carrier: GrpcCarrier, donor: str, req: bytes, timeout: float) -> bytes:
+    return await carrier.request(donor, req, timeout=timeout)
+
+
+async def _link_send(dialer: LinkDialer, ep: EndpointInfo, req: bytes, timeout: float) -> bytes:
+    return await dialer.request(ep.address, ep.cert, req, timeout=timeout)
 
 
 def fetch_ranges(
@@ -364,10 +530,21 @@ def fetch_ranges(
     digest: bytes,
     timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
     batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
+    link: LinkAccess | None = None,
 ) -> dict[str, DirectResult]:
     """Fetch ``ranges[donor]`` from every donor's direct address at once (bounded by
     ``timeout_s`` overall). Runs its own event loop in a helper thread, so it may be called
     from sync code inside or outside a running loop.
+
+    Parameters
+    ----------
+    addresses
+        Donor -> address as offered (by the relay). With ``link`` each must be the address
+        the donor's verified endpoint record signs (else that donor fails with
+        :class:`~chaos_flwr.errors.EndpointError`, never dialled); a donor with no offered
+        address is dialled at its signed endpoint. Without ``link`` only these are dialled.
+    link
+        This party's credentials and view: authenticated, encrypted links.
 
     Returns
     -------
@@ -378,22 +555,21 @@ def fetch_ranges(
     fetched: dict[str, DirectResult] = {}
 
     async def main() -> None:
-        carrier = GrpcCarrier(_FROM, dict(addresses), request_timeout_s=timeout_s)
+        donors = [d for d in ranges if link is not None or d in addresses]
+        sends, refused, close = _senders(addresses, donors, link, timeout_s)
+        fetched.update(refused)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        donors = [d for d in ranges if d in addresses]
         try:
             got = await asyncio.gather(
                 *(
-                    _fetch_one(
-                        carrier, d, ranges[d], server_round, digest, deadline, t0, batch_bytes
-                    )
-                    for d in donors
+                    _fetch_one(sends[d], ranges[d], server_round, digest, deadline, t0, batch_bytes)
+                    for d in sends
                 )
             )
         finally:
-            await carrier.close()
-        fetched.update(zip(donors, got, strict=True))
+            await close()
+        fetched.update(zip(sends, got, strict=True))
 
     def run() -> None:
         asyncio.run(main())
@@ -414,6 +590,7 @@ def serve_forever(
     *,
     stop: threading.Event,
     started: threading.Event | None = None,
+    link: LinkAccess | None = None,
 ) -> DirectServer:
     """Serve ``<state_dir>/replicas`` on ``listen`` until ``stop`` is set (the daemon's body).
 
@@ -421,7 +598,7 @@ def serve_forever(
     returns the stopped server (its counters).
     """
     source = StoreSource(Path(state_dir) / "replicas")
-    server = DirectServer(source, listen)
+    server = DirectServer(source, listen, link=link)
     address = server.start()
     print(f"serving {address}", flush=True)
     if started is not None:

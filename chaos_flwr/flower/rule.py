@@ -37,7 +37,7 @@ from chaos_flwr.flower.server.state import (
     restore_strategy_state,
     strategy_state_of,
 )
-from chaos_flwr.state import TrainingState, to_array_record
+from chaos_flwr.state import TrainingState
 
 __all__ = [
     "RULE_ATOL",
@@ -289,9 +289,10 @@ def recompute(
         raise AuditError(f"round {server_round}: no updates to aggregate")
     strategy = build_strategy(rule)
     restore_strategy_state(strategy, base.strategy_state)
-    base_arrays = to_array_record(base)
-    if hasattr(strategy, "current_arrays"):  # FedOpt: what its configure_train sets
-        strategy.current_arrays = {k: a.numpy() for k, a in base_arrays.items()}
+    if hasattr(strategy, "current_arrays"):  # FedOpt: what its configure_train sets (copies,
+        # in the ArrayRecord's order, without a round trip through .npy bytes)
+        names = sorted(base.arrays, key=lambda n: n.encode("utf-8"))
+        strategy.current_arrays = {k: np.array(base.arrays[k]) for k in names}
     replies = [_reply(u, server_round, i) for i, u in enumerate(updates)]
     try:
         aggregated, _ = strategy.aggregate_train(server_round, replies)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +19,19 @@ from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.launch import (
     SimulationRun,
     app_folder,
+    bin_path,
     deployment_home,
     deployment_run_cmd,
     flower_env,
     free_port,
+    in_netns,
     read_results,
     results_path,
     run_home,
     superlink_cmd,
     supernode_cmd,
     wait_health,
+    wait_listening,
 )
 from chaos_flwr.lab.processes import _cmdline as cmdline
 from chaos_flwr.lab.processes import (
@@ -37,13 +41,15 @@ from chaos_flwr.lab.processes import (
     stop_process_tree,
 )
 from chaos_flwr.lab.settings import (
+    FLOWER_CLI_TIMEOUT_S,
     FLOWER_CLIENTAPP_SAMPLE_S,
     FLOWER_RUN_TIMEOUT_S,
     FLOWER_STOP_GRACE_S,
     FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
 )
+from chaos_flwr.lab.tls import TlsFiles
 
-__all__ = ["DeploymentCluster", "clientapp_pids", "run_deployment_app"]
+__all__ = ["ClusterSite", "DeploymentCluster", "clientapp_pids", "run_deployment_app"]
 
 #: What a ClientApp process's command line holds (the SuperNode starts one per message).
 CLIENTAPP_MARK = "flwr-clientapp"
@@ -151,14 +157,39 @@ def _wait_sampling(
         return out or ""
 
 
+@dataclass(frozen=True)
+class ClusterSite:
+    """Where a :class:`DeploymentCluster`'s SuperLink runs and how it is reached.
+
+    Attributes
+    ----------
+    host:
+        The address it binds to and is reached at (``127.0.0.1`` by default).
+    netns:
+        The network namespace it runs in (``None`` = this one); ``flwr`` CLI commands (runs,
+        SuperNode registrations) run there too.
+    tls:
+        Its CA, certificate and key (``None`` = insecure, for loopback only).
+    supernode_auth:
+        Whether SuperNodes must authenticate with a registered key (needs ``tls``).
+    """
+
+    host: str = "127.0.0.1"
+    netns: str | None = None
+    tls: TlsFiles | None = None
+    supernode_auth: bool = False
+
+
 class DeploymentCluster:
-    """A SuperLink and SuperNodes on 127.0.0.1 that a test drives step by step.
+    """A SuperLink and SuperNodes that a test drives step by step.
 
     Unlike :func:`run_deployment_app` (everything at once), SuperNodes can be started while a
     run goes (a join), killed with SIGKILL (a crash), and the process running a ServerApp
     (``flwr-serverapp``, started by the SuperLink per run) can be killed mid-round, after which
     a new run is started. Every process started is stopped by pid in :meth:`close` (also on
-    ``with`` exit), whatever happened.
+    ``with`` exit), whatever happened. By default everything runs insecure on 127.0.0.1; a
+    ``site`` puts the SuperLink at another address, in a network namespace, with TLS and
+    SuperNode authentication, and each SuperNode may run in a namespace of its own.
 
     Parameters
     ----------
@@ -168,6 +199,8 @@ class DeploymentCluster:
         ``FLWR_HOME`` and the logs folder of the cluster (kept).
     startup_timeout_s:
         How long to wait for the SuperLink to answer.
+    site:
+        Where the SuperLink runs and how it is reached (default: insecure on 127.0.0.1).
     """
 
     def __init__(
@@ -176,26 +209,43 @@ class DeploymentCluster:
         home: Path,
         *,
         startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
+        site: ClusterSite | None = None,
     ) -> None:
         self.app = app_folder(app_dir)
+        self.site = site or ClusterSite()
+        if self.site.supernode_auth and self.site.tls is None:
+            raise ConfigError("site: SuperNode authentication needs TLS (give site.tls)")
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
         self.logs = self.home / "logs"
         self.logs.mkdir(exist_ok=True)
         self.env = flower_env(self.home)
         self.port = free_port()
-        deployment_home(self.home, self.port)
+        ca = self.site.tls.ca if self.site.tls is not None else None
+        deployment_home(self.home, self.port, host=self.site.host, root_certificates=ca)
         self.started: list[subprocess.Popen[Any]] = []
         self.supernodes: dict[str, subprocess.Popen[Any]] = {}
         self.runs: list[subprocess.Popen[Any]] = []
         self.seen: set[int] = set()
         self.killed: list[int] = []
-        self.link = self._spawn(superlink_cmd(self.port, self.home / "state.db"), "superlink.log")
+        link_cmd = superlink_cmd(
+            self.port, self.home / "state.db", host=self.site.host, tls=self.site.tls,
+            supernode_auth=self.site.supernode_auth,
+        )  # fmt: skip
+        self.link = self._spawn(link_cmd, "superlink.log", self.site.netns)
         try:
-            wait_health(self.port, self.link, startup_timeout_s, self.logs / "superlink.log")
+            self._wait_ready(startup_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        log = self.logs / "superlink.log"
+        if self.site == ClusterSite():
+            wait_health(self.port, self.link, timeout_s, log)
+        else:  # /health is HTTPS-only with TLS, and reachable only inside the namespace
+            wait_listening(self.site.host, self.port, self.link, timeout_s, log,
+                           netns=self.site.netns)  # fmt: skip
 
     def __enter__(self) -> DeploymentCluster:
         return self
@@ -203,10 +253,12 @@ class DeploymentCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(self, cmd: list[str], log_name: str) -> subprocess.Popen[Any]:
+    def _spawn(
+        self, cmd: list[str], log_name: str, netns: str | None = None
+    ) -> subprocess.Popen[Any]:
         with (self.logs / log_name).open("ab") as log_file:
             proc = subprocess.Popen(
-                cmd,
+                in_netns(netns, cmd),
                 env=self.env,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -216,19 +268,46 @@ class DeploymentCluster:
         self.seen.add(proc.pid)
         return proc
 
+    def register_supernode(self, public_key: Path) -> None:
+        """``flwr supernode register <public_key>`` at the SuperLink (SuperNode authentication:
+        only registered keys may connect); :class:`TransportError` if it fails."""
+        argv = in_netns(self.site.netns, [bin_path("flwr"), "supernode", "register",
+                                          str(public_key), "deployment"])  # fmt: skip
+        try:
+            done = subprocess.run(argv, env=self.env, capture_output=True, text=True,
+                                  timeout=FLOWER_CLI_TIMEOUT_S, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise TransportError(f"flwr supernode register {public_key}: timed out") from None
+        if done.returncode != 0:
+            raise TransportError(
+                f"flwr supernode register {public_key} failed ({done.returncode}): "
+                f"{(done.stdout + done.stderr)[-1000:]}"
+            )
+
     def note_pids(self) -> None:
         """Remember every process now below the processes started (for the final check)."""
         for p in self.started:
             self.seen.update(descendants(p.pid))
 
-    def start_supernode(self, name: str, node_config: Mapping[str, object]) -> float:
-        """Start a SuperNode named ``name`` with ``node_config``; return its start time."""
+    def start_supernode(
+        self,
+        name: str,
+        node_config: Mapping[str, object],
+        *,
+        netns: str | None = None,
+        auth_key: Path | None = None,
+    ) -> float:
+        """Start a SuperNode named ``name`` with ``node_config`` (in namespace ``netns``,
+        authenticated with the private key ``auth_key``); return its start time."""
         if name in self.supernodes and self.supernodes[name].poll() is None:
             raise ConfigError(f"supernode {name!r} is already running")
+        tls = self.site.tls
+        cmd = supernode_cmd(
+            self.port, node_config, superlink_host=self.site.host,
+            root_certificates=tls.ca if tls is not None else None, auth_key=auth_key,
+        )  # fmt: skip
         t = time.time()
-        self.supernodes[name] = self._spawn(
-            supernode_cmd(self.port, node_config), f"supernode-{name}.log"
-        )
+        self.supernodes[name] = self._spawn(cmd, f"supernode-{name}.log", netns)
         return t
 
     def kill_supernode(self, name: str) -> list[int]:
@@ -243,7 +322,7 @@ class DeploymentCluster:
 
     def start_run(self, run_config: Mapping[str, object], log_name: str) -> subprocess.Popen[Any]:
         """Start ``flwr run <app> deployment`` with ``run_config`` (streams to ``log_name``)."""
-        proc = self._spawn(deployment_run_cmd(self.app, run_config), log_name)
+        proc = self._spawn(deployment_run_cmd(self.app, run_config), log_name, self.site.netns)
         self.runs.append(proc)
         return proc
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
+from chaos_flwr.lab.tls import TlsFiles
 
 __all__ = [
     "FLOWER_ENV",
@@ -33,12 +34,14 @@ __all__ = [
     "deployment_run_cmd",
     "flower_env",
     "free_port",
+    "in_netns",
     "read_results",
     "results_path",
     "run_home",
     "superlink_cmd",
     "supernode_cmd",
     "wait_health",
+    "wait_listening",
 ]
 
 #: Environment every Flower process started by chaos-flwr gets.
@@ -159,6 +162,52 @@ def wait_health(port: int, proc: subprocess.Popen[Any], timeout_s: float, log: P
     )
 
 
+_PROBE = r"""
+import socket, sys, time
+deadline = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < deadline:
+    try:
+        socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(1)
+"""
+
+
+def wait_listening(
+    host: str,
+    port: int,
+    proc: subprocess.Popen[Any],
+    timeout_s: float,
+    log: Path,
+    *,
+    netns: str | None = None,
+) -> None:
+    """Wait until something accepts TCP connections on ``host``:``port`` as seen from network
+    namespace ``netns`` (a probe process there, stopped by pid), while ``proc`` (the server)
+    runs; :class:`TransportError` if it exits or the time runs out."""
+    argv = [sys.executable, "-c", _PROBE, host, str(port), str(timeout_s)]
+    probe = subprocess.Popen(in_netns(netns, argv), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        while probe.poll() is None:
+            if proc.poll() is not None:
+                raise TransportError(
+                    f"{Path(proc.args[0] if isinstance(proc.args, list) else 'server').name} "
+                    f"exited with code {proc.returncode} before it listened; see {log}"
+                )
+            time.sleep(_HEALTH_POLL_S)
+        if probe.returncode != 0:
+            raise TransportError(
+                f"nothing listened on {host}:{port} within {timeout_s:.0f} s; see {log}"
+            )
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
+
+
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -176,22 +225,56 @@ def config_arg(values: Mapping[str, object]) -> str:
     return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
 
 
-def deployment_home(home: Path, port: int) -> None:
-    """Point the ``flwr`` CLI of ``home`` at an insecure SuperLink on 127.0.0.1:``port``."""
+def deployment_home(
+    home: Path, port: int, *, host: str = "127.0.0.1", root_certificates: Path | None = None
+) -> None:
+    """Point the ``flwr`` CLI of ``home`` at the SuperLink on ``host``:``port``: over TLS
+    checked against ``root_certificates`` if given, else insecure (loopback only)."""
+    security = (
+        "insecure = true\n"
+        if root_certificates is None
+        else f"root-certificates = {json.dumps(str(root_certificates))}\n"
+    )
     (home / "config.toml").write_text(
         f'[superlink]\ndefault = "deployment"\n\n[superlink.deployment]\n'
-        f'address = "127.0.0.1:{port}"\ninsecure = true\n',
+        f'address = "{host}:{port}"\n{security}',
         encoding="utf-8",
     )
 
 
-def superlink_cmd(port: int, database: Path) -> list[str]:
-    """A deployment-engine SuperLink on 127.0.0.1:``port`` (insecure, loopback only)."""
+def in_netns(netns: str | None, argv: list[str]) -> list[str]:
+    """``argv`` run inside network namespace ``netns`` (``ip netns exec``; None = here).
+
+    ``ip netns exec`` replaces itself with the command, so the pid of the process started is
+    the command's own.
+    """
+    return argv if netns is None else ["ip", "netns", "exec", netns, *argv]
+
+
+def superlink_cmd(
+    port: int,
+    database: Path,
+    *,
+    host: str = "127.0.0.1",
+    tls: TlsFiles | None = None,
+    supernode_auth: bool = False,
+) -> list[str]:
+    """A deployment-engine SuperLink on ``host``:``port``: insecure (loopback only) without
+    ``tls``; with it, HTTPS only, and SuperNodes must authenticate if ``supernode_auth``."""
+    security = (
+        ["--insecure"]
+        if tls is None
+        else [
+            "--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.certificate),
+            "--ssl-keyfile", str(tls.key),
+        ]
+    )  # fmt: skip
     return [
         bin_path("flower-superlink"),
-        "--insecure",
+        *security,
+        *(["--enable-supernode-auth"] if supernode_auth else []),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--database",
@@ -200,13 +283,28 @@ def superlink_cmd(port: int, database: Path) -> list[str]:
     ]
 
 
-def supernode_cmd(superlink_port: int, node_config: Mapping[str, object]) -> list[str]:
-    """A SuperNode of the SuperLink on 127.0.0.1:``superlink_port`` with ``node_config``."""
+def supernode_cmd(
+    superlink_port: int,
+    node_config: Mapping[str, object],
+    *,
+    superlink_host: str = "127.0.0.1",
+    root_certificates: Path | None = None,
+    auth_key: Path | None = None,
+) -> list[str]:
+    """A SuperNode of the SuperLink on ``superlink_host``:``superlink_port`` with
+    ``node_config``: insecure without ``root_certificates``, else over TLS checked against
+    them; authenticated with the private key ``auth_key`` if given."""
+    security = (
+        ["--insecure"] if root_certificates is None else ["--root-certificates",
+                                                           str(root_certificates)]
+    )  # fmt: skip
+    auth = [] if auth_key is None else ["--auth-supernode-private-key", str(auth_key)]
     return [
         bin_path("flower-supernode"),
-        "--insecure",
+        *security,
+        *auth,
         "--superlink",
-        f"127.0.0.1:{superlink_port}",
+        f"{superlink_host}:{superlink_port}",
         "--port",
         str(free_port()),
         "--node-config",

@@ -16,6 +16,10 @@ FLOWER_STOP_GRACE_S: float = 5.0
 #: How often the deployment runner looks for new ClientApp processes below the SuperNodes
 #: (when asked to count them), in seconds; each lives for seconds (it imports the app).
 FLOWER_CLIENTAPP_SAMPLE_S: float = 0.25
+#: Bound of one ``flwr`` CLI command the lab runs (e.g. ``flwr supernode register``).
+FLOWER_CLI_TIMEOUT_S: float = 60.0
+#: How long the certificates the lab makes for a deployment stay valid, in days.
+LAB_TLS_VALID_DAYS: int = 7
 #: Virtual SuperNodes of the multi-institution example's simulation federation.
 FLOWER_EXAMPLE_SUPERNODES: int = 5
 
@@ -69,3 +73,25 @@ FLOWER_OVERHEAD_RUN_TIMEOUT_S: float = 1800.0
 FLOWER_OVERHEAD_EXCHANGE_TIMEOUT_S: float = 300.0
 #: Example model layer width when no size is asked for (the example's own, about 27 KB).
 FLOWER_OVERHEAD_DEFAULT_HIDDEN: int = 64
+
+# --- the multi-site testbed (chaos-flwr testbed, bench flower-wan) ---------------------------
+#: Rounds of a ``chaos-flwr testbed`` run.
+TESTBED_ROUNDS: int = 3
+#: Wall-time bound of one run on the testbed, in seconds.
+TESTBED_RUN_TIMEOUT_S: float = 900.0
+#: Bound of every exchange on the testbed, both modes (FedAvg's ``round-timeout-s``, Chaos's
+#: first-round ``phase-timeout-s``); a ClientApp process starts per message there.
+TESTBED_EXCHANGE_TIMEOUT_S: float = 240.0
+#: Model size of ``chaos-flwr bench flower-wan``, in MiB (the issue's default).
+WAN_BENCH_MODEL_MIB: float = 64.0
+#: Rounds of each run of the WAN bench (the joiner starts after WAN_BENCH_JOIN_AFTER_ROUND).
+WAN_BENCH_ROUNDS: int = 6
+#: Rounds every institution but the joiner trains before the joiner's SuperNode starts.
+WAN_BENCH_JOIN_AFTER_ROUND: int = 2
+#: The profile's institution that joins mid-run in the WAN bench.
+WAN_BENCH_JOINER: str = "inst3"
+#: Placements of the SuperLink in the WAN bench: name -> its host in the profile (testbed5).
+WAN_BENCH_PLACEMENTS: dict[str, str] = {
+    "server_at_institution": "inst2",
+    "server_well_connected": "superlink",
+}

@@ -15,7 +15,9 @@ says which is missing.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
+import json
 import math
 import os
 import shutil
@@ -38,11 +40,17 @@ from ..defaults import (
 from ..errors import NetnsError
 
 __all__ = [
+    "LAN_MTU",
+    "LAN_SUBNET",
     "TCP_WIRE_FACTOR",
+    "NetnsLan",
     "NetnsPair",
     "NetnsStar",
     "check_netns_available",
+    "lan",
+    "link_counters",
     "measure_tcp_rate",
+    "namespaces",
     "run_cmd",
     "star",
     "tcp_wire_factor",
@@ -51,6 +59,13 @@ __all__ = [
 ]
 
 _counter = itertools.count()
+
+#: Default address range of a :func:`lan`: private, and present only inside its namespaces.
+LAN_SUBNET = "10.77.0.0/24"
+#: Default MTU of a :func:`lan` (an Ethernet WAN access link's).
+LAN_MTU = 1500
+#: Most hosts one :func:`lan` may have.
+LAN_MAX_HOSTS = 200
 
 
 def check_netns_available() -> None:
@@ -436,22 +451,29 @@ def _build_star(topo: NetnsStar, base: str, made_ns: list[str]) -> None:
     if topo.joiner_up_bit_s is not None:
         _tbf(None, topo.joiner_device, topo.joiner_up_bit_s, mtu)
     for d in topo.namespaces:
-        ns, dev, addr = topo.namespaces[d], topo.devices[d], topo.addresses[d]
-        run_cmd(["ip", "netns", "add", ns])
-        made_ns.append(ns)
-        run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", f"{dev}b"])
-        run_cmd(["ip", "link", "set", dev, "netns", ns])
-        run_cmd(["ip", "link", "set", f"{dev}b", "netns", hub])
-        run_cmd(["ip", "-n", hub, "link", "set", f"{dev}b", "mtu", str(mtu), "master", "br0",
-                 "up"])  # fmt: skip
-        run_cmd(["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev])
-        run_cmd(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"])
-        run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+        ns, dev = topo.namespaces[d], topo.devices[d]
+        _attach_to_bridge(hub, ns, dev, f"{dev}b", f"{topo.addresses[d]}/24", mtu, made_ns)
         # a donor's socket holds at most this much unsent data (else seconds of replies
         # sit in its send buffer ahead of the link, past any cancel or re-plan)
         run_cmd(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                  f"net.ipv4.tcp_notsent_lowat={NETNS_NOTSENT_LOWAT_BYTES}"])  # fmt: skip
         _tbf(ns, dev, topo.rates_bit_s[d], mtu)
+
+
+def _attach_to_bridge(
+    hub: str, ns: str, dev: str, port: str, cidr: str, mtu: int, made_ns: list[str]
+) -> None:
+    """Create namespace ``ns`` (appended to ``made_ns``) with veth ``dev`` at ``cidr``, whose
+    peer ``port`` is a port of bridge ``br0`` in namespace ``hub``; both ends up, ``lo`` up."""
+    run_cmd(["ip", "netns", "add", ns])
+    made_ns.append(ns)
+    run_cmd(["ip", "link", "add", dev, "type", "veth", "peer", "name", port])
+    run_cmd(["ip", "link", "set", dev, "netns", ns])
+    run_cmd(["ip", "link", "set", port, "netns", hub])
+    run_cmd(["ip", "-n", hub, "link", "set", port, "mtu", str(mtu), "master", "br0", "up"])
+    run_cmd(["ip", "-n", ns, "addr", "add", cidr, "dev", dev])
+    run_cmd(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up"])
+    run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
 
 
 def _remove_netns(namespaces: Iterable[str], root_devs: Iterable[str]) -> None:
@@ -475,3 +497,185 @@ def _remove_netns(namespaces: Iterable[str], root_devs: Iterable[str]) -> None:
             subprocess.run(["ip", "link", "del", dev], capture_output=True, check=False)
     if errors:
         raise NetnsError("cleanup failed: " + "; ".join(errors))
+
+
+def namespaces() -> set[str]:
+    """Names of the network namespaces that exist now (``ip netns list``)."""
+    return _namespaces()
+
+
+def link_counters(ns: str | None, dev: str) -> dict[str, int]:
+    """Bytes and packets a device sent and received: ``tx_bytes``, ``rx_bytes``, ``tx_packets``,
+    ``rx_packets`` (from ``ip -s -j link``, run in namespace ``ns``; ``None`` = this one)."""
+    prefix = [] if ns is None else ["-n", ns]
+    out = run_cmd(["ip", *prefix, "-s", "-j", "link", "show", "dev", dev])
+    try:
+        stats = json.loads(out)[0]["stats64"]
+        return {
+            "tx_bytes": int(stats["tx"]["bytes"]),
+            "rx_bytes": int(stats["rx"]["bytes"]),
+            "tx_packets": int(stats["tx"]["packets"]),
+            "rx_packets": int(stats["rx"]["packets"]),
+        }
+    except (ValueError, LookupError, TypeError) as err:
+        raise NetnsError(f"ip -s -j link show dev {dev}: unexpected output ({err})") from None
+
+
+@dataclass(frozen=True)
+class NetnsLan:
+    """Hosts, each in its own namespace, on one bridge in a hub namespace (see :func:`lan`).
+
+    Attributes
+    ----------
+    hub : str
+        The namespace holding the bridge ``br0``.
+    namespaces : dict
+        Host name -> its namespace.
+    addresses : dict
+        Host name -> its address on the bridge.
+    devices : dict
+        Host name -> its veth end inside its namespace (the host's interface).
+    ports : dict
+        Host name -> the peer veth end, a bridge port in the hub.
+    up_bit_s, down_bit_s : dict
+        Host name -> ``tbf`` rate of its uplink (egress of its interface) and downlink (egress
+        of its bridge port), bit/s; ``None`` = unshaped.
+    mtu : int
+        MTU of every veth and the bridge.
+    """
+
+    hub: str
+    namespaces: dict[str, str]
+    addresses: dict[str, str]
+    devices: dict[str, str]
+    ports: dict[str, str]
+    up_bit_s: dict[str, int | None]
+    down_bit_s: dict[str, int | None]
+    mtu: int
+
+    def exec_argv(self, host: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[host], *argv]
+
+    def qdiscs(self, host: str) -> dict[str, str]:
+        """``tc -s qdisc show`` (with the bytes each qdisc sent) of ``host``'s link:
+        ``{"up": ..., "down": ...}`` (its interface and its bridge port)."""
+        ns, dev, port = self.namespaces[host], self.devices[host], self.ports[host]
+        show = ["tc", "-s", "qdisc", "show", "dev"]
+        return {
+            "up": run_cmd(["ip", "netns", "exec", ns, *show, dev]),
+            "down": run_cmd(["ip", "netns", "exec", self.hub, *show, port]),
+        }
+
+    def pair(self, src: str, dst: str) -> NetnsPair:
+        """Hosts ``src`` (side a) and ``dst`` (side b) as a :class:`NetnsPair`, e.g. for
+        :func:`measure_tcp_rate` across the bridge."""
+        return NetnsPair(
+            ns_a=self.namespaces[src],
+            ns_b=self.namespaces[dst],
+            dev_a=self.devices[src],
+            dev_b=self.devices[dst],
+            addr_a=self.addresses[src],
+            addr_b=self.addresses[dst],
+        )
+
+    def counters(self, host: str) -> dict[str, int]:
+        """:func:`link_counters` of ``host``'s interface (inside its namespace)."""
+        return link_counters(self.namespaces[host], self.devices[host])
+
+
+@contextmanager
+def lan(
+    hosts: Mapping[str, tuple[int | None, int | None]],
+    *,
+    subnet: str = LAN_SUBNET,
+    name: str | None = None,
+    mtu: int = LAN_MTU,
+) -> Iterator[NetnsLan]:
+    """Hosts in namespaces of their own on a bridge, each access link shaped both ways.
+
+    Host ``i`` (in the order given) gets namespace ``<name>h<i>`` and a veth pair: one end, with
+    the ``i + 1``-th address of ``subnet``, in its namespace (its uplink: ``tbf`` on that end's
+    egress), the other a port of bridge ``br0`` in the hub namespace ``<name>hub`` (its downlink:
+    ``tbf`` on that port's egress). Nothing is added to the root namespace, so the addresses
+    exist only inside the namespaces. On exit, normal or by error, every namespace is deleted
+    (with its veths, bridge and qdiscs) and a veth left in the root namespace is removed.
+    Processes still running inside the namespaces must be stopped before (the caller's job).
+
+    Parameters
+    ----------
+    hosts : Mapping[str, tuple]
+        Host name -> (uplink, downlink) rates in bit/s (``None`` = unshaped), 1 to
+        :data:`LAN_MAX_HOSTS` hosts.
+    subnet : str, optional
+        IPv4 network of the bridge (a private range such as the default ``10.77.0.0/24``).
+    name : str or None, optional
+        Prefix of the names (at most 8 characters); default from the pid and a counter.
+    mtu : int, optional
+        MTU of the veths and the bridge (576 to 65535).
+
+    Raises
+    ------
+    NetnsError
+        Not root, tools missing, a bad argument, or a command failed (cleanup still runs).
+    """
+    check_netns_available()
+    topo = _lan_topology(hosts, subnet, name, mtu)
+    made_ns: list[str] = []
+    root_devs = [*topo.devices.values(), *topo.ports.values()]
+    try:
+        run_cmd(["ip", "netns", "add", topo.hub])
+        made_ns.append(topo.hub)
+        run_cmd(["ip", "-n", topo.hub, "link", "add", "br0", "type", "bridge"])
+        run_cmd(["ip", "-n", topo.hub, "link", "set", "br0", "mtu", str(mtu), "up"])
+        prefix = ipaddress.ip_network(subnet).prefixlen
+        for h, ns in topo.namespaces.items():
+            dev, port = topo.devices[h], topo.ports[h]
+            cidr = f"{topo.addresses[h]}/{prefix}"
+            _attach_to_bridge(topo.hub, ns, dev, port, cidr, mtu, made_ns)
+            if topo.up_bit_s[h] is not None:
+                _tbf(ns, dev, int(topo.up_bit_s[h] or 0), mtu)
+            if topo.down_bit_s[h] is not None:
+                _tbf(topo.hub, port, int(topo.down_bit_s[h] or 0), mtu)
+        yield topo
+    finally:
+        _remove_netns(reversed(made_ns), root_devs)
+
+
+def _lan_topology(
+    hosts: Mapping[str, tuple[int | None, int | None]],
+    subnet: str,
+    name: str | None,
+    mtu: int,
+) -> NetnsLan:
+    """Check :func:`lan`'s arguments and name its namespaces, devices and addresses."""
+    if not 576 <= mtu <= 65535:
+        raise NetnsError(f"mtu: give 576 to 65535, got {mtu}")
+    if not 1 <= len(hosts) <= LAN_MAX_HOSTS:
+        raise NetnsError(f"hosts: give 1 to {LAN_MAX_HOSTS} hosts, got {len(hosts)}")
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as err:
+        raise NetnsError(f"subnet: not an IPv4 network ({err}), e.g. {LAN_SUBNET}") from None
+    if not net.is_private or net.num_addresses - 2 < len(hosts):
+        raise NetnsError(f"subnet: {subnet} must be private with room for {len(hosts)} hosts")
+    for h, (up, down) in hosts.items():
+        for what, rate in (("uplink", up), ("downlink", down)):
+            if rate is not None and rate <= 0:
+                raise NetnsError(f"hosts.{h}: {what} rate must be > 0 bit/s, got {rate}")
+    k = next(_counter)
+    base = name or f"t{os.getpid() % 1000}{k % 100}"
+    if len(base) > 8:
+        raise NetnsError(f"name: at most 8 characters (device names are short), got {base!r}")
+    addrs = list(itertools.islice(net.hosts(), len(hosts)))
+    order = list(hosts)
+    return NetnsLan(
+        hub=f"{base}hub",
+        namespaces={h: f"{base}h{i}" for i, h in enumerate(order)},
+        addresses={h: str(addrs[i]) for i, h in enumerate(order)},
+        devices={h: f"{base}h{i}v" for i, h in enumerate(order)},
+        ports={h: f"{base}h{i}p" for i, h in enumerate(order)},
+        up_bit_s={h: hosts[h][0] for h in order},
+        down_bit_s={h: hosts[h][1] for h in order},
+        mtu=mtu,
+    )

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord
 
@@ -56,6 +56,9 @@ from chaos_flwr.pull.negotiation import (
 from chaos_flwr.pull.saved import load_negotiation, save_negotiation
 from chaos_flwr.state import TrainingState, state_digest
 
+if TYPE_CHECKING:
+    from chaos_flwr.flower.direct import LinkAccess
+
 __all__ = ["JoinerPull", "JoiningParty", "join_step", "take_state"]
 
 
@@ -63,6 +66,13 @@ def _address_ok(value: str) -> str:
     from chaos_flwr.flower.direct import check_address
 
     return check_address(value)
+
+
+def _any_address(value: str) -> str:
+    from chaos_flwr.membership import parse_address
+
+    parse_address(value)  # DecodeError if malformed; the signed endpoint decides the rest
+    return value
 
 
 class JoinerPull:
@@ -85,6 +95,10 @@ class JoinerPull:
         Bytes asked per grpc request on a direct link.
     clock:
         Monotonic clock for the direct links' budget and the session's times.
+    link:
+        This party's link credentials and view (:class:`~chaos_flwr.flower.direct.LinkAccess`):
+        direct links are authenticated and encrypted, and a donor is dialled only at the
+        endpoint its verified record signs. ``None``: legacy loopback links.
     """
 
     def __init__(
@@ -99,6 +113,7 @@ class JoinerPull:
         direct_batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
         clock: Callable[[], float] = time.monotonic,
         negotiation: PullNegotiation | None = None,
+        link: LinkAccess | None = None,
     ) -> None:
         self.negotiation = negotiation or PullNegotiation(
             server_round,
@@ -108,8 +123,9 @@ class JoinerPull:
             total_hint=total_hint,
             rates={d: PULL_ASSUMED_BANDWIDTH_BPS for d in donors},
             direct=direct,
-            address_ok=_address_ok,
+            address_ok=_address_ok if link is None else _any_address,
         )
+        self.link = link
         self.direct_batch_bytes = direct_batch_bytes
         self.clock = clock
 
@@ -218,6 +234,7 @@ class JoinerPull:
             digest=neg.digest,
             timeout_s=timeout_s,
             batch_bytes=self.direct_batch_bytes,
+            link=self.link,
         )
         return {
             d: LinkResult(
@@ -235,9 +252,11 @@ class JoinerPull:
         return save_negotiation(self.negotiation)
 
     @classmethod
-    def from_value(cls, value: Mapping[str, Any]) -> JoinerPull:
+    def from_value(cls, value: Mapping[str, Any], *, link: LinkAccess | None = None) -> JoinerPull:
         """A pull saved by :meth:`to_value` (DecodeError on a bad or foreign value)."""
-        return cls(0, b"", [], negotiation=load_negotiation(value, address_ok=_address_ok))
+        check = _address_ok if link is None else _any_address
+        negotiation = load_negotiation(value, address_ok=check)
+        return cls(0, b"", [], negotiation=negotiation, link=link)
 
 
 class JoiningParty(Protocol):

@@ -9,10 +9,9 @@ round: the inner strategy's messages plus a ``query.chaos`` message to the other
 that need one: in the train phase only those unknown, not yet synced or not members (envelopes
 waiting for the others go with their certify message of the same round; with every node
 sampled, a churn-free round sends only the inner strategy's messages); in the certify phase
-those not sampled for evaluation (they get the new state).
-
-It also says which nodes are eligible for sampling (:meth:`Courier.eligible`) and gives the
-inner strategy a Grid that lists only those (:class:`EligibleGrid`).
+those not sampled for evaluation (they get the new state). It also says which nodes are
+eligible for sampling (:meth:`Courier.eligible`) and gives the inner strategy a Grid that lists
+only those (:class:`EligibleGrid`).
 
 Deadlines follow the federation: every reply's time (from the push to the pull that brought it)
 feeds the node's history per kind of message (:class:`~.deadlines.ReplyTimes`), and an
@@ -210,9 +209,11 @@ class LateReply:
 
 def message_kind(msg: Message) -> str:
     """``"<Chaos phase>:<message type>"`` of an outgoing message (the key of its node's reply
-    times: a trainer's replies and a relayed-to node's are timed apart)."""
+    times: a trainer's replies and a relayed-to node's are timed apart). A train message is
+    ``relay:train`` whatever rides on it (round 1's carries the initial state's certify)."""
     record = msg.content.get(CHAOS_RECORD_KEY) if msg.has_content() else None
     phase = record.get("phase", "") if isinstance(record, ConfigRecord) else ""
+    phase = "relay" if msg.metadata.message_type.startswith("train") else phase
     kind = f"{phase if isinstance(phase, str) else ''}:{msg.metadata.message_type}"
     if isinstance(record, ConfigRecord) and "audit-round" in record:
         # an auditor's message carries every committed update and its reply waits for the
@@ -415,8 +416,7 @@ class Courier:
         content[CHAOS_RECORD_KEY] = record
         if audit is not None:
             pack_updates(audit.updates, content)
-        # a Chaos message outlives its phase only briefly (the node's deadline for it): a dead
-        # node must not come back to a backlog of stale relay traffic queued at the SuperLink
+        # it outlives its phase only briefly (the node's deadline): no stale backlog for a dead node
         wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node)
         msg = Message(
             content,

@@ -441,9 +441,9 @@ class ChaosStrategy(Strategy):
         """The initial state, numbered 0 or above every round a party already signed (a fresh
         start never reuses a round number). In a verified federation whose parties answered
         the hello and none of which signed a round, its certify rides on the first round's
-        train messages
-        (:meth:`_genesis_taken`; nodes no train message reaches get it in a certify message
-        of that exchange); otherwise it is certified in an exchange of its own."""
+        train messages (:meth:`_genesis_taken`; nodes no train message reaches get it in a
+        certify message of that exchange); otherwise it is certified in an exchange of its
+        own."""
         round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
         proofs = self.courier.proofs
         if proofs is not None and round0 > 0:

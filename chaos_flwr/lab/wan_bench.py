@@ -1,0 +1,348 @@
+"""The paper's claims measured on Flower over the testbed (``chaos-flwr bench flower-wan``).
+
+For each placement of the server (at an institution, whose uplink is then the bottleneck, and
+at a well-connected site) and each mode (plain FedAvg, ChaosStrategy(FedAvg) with signed
+parties), one run on a fresh testbed (:func:`~chaos_flwr.lab.testbed.wan_testbed`): every
+institution but the joiner starts, after :data:`JOIN_AFTER_ROUND` rounds the joiner's SuperNode
+starts, and the run goes on to its last round. From each run:
+
+- the joiner's time from its SuperNode's start to the end of the first round it trained in
+  (plain: the model arrives in its first train message; Chaos: the state is pulled through the
+  relay from the holders first), with two lower bounds from the profile's link rates: the
+  model's time over the relay path's bottleneck (plain) and the planner's water-filling bound
+  over the donors' uplinks capped by that bottleneck (Chaos through the relay);
+- the wall time of every churn-free round after the first (no join under way) and the
+  ClientApp processes the SuperNodes started per round.
+
+Not measured here (``null`` in the JSON, named in ``not_measured``): direct peer links (they
+do not exist yet), the server-loss figures (ServerApp SIGKILL, loss of the SuperLink host's
+disk, plain Flower with and without checkpointing) and the timeline plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos_flwr.errors import ConfigError, TransportError
+from chaos_flwr.lab.deploy_churn import _trained_parties
+from chaos_flwr.lab.deployment import clientapp_pids
+from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.launch import read_results
+from chaos_flwr.lab.overhead import _clientapp_figures, _node_configs
+from chaos_flwr.lab.processes import alive
+from chaos_flwr.lab.report import read_progress
+from chaos_flwr.lab.settings import (
+    FLOWER_CLIENTAPP_SAMPLE_S,
+    WAN_BENCH_JOIN_AFTER_ROUND,
+    WAN_BENCH_JOINER,
+    WAN_BENCH_MODEL_MIB,
+    WAN_BENCH_PLACEMENTS,
+    WAN_BENCH_ROUNDS,
+)
+from chaos_flwr.lab.testbed import WanTestbed, wan_testbed
+from chaos_flwr.lab.testbed_run import WanRunSpec, run_config
+from chaos_flwr.transport.netns import namespaces
+from chaos_flwr.transport.shaping import WanProfile
+
+__all__ = [
+    "JOIN_AFTER_ROUND",
+    "NOT_MEASURED",
+    "WanBenchSpec",
+    "join_bounds",
+    "measure_flower_wan",
+    "overhead_ratio",
+    "wan_table",
+]
+
+#: Rounds every institution but the joiner trains before the joiner's SuperNode starts.
+JOIN_AFTER_ROUND = WAN_BENCH_JOIN_AFTER_ROUND
+#: The issue's keys this bench does not measure (null in the JSON), and why.
+NOT_MEASURED = {
+    "direct_join_s": "direct peer links do not exist yet (the peer-links issue)",
+    "chaos_resume_s": "server-loss runs (ServerApp SIGKILL, SuperLink disk loss) not built yet",
+    "plain_checkpoint_resume_s": "server-loss runs not built yet",
+    "plain_rounds_lost": "server-loss runs not built yet",
+    "plot": "no timeline plot yet",
+}
+
+
+@dataclass(frozen=True)
+class WanBenchSpec:
+    """What to measure: model size, rounds, repeats, the joiner and the server placements.
+
+    ``placements`` maps a placement's name to the host running the SuperLink; a host that is
+    also an institution of the profile runs a SuperNode too (the server at an institution).
+    """
+
+    model_mib: float = WAN_BENCH_MODEL_MIB
+    rounds: int = WAN_BENCH_ROUNDS
+    repeats: int = 1
+    joiner: str = WAN_BENCH_JOINER
+    placements: Mapping[str, str] | None = None
+    timeout_s: float = 1800.0
+    app_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.rounds < JOIN_AFTER_ROUND + 2:
+            raise ConfigError(f"rounds: give at least {JOIN_AFTER_ROUND + 2} (join, then more)")
+        if self.repeats < 1 or not self.model_mib > 0:
+            raise ConfigError("repeats must be >= 1 and model_mib > 0")
+
+    def where(self) -> dict[str, str]:
+        """Placement name -> the host running the SuperLink."""
+        return dict(self.placements or WAN_BENCH_PLACEMENTS)
+
+
+def _institutions(profile: WanProfile) -> list[str]:
+    """Every party but the well-connected site's ``superlink`` host."""
+    return [p for p in profile.parties if p != "superlink"]
+
+
+def join_bounds(
+    profile: WanProfile, server: str, joiner: str, donors: Sequence[str], model_bytes: int
+) -> dict[str, float]:
+    """Lower bounds of a join from the profile's rates (latency 0: the links add none).
+
+    ``plain``: the model over the relay path's bottleneck (the server's uplink and the
+    joiner's downlink). ``relay``: the planner's water-filling bound, each donor sending at
+    its uplink (unbounded when it shares the server's host) to an ingress that is the
+    bottleneck of the server's downlink, its uplink and the joiner's downlink.
+    """
+    from chaos_flwr.planner import Donor, lower_bound
+
+    inf = float("inf")
+    s, j = profile.link(server), profile.link(joiner)
+    out_path = min(s.up_bps or inf, j.down_bps or inf)
+    ingress = min(out_path, s.down_bps or inf)
+    plain = model_bytes / out_path if out_path < inf else 0.0
+    fast = 1e12  # bytes/s of a donor on the server's own host (no link between them)
+    pool = [
+        Donor(d, fast if d == server else (profile.link(d).up_bps or fast))
+        for d in donors
+        if d != joiner
+    ]
+    relay = lower_bound(model_bytes, pool, ingress if ingress < inf else None)
+    return {"plain": plain, "relay": relay}
+
+
+def _joiner_trained(line: Mapping[str, Any], mode: str, n: int, joiner_id: str | None) -> bool:
+    if mode == "chaos":
+        return joiner_id is not None and joiner_id in _trained_parties(dict(line))
+    trainers = list(line.get("trainers_per_round") or [])
+    rnd = int(line.get("round", 0))
+    return 1 <= rnd <= len(trainers) and int(trainers[rnd - 1]) >= n
+
+
+def _run_until(
+    bed: WanTestbed,
+    proc: Any,
+    progress: Path,
+    done: Callable[[list[dict[str, Any]]], bool],
+    deadline: float,
+    clientapps: dict[int, float],
+) -> list[dict[str, Any]]:
+    """Wait until ``done(progress lines)`` or the run ends; note ClientApp processes."""
+    while True:
+        for pid in clientapp_pids([p.pid for p in bed.cluster.supernodes.values()]):
+            clientapps.setdefault(pid, time.time())
+        lines = read_progress(progress)
+        if done(lines) or proc.poll() is not None:
+            return lines
+        if time.time() > deadline:
+            raise TransportError(f"the testbed run did not finish in time; see {bed.cluster.logs}")
+        time.sleep(FLOWER_CLIENTAPP_SAMPLE_S)
+
+
+def _one_run(
+    profile: WanProfile, spec: WanBenchSpec, server: str, mode: str, work: Path
+) -> dict[str, Any]:
+    """One run with a join; return its join time, round walls and ClientApp counts."""
+    insts = _institutions(profile)
+    if spec.joiner not in insts or server not in profile.parties:
+        raise ConfigError(f"joiner {spec.joiner!r} / server {server!r}: not in the profile")
+    order = [h for h in insts if h != spec.joiner] + [spec.joiner]  # the joiner is last
+    n = len(order)
+    run_spec = WanRunSpec(mode=mode, rounds=spec.rounds, model_mib=spec.model_mib, server=server,
+                          institutions=tuple(order))  # fmt: skip
+    keys, joiner_id = None, None
+    if mode == "chaos":  # signed parties; the joiner's key is allowlisted, not a founder
+        from chaos_flwr.flower.keys import load_federation, make_federation
+
+        keys = make_federation(work / "keys", n, founders=n - 1, seed="flower-wan")
+        joiner_id = load_federation(keys).party_ids[n - 1]
+    nodes = _node_configs(n, keys, work / "state")
+    cfg = run_config(run_spec, keys, work, n - 1)
+    clientapps: dict[int, float] = {}
+    progress = work / "progress.jsonl"
+    deadline = time.time() + spec.timeout_s
+    with wan_testbed(profile, work / "bed", app_dir=spec.app_dir or example_dir(), server=server,
+                     institutions=order) as bed:  # fmt: skip
+        proc = bed.cluster.start_run(cfg, "run.log")
+        for host, node in zip(order[:-1], nodes[:-1], strict=True):
+            bed.start_supernode(host, node)
+        _run_until(bed, proc, progress, lambda ls: any(x["round"] >= JOIN_AFTER_ROUND for x in ls),
+                   deadline, clientapps)  # fmt: skip
+        t_join = bed.start_supernode(order[-1], nodes[-1])
+        lines = _run_until(bed, proc, progress, lambda _ls: False, deadline, clientapps)
+        logs = bed.cluster.logs
+    pids = bed.cluster.close()
+    results = read_results(work / "results.json")
+    if proc.returncode != 0 or not results:
+        raise TransportError(f"the {mode} run on {server} failed (exit {proc.returncode}); "
+                             f"see {logs}")  # fmt: skip
+    first = next((x for x in lines if x["round"] > JOIN_AFTER_ROUND
+                  and _joiner_trained(x, mode, n, joiner_id)), None)  # fmt: skip
+    walls = [float(w) for w in results["round_wall_s"]]
+    trained_in = int(first["round"]) if first is not None else None
+    join_rounds = range(JOIN_AFTER_ROUND + 1, (trained_in or len(walls)) + 1)
+    free = [r for r in range(2, len(walls) + 1) if r not in join_rounds]
+    caps = _clientapp_figures(results, clientapps, logs)
+    return {
+        "model_bytes": int(results.get("model_bytes") or 0),
+        "join_s": float(first["time"]) - t_join if first is not None else None,
+        "joiner_trained_in_round": trained_in,
+        "round_wall_s": walls,
+        "rounds_finished": len(walls),  # fewer than asked: rounds were not certified
+        "churn_free_rounds": free,
+        "churn_free_round_s": statistics.median([walls[r - 1] for r in free]) if free else None,
+        "clientapp_per_round": caps["clientapp_processes_per_round"],
+        "pids_alive": [p for p in pids if alive(p)],
+    }
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def overhead_ratio(
+    fedavg: Sequence[Mapping[str, Any]], chaos: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Chaos's round time over plain FedAvg's, pair by pair (run ``i`` of each mode), on the
+    rounds churn-free in both runs of the pair (so both count the same nodes); the median of
+    the pairs' ratios, each pair's ratio and the rounds it used."""
+    pairs: list[dict[str, Any]] = []
+    for f, c in zip(fedavg, chaos, strict=False):
+        common = sorted(set(f["churn_free_rounds"]) & set(c["churn_free_rounds"]))
+        if not common:
+            pairs.append({"rounds": [], "ratio": None})
+            continue
+        f_s = statistics.median(f["round_wall_s"][r - 1] for r in common)
+        c_s = statistics.median(c["round_wall_s"][r - 1] for r in common)
+        pairs.append({"rounds": common, "plain_s": f_s, "chaos_s": c_s, "ratio": c_s / f_s})
+    return {"ratio": _median([p["ratio"] for p in pairs]), "pairs": pairs}
+
+
+def _placement(
+    profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {"fedavg": [], "chaos": []}
+    for rep in range(spec.repeats):
+        for mode in ("fedavg", "chaos"):  # interleaved, so load drifts hit both alike
+            say(f"{name} (SuperLink at {server}), {mode}, repeat {rep + 1}/{spec.repeats}")
+            run_dir = work / f"{name}-{mode}-{rep}"
+            fig = _one_run(profile, spec, server, mode, run_dir)
+            # each run's figures stay on disk too: a long bench stopped midway keeps them
+            (run_dir / "figure.json").write_text(json.dumps(fig), encoding="utf-8")
+            say(f"  joiner trained after {fig['join_s']} s (round {fig['joiner_trained_in_round']})"
+                f", churn-free round {fig['churn_free_round_s']} s")  # fmt: skip
+            runs[mode].append(fig)
+    model = runs["chaos"][-1]["model_bytes"]
+    bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
+    overhead = overhead_ratio(runs["fedavg"], runs["chaos"])
+    plain_round = _median([p.get("plain_s") for p in overhead["pairs"]])
+    chaos_round = _median([p.get("chaos_s") for p in overhead["pairs"]])
+    return {
+        "server_host": server,
+        "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
+        "relay_join_s": _median([r["join_s"] for r in runs["chaos"]]),
+        "direct_join_s": None,
+        "join_lower_bound_s": bounds["relay"],
+        "plain_join_lower_bound_s": bounds["plain"],
+        "chaos_resume_s": None,
+        "plain_checkpoint_resume_s": None,
+        "plain_rounds_lost": None,
+        "plain_round_s": plain_round,
+        "chaos_round_s": chaos_round,
+        "round_overhead_ratio": overhead["ratio"],
+        "round_overhead_pairs": overhead["pairs"],
+        "clientapp_per_round": {
+            m: _median([statistics.median(r["clientapp_per_round"]) for r in runs[m]]) for m in runs
+        },
+        "runs": runs,
+    }
+
+
+def measure_flower_wan(
+    profile: WanProfile,
+    spec: WanBenchSpec,
+    work_dir: Path,
+    *,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every placement of ``spec`` on ``profile``; return the issue's JSON shape.
+
+    Returns
+    -------
+    dict
+        ``model_bytes``, ``placements`` (name -> ``plain_join_s``, ``relay_join_s``,
+        ``direct_join_s`` (null), ``join_lower_bound_s``, ``plain_join_lower_bound_s``,
+        ``chaos_resume_s``/``plain_checkpoint_resume_s``/``plain_rounds_lost`` (null),
+        ``round_overhead_ratio``, the round medians, ClientApp processes per round, every
+        run), ``not_measured`` (key -> why), ``loadavg`` (1-minute, before and after),
+        ``latency`` (recorded, not applied) and ``namespaces_left``.
+    """
+    tell = say or (lambda _msg: None)
+    before = namespaces()
+    out: dict[str, Any] = {
+        "profile": profile.name,
+        "rounds": spec.rounds,
+        "repeats": spec.repeats,
+        "joiner": spec.joiner,
+        "join_after_round": JOIN_AFTER_ROUND,
+        "loadavg": {"before": os.getloadavg()[0]},
+        "placements": {},
+        "not_measured": dict(NOT_MEASURED),
+        "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
+    }
+    for name, server in spec.where().items():
+        out["placements"][name] = _placement(profile, spec, name, server, work_dir, tell)
+    out["loadavg"]["after"] = os.getloadavg()[0]
+    first = next(iter(out["placements"].values()))
+    out["model_bytes"] = first["runs"]["chaos"][-1]["model_bytes"]
+    out["namespaces_left"] = sorted(namespaces() - before)
+    return out
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def wan_table(fig: Mapping[str, Any]) -> str:
+    """A summary table of :func:`measure_flower_wan`'s figures."""
+    rows = [
+        f"model {fig['model_bytes']} bytes, {fig['rounds']} rounds, joiner {fig['joiner']} "
+        f"after round {fig['join_after_round']}, medians of {fig['repeats']} run(s); load "
+        f"{fig['loadavg']['before']:.2f} -> {fig['loadavg']['after']:.2f}",
+        f"{'placement':<24} {'plain join s':>12} {'relay join s':>12} {'bound s':>8} "
+        f"{'plain rnd s':>11} {'chaos rnd s':>11} {'ratio':>6} {'apps/rnd':>9}",
+    ]
+    for name, p in fig["placements"].items():
+        apps = p["clientapp_per_round"]
+        rows.append(
+            f"{name:<24} {_fmt(p['plain_join_s']):>12} {_fmt(p['relay_join_s']):>12} "
+            f"{_fmt(p['join_lower_bound_s'], 2):>8} {_fmt(p['plain_round_s']):>11} "
+            f"{_fmt(p['chaos_round_s']):>11} {_fmt(p['round_overhead_ratio'], 2):>6} "
+            f"{_fmt(apps['fedavg'], 0)}/{_fmt(apps['chaos'], 0):>4}"
+        )
+    rows.append("not measured: " + ", ".join(fig["not_measured"]))
+    rows.append(fig["latency"])
+    return "\n".join(rows)

@@ -1,0 +1,90 @@
+"""Link certificates and their party bindings (chaos_flwr.transport.tls), without sockets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from link_world import FED, ident, policy
+from test_direct_links import _cert_with
+
+from chaos_flwr.errors import ChaosError, DecodeError, LinkAuthError, NotMemberError
+from chaos_flwr.membership import parse_address
+from chaos_flwr.transport.tls import (
+    BINDING_OID,
+    LINK_SERVER_NAME,
+    LinkCredentials,
+    serve_cert_pem_of,
+    spki_digest,
+    verify_dial_cert,
+)
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("CHAOS_FUZZ_EXAMPLES", "700")) // 2,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+B = LinkCredentials.create(ident("b"), FED)
+KEYS = dict(policy().keyring)
+
+
+def test_a_dial_certificate_names_its_party_and_both_certificates_share_the_key() -> None:
+    assert verify_dial_cert(B.dial_cert_pem, FED, KEYS) == ident("b").party_id
+    dial = x509.load_pem_x509_certificate(B.dial_cert_pem)
+    serve = x509.load_pem_x509_certificate(B.serve_cert_pem)
+    assert spki_digest(dial) == spki_digest(serve)
+    names = serve.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == [LINK_SERVER_NAME]
+    assert serve_cert_pem_of(B.serve_cert_der) == B.serve_cert_pem
+    other = LinkCredentials.create(ident("b"), FED)  # a fresh key each time
+    assert other.key_pem != B.key_pem
+
+
+def test_bindings_are_refused_for_another_federation_key_or_party() -> None:
+    with pytest.raises(LinkAuthError, match="does not verify"):
+        verify_dial_cert(B.dial_cert_pem, "another-federation", KEYS)
+    swapped = {**KEYS, ident("b").party_id: ident("c").public_key}
+    with pytest.raises(LinkAuthError, match="does not verify"):
+        verify_dial_cert(B.dial_cert_pem, FED, swapped)
+    with pytest.raises(NotMemberError):
+        verify_dial_cert(LinkCredentials.create(ident("x"), FED).dial_cert_pem, FED, KEYS)
+    with pytest.raises(LinkAuthError, match="no party binding"):
+        verify_dial_cert(B.serve_cert_pem, FED, KEYS)  # a serve certificate binds nothing
+    for bad in (b"", b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"):
+        with pytest.raises(LinkAuthError):
+            verify_dial_cert(bad, FED, KEYS)
+    with pytest.raises(LinkAuthError):
+        serve_cert_pem_of(b"\x30\x03\x02\x01\x00")
+    with pytest.raises(LinkAuthError):
+        serve_cert_pem_of(b"\x00" * 5000)
+
+
+@FUZZ
+@given(st.binary(max_size=600))
+def test_fuzz_binding_extension_values_raise_only_typed_errors(value: bytes) -> None:
+
+    pem = _cert_with(value, ec.generate_private_key(ec.SECP256R1()), "fuzz")
+    with pytest.raises((LinkAuthError, NotMemberError)):
+        verify_dial_cert(pem, FED, KEYS)
+
+
+@FUZZ
+@given(st.text(max_size=300) | st.binary(max_size=300).map(lambda b: b.decode("latin-1")))
+def test_fuzz_addresses_parse_or_raise_decode_error(text: str) -> None:
+    try:
+        host, port = parse_address(text)
+    except DecodeError:
+        return
+    except ChaosError as exc:  # pragma: no cover - would be a wrong type
+        raise AssertionError(f"untyped refusal {exc!r}") from None
+    assert 0 < port < 65536 and parse_address(
+        f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    ) == (host, port)
+
+
+def test_the_binding_oid_is_stable() -> None:
+    assert BINDING_OID.dotted_string.startswith("2.25.")  # a UUID OID (no registry needed)
