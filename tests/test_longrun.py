@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from chaos_flwr.bench.longrun import LongRunSettings, least_squares_slope, run_long_run
 from chaos_flwr.cli import app
 from chaos_flwr.errors import PolicyError
-from chaos_flwr.flower.client.party import PARTY_LEDGER_ROUNDS, PARTY_MAX_EVIDENCE, Party
+from chaos_flwr.flower.client.party import Party
+from chaos_flwr.flower.client.witness import PARTY_LEDGER_ROUNDS, PARTY_MAX_EVIDENCE
 from chaos_flwr.flower.server import logs as server_logs
 from chaos_flwr.flower.server.logs import (
     SERVER_MAX_ROUND_LOGS,

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
-from chaos_flwr.flower.client import donor, joiner, proofs
+from chaos_flwr.flower.client import donor, joiner, proofs, witness
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
 from chaos_flwr.flower.client.verified import VerifiedRounds
@@ -40,14 +40,6 @@ __all__ = ["Party"]
 
 #: Errors a party keeps (:attr:`Party.errors`, newest last); older ones are dropped.
 PARTY_MAX_ERRORS: int = 256
-#: Rounds of receipts a party's ledger keeps in memory, up to its held round (the window of
-#: :meth:`ReceiptLedger.window`): above the replicas a party keeps (STORE_KEEP_ROUNDS) and the
-#: rounds it saves (FLOWER_DURABLE_LEDGER_ROUNDS), so every round it could still serve or
-#: resume from is covered.
-PARTY_LEDGER_ROUNDS: int = 16
-#: Equivocation evidence a party keeps (:attr:`Party.evidence`, newest last). Any evidence at
-#: all stops the party training, so dropping the oldest never lets a conflicted round through.
-PARTY_MAX_EVIDENCE: int = 16
 #: Phases whose messages may carry an audit job: a round's certify (the first ask, to its
 #: rota auditors) and later train messages (a retry, to the spare rota positions too).
 AUDITED = frozenset({"certify", "relay"})
@@ -164,7 +156,7 @@ class Party(VerifiedRounds):
             try:
                 self._ledger.add_all([Receipt.decode(b) for b in saved.receipts])
                 self.evidence = []
-                self._keep_evidence([Equivocation.decode(b) for b in saved.evidence])
+                witness.keep_evidence(self, [Equivocation.decode(b) for b in saved.evidence])
             except ChaosError as exc:
                 raise StoreError(f"saved party state: bad receipt or evidence ({exc})") from exc
             dropped = max(0, len(saved.evidence) - len(self.evidence))
@@ -363,50 +355,10 @@ class Party(VerifiedRounds):
         return joiner.join_step(self, record, control, replies)
 
     def check_receipts(self, record: ConfigRecord | None) -> bool:
-        """Compare the receipts the relay forwards (the previous round's) with this party's own.
-
-        Each forwarded receipt is verified against the keyring; two valid receipts for one
-        round with different digests are equivocation evidence
-        (:class:`chaos_flwr.receipts.Equivocation`): it is kept in :attr:`evidence`, logged in
-        :attr:`errors` as an ``EquivocationError`` and reported with the party's next reply.
-        Returns whether the party holds any evidence (it then refuses to train).
-        """
-        blobs = record.get("receipts") if record is not None else None
-        if isinstance(blobs, list) and blobs and self.keyring is not None:
-            from chaos_flwr.receipts import Receipt, ReceiptLedger
-
-            if self._ledger is None:
-                self._ledger = ReceiptLedger(dict(self.keyring))
-            ledger = self._ledger
-            if self.held_round >= 0:  # the previous rounds' receipts only, a bounded window
-                ledger.window(self.held_round - PARTY_LEDGER_ROUNDS + 1, self.held_round + 1)
-            found: list[Equivocation] = []
-            own = self._receipt()
-            if own:
-                found += ledger.add_all(
-                    [Receipt.from_flower(self.party_id, self.held_round, self.held_digest, own)]
-                )
-            theirs: list[Receipt] = []
-            for blob in blobs:
-                if isinstance(blob, bytes):
-                    try:
-                        theirs.append(Receipt.decode(blob))
-                    except ChaosError as exc:
-                        self.errors.append(f"{type(exc).__name__}: {exc}")
-            found += ledger.add_all(theirs)
-            for ev in found:
-                self.errors.append(f"EquivocationError: {ev.error()}")
-            self._keep_evidence(found)
-        return bool(self.evidence)
-
-    def _keep_evidence(self, found: Sequence[Equivocation]) -> None:
-        """Append ``found`` to :attr:`evidence`, keeping the newest ``PARTY_MAX_EVIDENCE``
-        (those dropped unsent are not reported: the newer ones stop training just as well)."""
-        self.evidence.extend(found)
-        extra = len(self.evidence) - PARTY_MAX_EVIDENCE
-        if extra > 0:
-            del self.evidence[:extra]
-            self._evidence_sent = max(0, self._evidence_sent - extra)
+        """Compare the receipts the relay forwards with this party's own
+        (:func:`.witness.check_receipts`); whether it holds equivocation evidence (it then
+        refuses to train)."""
+        return witness.check_receipts(self, record)
 
     def _auto_links(self, now: float) -> list[OutgoingLike]:
         """A member links up with every active member it has no live link with (the lower id

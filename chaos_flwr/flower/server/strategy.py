@@ -380,28 +380,6 @@ class ChaosStrategy(Strategy):
             return prev
         return held
 
-    def _audit_due(self, run: _Run, rnd: int, digest: bytes) -> None:
-        """When no audit of the round came back with its certify replies (its auditor crashed,
-        or a differing view put another party on the rota), ask again at once, the spare rota
-        position too: an exchange with the auditors only, and only on that event, so the state
-        is final before the next round (and before any kill of this ServerApp)."""
-        proofs = self.courier.proofs
-        if proofs is None or self.view is None:
-            return
-        job = proofs.audit_job(sorted(self.view.active()))
-        if job is None:
-            return
-        rlog = RoundLog(rnd)
-        spec = PhaseSpec("relay", rnd, digest, audit=job)
-        known = list(run.grid.get_node_ids())
-        self.courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=rlog)
-        verdict = proofs.verdict(rnd, digest, sorted(self.view.active()))
-        log(
-            INFO, "Chaos: the audit of round %d, asked again of %s: %s", rnd,
-            ", ".join(sorted(job.parties)),
-            {True: "final", False: "REFUTED", None: "did not come in"}[verdict],
-        )  # fmt: skip
-
     def _begin(self, run: _Run, initial_arrays: ArrayRecord) -> _Held:
         """Resume from the parties' replicas (by ``resume.mode``), else certify the initial
         state (round 0, or above every round a party signed)."""
@@ -441,7 +419,7 @@ class ChaosStrategy(Strategy):
         """The initial state, numbered 0 or above every round a party already signed (a fresh
         start never reuses a round number). In a verified federation whose parties answered
         the hello and none of which signed a round, its certify rides on the first round's
-        train messages (:meth:`_genesis_taken`; nodes no train message reaches get it in a
+        train messages (:func:`_round0_log`; nodes no train message reaches get it in a
         certify message of that exchange); otherwise it is certified in an exchange of its
         own."""
         round0 = self.round_floor + 1 if self.round_floor >= 0 else 0
@@ -465,7 +443,8 @@ class ChaosStrategy(Strategy):
         if (
             proofs is not None
             and fresh
-            and len(self._genesis_takers(known)) >= min_nodes(self.inner, "train")
+            and len(_genesis_takers(self.courier, self.relay, known))
+            >= min_nodes(self.inner, "train")
         ):
             # signed commitments name their base, so an update trained on a state its party
             # refused never counts: the certify may ride on the first train messages
@@ -479,33 +458,6 @@ class ChaosStrategy(Strategy):
         self._finish(log0)
         return _Held(round0, initial_arrays, digest)
 
-    def _genesis_taken(self, held: _Held, rlog: RoundLog) -> _Held:
-        """After a train exchange that carried the initial state's certify: log round 0 (its
-        holders, from the receipts in the train replies) and, once a party holds it, certify
-        it no more (it is then a certified state like any other)."""
-        if held.genesis is None:
-            return held
-        log0 = RoundLog(held.server_round, digest=held.digest)
-        log0.certify_s = rlog.train_s
-        log0.unsigned_receipts = list(rlog.unsigned_receipts)
-        log0.holders = self.courier.holder_parties(held.server_round, held.digest)
-        self._finish(log0)
-        return replace(held, genesis=None) if log0.holders else held
-
-    def _genesis_takers(self, known: list[int]) -> list[int]:
-        """Who may train on an initial state that rides on the train messages: every live
-        node whose party answered the hello and is active in the signed view, since none
-        holds the state before the message comes."""
-        active = self.courier.active()
-        party_of = self.relay.party_of
-        return [
-            n
-            for n in known
-            if n not in self.courier.suspects
-            and n in party_of
-            and (active is None or party_of[n] in active)
-        ]
-
     def _round(self, run: _Run, rnd: int, held: _Held) -> _Held:
         """One round: train on the eligible nodes, certify the new state, relay the joins."""
         grid, courier = run.grid, self.courier
@@ -516,7 +468,10 @@ class ChaosStrategy(Strategy):
         trained = self._train(run, rnd, rlog, known, held)
         if held.genesis is not None:  # those that took the initial state with this exchange
             prev_holders |= set(courier.holding(known, held.server_round, held.digest))
-        held = self._genesis_taken(held, rlog)
+        if held.genesis is not None:  # round 0 is logged with this exchange's receipts
+            log0 = _round0_log(courier, held, rlog)
+            self._finish(log0)
+            held = replace(held, genesis=None) if log0.holders else held
         if trained is None:  # nothing to certify: the round is tried again
             restore_strategy_state(self.inner, held.strategy_state)
             self._finish(rlog)
@@ -551,7 +506,7 @@ class ChaosStrategy(Strategy):
         )
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
-        self._audit_due(run, rnd, digest)
+        _audit_again(courier, self.view, run, rnd, digest)
         size = state.serialized_size()
         if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
             log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
@@ -577,7 +532,7 @@ class ChaosStrategy(Strategy):
         if held.genesis is None:
             eligible = self.courier.eligible(known, held.digest, held.server_round)
         else:
-            eligible = self._genesis_takers(known)
+            eligible = _genesis_takers(self.courier, self.relay, known)
         rlog.eligible = eligible
         need = min_nodes(self.inner, "train")
         train_msgs: list[Message] = []
@@ -657,3 +612,52 @@ def _not_certifiable(
     if verdict is None:
         return f"the audit of round {base[0]} has not come in"
     return ""
+
+
+def _audit_again(
+    courier: Courier, view: ServerView | None, run: _Run, rnd: int, digest: bytes
+) -> None:
+    """When no audit of the round came back with its certify replies (its auditor crashed,
+    or a differing view put another party on the rota), ask again at once, the spare rota
+    position too: an exchange with the auditors only, and only on that event, so the state
+    is final before the next round (and before any kill of this ServerApp)."""
+    proofs = courier.proofs
+    if proofs is None or view is None:
+        return
+    job = proofs.audit_job(sorted(view.active()))
+    if job is None:
+        return
+    spec = PhaseSpec("relay", rnd, digest, audit=job)
+    known = list(run.grid.get_node_ids())
+    courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=RoundLog(rnd))
+    verdict = proofs.verdict(rnd, digest, sorted(view.active()))
+    log(
+        INFO, "Chaos: the audit of round %d, asked again of %s: %s", rnd,
+        ", ".join(sorted(job.parties)),
+        {True: "final", False: "REFUTED", None: "did not come in"}[verdict],
+    )  # fmt: skip
+
+
+def _round0_log(courier: Courier, held: _Held, rlog: RoundLog) -> RoundLog:
+    """Round 0's log after the train exchange that carried the initial state's certify: its
+    holders are the parties whose receipts in the train replies name it (once one holds it,
+    it is certified like any other state and certified no more)."""
+    log0 = RoundLog(held.server_round, digest=held.digest)
+    log0.certify_s = rlog.train_s
+    log0.unsigned_receipts = list(rlog.unsigned_receipts)
+    log0.holders = courier.holder_parties(held.server_round, held.digest)
+    return log0
+
+
+def _genesis_takers(courier: Courier, relay: Relay, known: list[int]) -> list[int]:
+    """Who may train on an initial state that rides on the train messages: every live node
+    whose party answered the hello and is active in the signed view, since none holds the
+    state before the message comes."""
+    active = courier.active()
+    return [
+        n
+        for n in known
+        if n not in courier.suspects
+        and n in relay.party_of
+        and (active is None or relay.party_of[n] in active)
+    ]
