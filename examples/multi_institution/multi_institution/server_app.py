@@ -75,19 +75,29 @@ def _build_strategy(context: Context) -> Strategy:
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
 
 
-def _load_checkpoint(path: str) -> tuple[int, dict[str, torch.Tensor] | None]:
-    """The last round and global model a previous run saved at ``path`` (0, None if none)."""
+def _load_checkpoint(path: str, model: torch.nn.Module) -> int:
+    """Load the global model a previous run saved at ``path`` into ``model``; return its
+    round (0, model untouched, if there is none)."""
     if not path or not Path(path).exists():
-        return 0, None
+        return 0
     saved = torch.load(path, weights_only=True)
-    return int(saved["round"]), saved["model"]
+    model.load_state_dict(saved["model"])
+    return int(saved["round"])
 
 
 def _save_checkpoint(path: str, server_round: int, arrays: ArrayRecord) -> None:
-    """Save the global model of ``server_round`` at ``path`` (write, then rename)."""
+    """Save the global model of ``server_round`` at ``path`` (write, then rename); no path,
+    no checkpoint."""
+    if not path:
+        return
     tmp = Path(f"{path}.tmp")
     torch.save({"round": server_round, "model": arrays.to_torch_state_dict()}, tmp)
     tmp.replace(path)
+
+
+def _client_accuracy(metrics: dict[int, MetricRecord]) -> dict[int, float]:
+    """Round -> the ClientApps' weighted evaluation accuracy (rounds that report one)."""
+    return {r: float(m["eval_acc"]) for r, m in metrics.items() if "eval_acc" in m}
 
 
 def _plain(value: Any) -> Any:
@@ -176,9 +186,7 @@ def main(grid: Grid, context: Context) -> None:
     seed = int(cfg["seed"])
     model = make_model(seed, int(cfg["hidden"]))
     checkpoint = str(cfg.get("checkpoint-path", "")) if str(cfg["mode"]) == "fedavg" else ""
-    done, saved = _load_checkpoint(checkpoint)  # rounds a previous run finished
-    if saved is not None:
-        model.load_state_dict(saved)
+    done = _load_checkpoint(checkpoint, model)  # rounds a previous run finished
     test_data = load_global_test(seed)
     marks: list[float] = []
     ends: list[float] = []  # wall clock (time.time) at the end of rounds 1..N
@@ -188,14 +196,13 @@ def main(grid: Grid, context: Context) -> None:
 
     def central_eval(flower_round: int, arrays: ArrayRecord) -> MetricRecord:
         server_round = done + flower_round  # this run's round 1 is the checkpoint's next
-        if checkpoint and flower_round >= 1:
-            _save_checkpoint(checkpoint, server_round, arrays)
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, test_data)
         marks.append(time.monotonic())
         if flower_round >= 1:
             ends.append(time.time())
             grid.round_done(flower_round)
+            _save_checkpoint(checkpoint, server_round, arrays)  # if checkpoint-path is set
         accuracy[server_round] = acc
         progress.accuracy[server_round] = acc
         filed = progress.strategy is not None and any(
@@ -221,11 +228,7 @@ def main(grid: Grid, context: Context) -> None:
     total = time.monotonic() - t0
     results_path = str(cfg.get("results-path", ""))
     if results_path:
-        client_acc = {
-            r: float(m["eval_acc"])
-            for r, m in result.evaluate_metrics_clientapp.items()
-            if "eval_acc" in m
-        }
+        client_acc = _client_accuracy(result.evaluate_metrics_clientapp)
         report = {
             "mode": str(cfg["mode"]),
             "rounds": int(cfg["num-server-rounds"]),
