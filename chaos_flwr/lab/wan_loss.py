@@ -36,7 +36,7 @@ from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deploy_churn import trained_parties
 from chaos_flwr.lab.example import example_dir
 from chaos_flwr.lab.overhead import node_configs
-from chaos_flwr.lab.processes import alive, stop_process_tree
+from chaos_flwr.lab.processes import alive, descendants, kill_tree_now, stop_process_tree
 from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
     FLOWER_CLIENTAPP_SAMPLE_S,
@@ -144,9 +144,13 @@ class _Loss:
         return self.bed.cluster.start_run(cfg, f"run-{phase}.log"), progress
 
 
-def _restart_supernodes(bed: WanTestbed, nodes: Mapping[str, Mapping[str, object]]) -> list[str]:
-    """Start every institution's SuperNode again (stopping any still running); return the
-    institutions whose SuperNode had exited on its own."""
+def _restart_supernodes(
+    bed: WanTestbed, nodes: Mapping[str, Mapping[str, object]], children: Mapping[str, list[int]]
+) -> list[str]:
+    """Start every institution's SuperNode again: one still running is stopped, and the
+    processes it had (``children``, its ClientApps, orphaned if it exited on its own) are
+    killed, as a service manager stopping the unit would. Return the institutions whose
+    SuperNode had exited on its own."""
     exited = []
     for host, node in nodes.items():
         proc = bed.cluster.supernodes[host]
@@ -155,6 +159,9 @@ def _restart_supernodes(bed: WanTestbed, nodes: Mapping[str, Mapping[str, object
         else:
             bed.cluster.note_pids()
             stop_process_tree(proc)
+        for pid in children.get(host, []):
+            if alive(pid):
+                kill_tree_now(pid)
         bed.start_supernode(host, node)
     return exited
 
@@ -232,9 +239,10 @@ def server_loss_run(
             stop_process_tree(proc)
             before = max(int(x["round"]) for x in read_progress(work / "progress-2.jsonl"))
             tell(f"  round {before} done: the SuperLink host's disk is lost")
+            children = {h: descendants(p.pid) for h, p in bed.cluster.supernodes.items()}
             t_loss = bed.restart_superlink(lose_disk=True)
             run.note("disk_loss", t_loss, before)
-            out["supernodes_exited"] = _restart_supernodes(bed, nodes)
+            out["supernodes_exited"] = _restart_supernodes(bed, nodes, children)
             out["checkpoint_left"] = checkpoint.exists()
             proc, out["disk_loss"] = _recover(run, spec.variant, 3, before, t_loss)
         out["events"] = run.events
