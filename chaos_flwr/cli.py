@@ -1017,24 +1017,41 @@ def bench_flower_wan(
         "server_at_institution=inst2,server_well_connected=superlink).",
     ),
     work_dir: str = typer.Option("", help="Keep keys, certificates and logs here (default: temp)."),
+    parts: str = typer.Option(
+        "join,server_loss", help="What to measure: join runs, server-loss runs, or both."
+    ),
+    disk_loss: bool = typer.Option(
+        True, "--disk-loss/--no-disk-loss", help="Lose the SuperLink host's disk too."
+    ),
+    json_file: str = typer.Option("", "--json-file", help="Also write the JSON figures here."),
+    plot: str = typer.Option(
+        "",
+        "--plot",
+        help="The timeline PNG (default: flower-wan-timeline.png next to --json-file, else in "
+        "the working directory).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
 ) -> None:
-    """Plain FedAvg vs Chaos on the multi-site testbed (needs root, ip, tc): a joiner's time
-    from its SuperNode's start to its first training round (with lower bounds from the link
-    rates), churn-free round wall time and its ratio, ClientApp processes per round, for each
-    placement of the SuperLink. Server-loss figures and direct links are not measured (null).
+    """Plain FedAvg vs Chaos on the multi-site testbed (needs root, ip, tc), per placement of
+    the SuperLink: a joiner's time from its SuperNode's start to its first training round
+    (with lower bounds from the link rates), churn-free round wall time and its ratio,
+    ClientApp processes per round; the time from a ServerApp SIGKILL, then from the loss of
+    the SuperLink host's disk, to the next finished round, for Chaos and plain FedAvg with and
+    without a checkpoint (and rounds lost); a timeline plot. Direct links: not measured (null).
     """
     import tempfile
 
     from chaos_flwr.errors import ChaosError
     from chaos_flwr.lab.testbed import load_testbed_profile
     from chaos_flwr.lab.wan_bench import WanBenchSpec, measure_flower_wan, wan_table
+    from chaos_flwr.lab.wan_plot import WAN_TIMELINE_PNG, plot_timeline, timeline_rows
 
     try:
         wan = load_testbed_profile(profile)
         where = dict(p.split("=", 1) for p in _split_names(placement) or [] if "=" in p)
         spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
-                            placements=where or None)  # fmt: skip
+                            placements=where or None, parts=tuple(_split_names(parts) or []),
+                            disk_loss=disk_loss)  # fmt: skip
     except ChaosError as exc:
         raise typer.BadParameter(str(exc)) from None
     say = (lambda _m: None) if as_json else typer.echo
@@ -1043,10 +1060,19 @@ def bench_flower_wan(
             fig = measure_flower_wan(wan, spec, Path(work_dir) if work_dir else Path(tmp), say=say)
         except ChaosError as exc:
             _fail(exc)
+    default_plot = (Path(json_file).parent if json_file else Path.cwd()) / WAN_TIMELINE_PNG
+    try:
+        fig["plot"] = str(plot_timeline(timeline_rows(fig), Path(plot) if plot else default_plot))
+    except ChaosError as exc:  # the figures are still worth having
+        fig["plot"] = None
+        fig["not_measured"]["plot"] = str(exc)
+    if json_file:
+        Path(json_file).write_text(json.dumps(fig, indent=2), encoding="utf-8")
     if as_json:
         _print_json(fig)
     else:
         typer.echo(wan_table(fig))
+        typer.echo(f"timeline: {fig['plot']}")
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from chaos_flwr.flower.keys import charter_path, make_federation
 from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
 from chaos_flwr.lab.overhead import (
     OverheadSpec,
-    _clientapp_figures,
+    clientapp_figures,
     hidden_for_mib,
     pair_figures,
     run_figures,
@@ -197,7 +197,7 @@ def test_clientapp_processes_are_counted_in_the_round_they_started_in(tmp_path: 
     (tmp_path / "supernode-1.log").write_text("Receiving: train message\n")
     results = {"first_train_at": 100.0, "round_end_at": [110.0, 120.0]}
     seen = {1: 99.0, 2: 101.0, 3: 109.0, 4: 111.0, 5: 125.0}
-    fig = _clientapp_figures(results, seen, tmp_path)
+    fig = clientapp_figures(results, seen, tmp_path)
     assert fig["clientapp_processes_setup"] == 1
     assert fig["clientapp_processes_per_round"] == [2, 1]
     assert fig["clientapp_processes_after_run"] == 1

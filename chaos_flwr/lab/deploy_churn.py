@@ -27,7 +27,7 @@ from chaos_flwr.lab.settings import (
     FLOWER_DEPLOY_TIMEOUT_S,
 )
 
-__all__ = ["measure_deploy_churn", "round_checks"]
+__all__ = ["measure_deploy_churn", "round_checks", "trained_parties"]
 
 #: Pull interval of the ServerApp in the deployment runs.
 _DEPLOY_POLL_INTERVAL_S = 0.2
@@ -44,7 +44,7 @@ def _wait_for(
         time.sleep(FLOWER_DEMO_POLL_S)
 
 
-def _trained_parties(line: dict[str, Any]) -> set[str]:
+def trained_parties(line: dict[str, Any]) -> set[str]:
     """Parties that answered their train message in the round this progress line reports."""
     nodes = {int(k): v for k, v in (line.get("node_parties") or {}).items()}
     for rlog in line.get("chaos_rounds") or []:
@@ -145,7 +145,7 @@ def _join(
     join_round = out["join_started_after_round"] + 1
 
     def joiner_trained() -> bool:
-        return any(ids[joiner] in _trained_parties(x) for x in read_progress(progress1))
+        return any(ids[joiner] in trained_parties(x) for x in read_progress(progress1))
 
     def join_waited() -> bool:
         last = max(x["round"] for x in read_progress(progress1))
@@ -153,7 +153,7 @@ def _join(
 
     _wait_for(join_waited, plan.deadline, "the joiner's first training round", run1)
     lines = read_progress(progress1)
-    first = next((x for x in lines if ids[joiner] in _trained_parties(x)), None)
+    first = next((x for x in lines if ids[joiner] in trained_parties(x)), None)
     out["join_trained_in_round"] = first["round"] if first is not None else None
     out["join_to_training_s"] = float(first["time"]) - t_join if first is not None else None
     out["joiner_admitted"] = any(
@@ -185,7 +185,7 @@ def _crash(cluster: DeploymentCluster, plan: _Plan, run1: Any) -> dict[str, Any]
               plan.deadline, "the crash round", run1)  # fmt: skip
     crash_lines = read_progress(progress1)
     crash_line = next(x for x in crash_lines if x["round"] >= crash_round)
-    out["trained_in_crash_round"] = sorted(_trained_parties(crash_line))
+    out["trained_in_crash_round"] = sorted(trained_parties(crash_line))
     before_crash = [x for x in crash_lines if x["round"] < crash_line["round"]]
     # wall time of the round the party crashed in (its phase deadline runs out on it)
     out["crash_round_s"] = (
@@ -211,7 +211,7 @@ def _restart(cluster: DeploymentCluster, plan: _Plan, run1: Any) -> dict[str, An
     run2 = cluster.start_run({**resume_cfg, "progress-path": str(plan.progress2)}, "run-2.log")
 
     def trained_round(x: dict[str, Any]) -> bool:
-        return bool(x["round"] >= 1 and _trained_parties(x))
+        return bool(x["round"] >= 1 and trained_parties(x))
 
     _wait_for(lambda: any(trained_round(x) for x in read_progress(plan.progress2)),
               plan.deadline, "the resumed run's first trained round", run2)  # fmt: skip
@@ -224,7 +224,7 @@ def _restart(cluster: DeploymentCluster, plan: _Plan, run1: Any) -> dict[str, An
     # a restarted server knows no suspects: the dead party must still not be sampled
     out["victim_sampled_after_restart"] = plan.ids[plan.victim] in _sampled_parties(resumed)
     plan.say(f"resumed at round {resumed['round']}: stopping the cluster")
-    out["resumed_trained"] = sorted(_trained_parties(resumed))
+    out["resumed_trained"] = sorted(trained_parties(resumed))
     out["final_accuracy"] = resumed.get("accuracy")
     return out
 

@@ -228,11 +228,12 @@ class DeploymentCluster:
         self.runs: list[subprocess.Popen[Any]] = []
         self.seen: set[int] = set()
         self.killed: list[int] = []
-        link_cmd = superlink_cmd(
+        self.startup_timeout_s = startup_timeout_s
+        self.link_cmd = superlink_cmd(
             self.port, self.home / "state.db", host=self.site.host, tls=self.site.tls,
             supernode_auth=self.site.supernode_auth,
         )  # fmt: skip
-        self.link = self._spawn(link_cmd, "superlink.log", self.site.netns)
+        self.link = self._spawn(self.link_cmd, "superlink.log", self.site.netns)
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -334,6 +335,34 @@ class DeploymentCluster:
             victims.extend(kill_tree_now(pid))
         self.killed.extend(victims)
         return victims
+
+    def restart_superlink(self, *, lose_disk: bool = False) -> float:
+        """SIGKILL the SuperLink with its ServerApps, start it again on the same port; return
+        the time it was killed.
+
+        With ``lose_disk`` its host's disk is lost first: every file of ``home`` (its state
+        database, ``FLWR_HOME``, anything a ServerApp saved there) but the logs is deleted and
+        the ``flwr`` CLI's connection is written anew. SuperNode keys must then be registered
+        again (:meth:`register_supernode`).
+        """
+        self.note_pids()
+        t = time.time()
+        self.killed.extend(kill_tree_now(self.link.pid))
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.link.wait(timeout=FLOWER_STOP_GRACE_S)
+        if lose_disk:
+            for entry in self.home.iterdir():
+                if entry == self.logs:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            ca = self.site.tls.ca if self.site.tls is not None else None
+            deployment_home(self.home, self.port, host=self.site.host, root_certificates=ca)
+        self.link = self._spawn(self.link_cmd, "superlink.log", self.site.netns)
+        self._wait_ready(self.startup_timeout_s)
+        return t
 
     def close(self) -> list[int]:
         """Stop every process started (runs first, SuperLink last), by pid; return them all."""

@@ -51,9 +51,12 @@ __all__ = [
     "audit_progress",
     "audit_run_figures",
     "audits_table",
+    "clientapp_figures",
     "hidden_for_mib",
     "measure_audits",
     "measure_overhead",
+    "model_bytes_for_hidden",
+    "node_configs",
     "pair_figures",
 ]
 
@@ -73,6 +76,12 @@ def hidden_for_mib(mib: float) -> int:
     params = mib * MIB / _FLOAT_BYTES
     b = _IN + 2 + _OUT  # the linear term's coefficient (weights in, biases, weights out)
     return max(1, round((-b + math.sqrt(b * b + 4 * (params - _OUT))) / 2))
+
+
+def model_bytes_for_hidden(hidden: int) -> int:
+    """Bytes of the example's float32 model of layer width ``hidden``."""
+    params = _IN * hidden + hidden + hidden * hidden + hidden + hidden * _OUT + _OUT
+    return params * _FLOAT_BYTES
 
 
 @dataclass(frozen=True)
@@ -207,7 +216,7 @@ def _one_run(
     else:
         from chaos_flwr.lab.deployment import run_deployment_app
 
-        nodes = _node_configs(spec.num_supernodes, keys, work / "state")
+        nodes = node_configs(spec.num_supernodes, keys, work / "state")
         run = run_deployment_app(
             app, node_configs=nodes, run_config=cfg, timeout_s=spec.timeout_s,
             keep_home=work / "home", clientapps=clientapps,
@@ -218,12 +227,12 @@ def _one_run(
     fig = run_figures(run.results)
     fig["replica_disk_bytes"] = _disk_bytes(state_root)
     if spec.engine == "deployment":
-        fig.update(_clientapp_figures(run.results, clientapps, work / "home" / "logs"))
+        fig.update(clientapp_figures(run.results, clientapps, work / "home" / "logs"))
         fig["clientapp_per_round"] = fig["clientapp_processes_per_round_median"]
     return fig
 
 
-def _node_configs(n: int, keys: Path | None, state: Path) -> list[Mapping[str, object]]:
+def node_configs(n: int, keys: Path | None, state: Path) -> list[Mapping[str, object]]:
     """One SuperNode per partition; signed ones carry their key, the charter, a state dir."""
     from chaos_flwr.flower.keys import charter_path, key_path
 
@@ -283,7 +292,7 @@ def run_figures(results: Mapping[str, Any]) -> dict[str, Any]:
     return fig
 
 
-def _clientapp_figures(
+def clientapp_figures(
     results: Mapping[str, Any], clientapps: Mapping[int, float], logs: Path
 ) -> dict[str, Any]:
     """ClientApp processes the SuperNodes started, per round by when they were first seen

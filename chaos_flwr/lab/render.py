@@ -11,10 +11,10 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError
 
-__all__ = ["event_labels", "plot_report", "render_table", "report_figure"]
+__all__ = ["event_labels", "plot_report", "pyplot", "render_table", "report_figure"]
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend, or :class:`ConfigError` if it is missing."""
     try:
         import matplotlib
@@ -37,7 +37,7 @@ def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
     ConfigError
         matplotlib is not installed (``pip install -c constraints.txt -e '.[examples]'``).
     """
-    plt = _pyplot()
+    plt = pyplot()
     folder = Path(out_dir)
     folder.mkdir(parents=True, exist_ok=True)
     fig = report_figure(report)
@@ -49,7 +49,7 @@ def plot_report(report: Mapping[str, Any], out_dir: Path | str) -> Path:
 
 def report_figure(report: Mapping[str, Any]) -> Any:
     """The matplotlib figure of :func:`plot_report` (laid out, not saved)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for key, label, style in (
         ("fedavg", "FedAvg, no churn", "o--"),

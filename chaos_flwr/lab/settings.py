@@ -95,3 +95,10 @@ WAN_BENCH_PLACEMENTS: dict[str, str] = {
     "server_at_institution": "inst2",
     "server_well_connected": "superlink",
 }
+#: Rounds of each server-loss run of the WAN bench (the kill, a resumed round, the disk loss).
+WAN_LOSS_ROUNDS: int = 5
+#: Rounds finished before the WAN bench kills the ServerApp with SIGKILL.
+WAN_LOSS_KILL_AFTER_ROUND: int = 2
+#: Least adaptive Chaos deadline of the server-loss runs, in seconds: on 2 shared cores a round's
+#: replies can take over 1.5x the last round's, and a dropped node is not what is measured here.
+WAN_LOSS_DEADLINE_FLOOR_S: float = 120.0

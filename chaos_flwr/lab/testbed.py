@@ -93,6 +93,8 @@ class WanTestbed:
         The CA and the SuperLink's certificate and key.
     auth_keys : dict
         Institution -> its SuperNode's private authentication key (registered at set-up).
+    auth_public : dict
+        Institution -> the public half of that key (registered again after a disk loss).
     """
 
     net: NetnsLan
@@ -102,6 +104,7 @@ class WanTestbed:
     institutions: list[str]
     tls: TlsFiles
     auth_keys: dict[str, Path] = field(default_factory=dict)
+    auth_public: dict[str, Path] = field(default_factory=dict)
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -117,6 +120,17 @@ class WanTestbed:
         return self.cluster.start_supernode(
             host, node_config, netns=self.net.namespaces[host], auth_key=key
         )
+
+    def restart_superlink(self, *, lose_disk: bool = False) -> float:
+        """SIGKILL the SuperLink (and its ServerApps) and start it again; with ``lose_disk``
+        its host's disk is lost first (its state and ``FLWR_HOME`` deleted) and every
+        institution's SuperNode key is registered again, as its operator would. Return the
+        time it was killed."""
+        t = self.cluster.restart_superlink(lose_disk=lose_disk)
+        if lose_disk and self.cluster.site.supernode_auth:
+            for public in self.auth_public.values():
+                self.cluster.register_supernode(public)
+        return t
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Host -> bytes and packets its interface sent and received so far."""
@@ -232,4 +246,5 @@ def wan_testbed(
                 if supernode_auth:
                     cluster.register_supernode(public)
                 bed.auth_keys[h] = private
+                bed.auth_public[h] = public
             yield bed

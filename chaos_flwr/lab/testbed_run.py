@@ -22,7 +22,7 @@ from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deployment import clientapp_pids
 from chaos_flwr.lab.example import example_dir
 from chaos_flwr.lab.launch import read_results
-from chaos_flwr.lab.overhead import _clientapp_figures, _node_configs, hidden_for_mib, run_figures
+from chaos_flwr.lab.overhead import clientapp_figures, hidden_for_mib, node_configs, run_figures
 from chaos_flwr.lab.processes import alive
 from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
@@ -110,7 +110,7 @@ def start_run(
     """
     n = len(bed.institutions)
     keys = _keys(work, n) if spec.mode == "chaos" else None
-    nodes = _node_configs(n, keys, work / "state")
+    nodes = node_configs(n, keys, work / "state")
     cfg = run_config(spec, keys, work, min_nodes if min_nodes is not None else n)
     return bed.cluster.start_run(cfg, "run.log"), nodes
 
@@ -214,7 +214,7 @@ def _figures(
 ) -> dict[str, Any]:
     fig = run_figures(results)
     walls = [float(w) for w in results["round_wall_s"]]
-    cap = _clientapp_figures(results, clientapps, logs)
+    cap = clientapp_figures(results, clientapps, logs)
     return {
         "model_bytes": results.get("model_bytes"),
         "final_accuracy": fig["final_accuracy"],

@@ -14,9 +14,14 @@ starts, and the run goes on to its last round. From each run:
 - the wall time of every churn-free round after the first (no join under way) and the
   ClientApp processes the SuperNodes started per round.
 
+Then, per placement, the server-loss runs of :mod:`chaos_flwr.lab.wan_loss` (a ServerApp
+SIGKILL after round 2, then the loss of the SuperLink host's disk) for Chaos, plain FedAvg with
+the checkpoint a user writes and plain FedAvg as it ships: the time from the loss to the next
+finished round and the rounds lost. Every run's events (round ends, the join, kills, resumes)
+are kept for the timeline plot (:mod:`chaos_flwr.lab.wan_plot`).
+
 Not measured here (``null`` in the JSON, named in ``not_measured``): direct peer links (they
-do not exist yet), the server-loss figures (ServerApp SIGKILL, loss of the SuperLink host's
-disk, plain Flower with and without checkpointing) and the timeline plot.
+do not exist yet), and whichever part (``join``, ``server_loss``) was not asked for.
 """
 
 from __future__ import annotations
@@ -31,11 +36,16 @@ from pathlib import Path
 from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
-from chaos_flwr.lab.deploy_churn import _trained_parties
+from chaos_flwr.lab.deploy_churn import trained_parties
 from chaos_flwr.lab.deployment import clientapp_pids
 from chaos_flwr.lab.example import example_dir
 from chaos_flwr.lab.launch import read_results
-from chaos_flwr.lab.overhead import _clientapp_figures, _node_configs
+from chaos_flwr.lab.overhead import (
+    clientapp_figures,
+    hidden_for_mib,
+    model_bytes_for_hidden,
+    node_configs,
+)
 from chaos_flwr.lab.processes import alive
 from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
@@ -48,12 +58,14 @@ from chaos_flwr.lab.settings import (
 )
 from chaos_flwr.lab.testbed import WanTestbed, wan_testbed
 from chaos_flwr.lab.testbed_run import WanRunSpec, run_config
+from chaos_flwr.lab.wan_loss import LOSS_VARIANTS, LossRunSpec, loss_figures, server_loss_run
 from chaos_flwr.transport.netns import namespaces
 from chaos_flwr.transport.shaping import WanProfile
 
 __all__ = [
     "JOIN_AFTER_ROUND",
     "NOT_MEASURED",
+    "PARTS",
     "WanBenchSpec",
     "join_bounds",
     "measure_flower_wan",
@@ -66,11 +78,9 @@ JOIN_AFTER_ROUND = WAN_BENCH_JOIN_AFTER_ROUND
 #: The issue's keys this bench does not measure (null in the JSON), and why.
 NOT_MEASURED = {
     "direct_join_s": "direct peer links do not exist yet (the peer-links issue)",
-    "chaos_resume_s": "server-loss runs (ServerApp SIGKILL, SuperLink disk loss) not built yet",
-    "plain_checkpoint_resume_s": "server-loss runs not built yet",
-    "plain_rounds_lost": "server-loss runs not built yet",
-    "plot": "no timeline plot yet",
 }
+#: The parts of the bench: the join runs and the server-loss runs.
+PARTS = ("join", "server_loss")
 
 
 @dataclass(frozen=True)
@@ -88,8 +98,12 @@ class WanBenchSpec:
     placements: Mapping[str, str] | None = None
     timeout_s: float = 1800.0
     app_dir: Path | None = None
+    parts: tuple[str, ...] = PARTS
+    disk_loss: bool = True
 
     def __post_init__(self) -> None:
+        if not self.parts or any(p not in PARTS for p in self.parts):
+            raise ConfigError(f"parts: give some of {PARTS}, got {self.parts}")
         if self.rounds < JOIN_AFTER_ROUND + 2:
             raise ConfigError(f"rounds: give at least {JOIN_AFTER_ROUND + 2} (join, then more)")
         if self.repeats < 1 or not self.model_mib > 0:
@@ -134,7 +148,7 @@ def join_bounds(
 
 def _joiner_trained(line: Mapping[str, Any], mode: str, n: int, joiner_id: str | None) -> bool:
     if mode == "chaos":
-        return joiner_id is not None and joiner_id in _trained_parties(dict(line))
+        return joiner_id is not None and joiner_id in trained_parties(dict(line))
     trainers = list(line.get("trainers_per_round") or [])
     rnd = int(line.get("round", 0))
     return 1 <= rnd <= len(trainers) and int(trainers[rnd - 1]) >= n
@@ -177,11 +191,12 @@ def _one_run(
 
         keys = make_federation(work / "keys", n, founders=n - 1, seed="flower-wan")
         joiner_id = load_federation(keys).party_ids[n - 1]
-    nodes = _node_configs(n, keys, work / "state")
+    nodes = node_configs(n, keys, work / "state")
     cfg = run_config(run_spec, keys, work, n - 1)
     clientapps: dict[int, float] = {}
     progress = work / "progress.jsonl"
-    deadline = time.time() + spec.timeout_s
+    t0 = time.time()
+    deadline = t0 + spec.timeout_s
     with wan_testbed(profile, work / "bed", app_dir=spec.app_dir or example_dir(), server=server,
                      institutions=order) as bed:  # fmt: skip
         proc = bed.cluster.start_run(cfg, "run.log")
@@ -203,7 +218,12 @@ def _one_run(
     trained_in = int(first["round"]) if first is not None else None
     join_rounds = range(JOIN_AFTER_ROUND + 1, (trained_in or len(walls)) + 1)
     free = [r for r in range(2, len(walls) + 1) if r not in join_rounds]
-    caps = _clientapp_figures(results, clientapps, logs)
+    caps = clientapp_figures(results, clientapps, logs)
+    events = [{"kind": "round", "t": float(x["time"]) - t0, "round": int(x["round"])}
+              for x in lines if int(x["round"]) >= 1]  # fmt: skip
+    events.append({"kind": "join", "t": t_join - t0, "round": JOIN_AFTER_ROUND})
+    if first is not None:
+        events.append({"kind": "joined", "t": float(first["time"]) - t0, "round": trained_in})
     return {
         "model_bytes": int(results.get("model_bytes") or 0),
         "join_s": float(first["time"]) - t_join if first is not None else None,
@@ -214,6 +234,7 @@ def _one_run(
         "churn_free_round_s": statistics.median([walls[r - 1] for r in free]) if free else None,
         "clientapp_per_round": caps["clientapp_processes_per_round"],
         "pids_alive": [p for p in pids if alive(p)],
+        "events": events,
     }
 
 
@@ -240,10 +261,16 @@ def overhead_ratio(
     return {"ratio": _median([p["ratio"] for p in pairs]), "pairs": pairs}
 
 
-def _placement(
+_JOIN_KEYS = ("plain_join_s", "relay_join_s", "join_lower_bound_s", "plain_join_lower_bound_s",
+              "plain_round_s", "chaos_round_s", "round_overhead_ratio")  # fmt: skip
+_LOSS_KEYS = ("chaos_resume_s", "plain_checkpoint_resume_s", "plain_rounds_lost")
+
+
+def _join_part(
     profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
     say: Callable[[str], None],
 ) -> dict[str, Any]:  # fmt: skip
+    """The join runs of one placement, plain and Chaos interleaved; their figures."""
     runs: dict[str, list[dict[str, Any]]] = {"fedavg": [], "chaos": []}
     for rep in range(spec.repeats):
         for mode in ("fedavg", "chaos"):  # interleaved, so load drifts hit both alike
@@ -258,20 +285,13 @@ def _placement(
     model = runs["chaos"][-1]["model_bytes"]
     bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
     overhead = overhead_ratio(runs["fedavg"], runs["chaos"])
-    plain_round = _median([p.get("plain_s") for p in overhead["pairs"]])
-    chaos_round = _median([p.get("chaos_s") for p in overhead["pairs"]])
     return {
-        "server_host": server,
         "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
         "relay_join_s": _median([r["join_s"] for r in runs["chaos"]]),
-        "direct_join_s": None,
         "join_lower_bound_s": bounds["relay"],
         "plain_join_lower_bound_s": bounds["plain"],
-        "chaos_resume_s": None,
-        "plain_checkpoint_resume_s": None,
-        "plain_rounds_lost": None,
-        "plain_round_s": plain_round,
-        "chaos_round_s": chaos_round,
+        "plain_round_s": _median([p.get("plain_s") for p in overhead["pairs"]]),
+        "chaos_round_s": _median([p.get("chaos_s") for p in overhead["pairs"]]),
         "round_overhead_ratio": overhead["ratio"],
         "round_overhead_pairs": overhead["pairs"],
         "clientapp_per_round": {
@@ -279,6 +299,45 @@ def _placement(
         },
         "runs": runs,
     }
+
+
+def _loss_part(
+    profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    """The server-loss runs of one placement, the variants interleaved; their figures."""
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in LOSS_VARIANTS}
+    insts = tuple(_institutions(profile))
+    for rep in range(spec.repeats):
+        for variant in LOSS_VARIANTS:
+            say(f"{name} (SuperLink at {server}), server loss, {variant}, "
+                f"repeat {rep + 1}/{spec.repeats}")  # fmt: skip
+            run_dir = work / f"{name}-loss-{variant}-{rep}"
+            loss = LossRunSpec(variant=variant, model_mib=spec.model_mib, server=server,
+                               institutions=insts, disk_loss=spec.disk_loss,
+                               # three runs' starts and a SuperLink restart in one
+                               timeout_s=2 * spec.timeout_s, app_dir=spec.app_dir)  # fmt: skip
+            try:
+                fig = server_loss_run(profile, loss, run_dir, say=say)
+            except TransportError as exc:  # one failed run leaves the others' figures
+                say(f"  failed: {exc}")
+                fig = {"variant": variant, "error": str(exc), "kill": None, "disk_loss": None}
+            (run_dir / "figure.json").write_text(json.dumps(fig), encoding="utf-8")
+            runs[variant].append(fig)
+    return {**loss_figures(runs), "loss_runs": runs}
+
+
+def _placement(
+    profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
+    say: Callable[[str], None],
+) -> dict[str, Any]:  # fmt: skip
+    out: dict[str, Any] = {"server_host": server, "direct_join_s": None}
+    out.update(dict.fromkeys(_JOIN_KEYS + _LOSS_KEYS))
+    if "join" in spec.parts:
+        out.update(_join_part(profile, spec, name, server, work, say))
+    if "server_loss" in spec.parts:
+        out.update(_loss_part(profile, spec, name, server, work, say))
+    return out
 
 
 def measure_flower_wan(
@@ -295,9 +354,12 @@ def measure_flower_wan(
     dict
         ``model_bytes``, ``placements`` (name -> ``plain_join_s``, ``relay_join_s``,
         ``direct_join_s`` (null), ``join_lower_bound_s``, ``plain_join_lower_bound_s``,
-        ``chaos_resume_s``/``plain_checkpoint_resume_s``/``plain_rounds_lost`` (null),
         ``round_overhead_ratio``, the round medians, ClientApp processes per round, every
-        run), ``not_measured`` (key -> why), ``loadavg`` (1-minute, before and after),
+        join run (``runs``); ``chaos_resume_s``, ``plain_checkpoint_resume_s``,
+        ``plain_resume_s``, ``plain_rounds_lost`` and the other rounds lost after a ServerApp
+        SIGKILL, the same under ``server_disk_loss`` after the SuperLink host's disk was lost,
+        every server-loss run (``loss_runs``); a part not asked for leaves its keys null),
+        ``not_measured`` (key -> why), ``loadavg`` (1-minute, before and after),
         ``latency`` (recorded, not applied) and ``namespaces_left``.
     """
     tell = say or (lambda _msg: None)
@@ -310,20 +372,33 @@ def measure_flower_wan(
         "join_after_round": JOIN_AFTER_ROUND,
         "loadavg": {"before": os.getloadavg()[0]},
         "placements": {},
-        "not_measured": dict(NOT_MEASURED),
+        "not_measured": {
+            **NOT_MEASURED,
+            **{
+                k: f"the {part} part was not asked for (--parts)"
+                for part, keys in (("join", _JOIN_KEYS), ("server_loss", _LOSS_KEYS))
+                if part not in spec.parts
+                for k in keys
+            },
+        },
         "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
     }
     for name, server in spec.where().items():
         out["placements"][name] = _placement(profile, spec, name, server, work_dir, tell)
     out["loadavg"]["after"] = os.getloadavg()[0]
-    first = next(iter(out["placements"].values()))
-    out["model_bytes"] = first["runs"]["chaos"][-1]["model_bytes"]
+    out["model_bytes"] = model_bytes_for_hidden(hidden_for_mib(spec.model_mib))
     out["namespaces_left"] = sorted(namespaces() - before)
     return out
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _loss_cell(figs: Mapping[str, Any], variant: str) -> str:
+    """``<variant> <resume s> (<rounds lost>)`` of one server-loss figure."""
+    secs, lost = figs.get(f"{variant}_resume_s"), figs.get(f"{variant}_rounds_lost")
+    return f"{variant} {_fmt(secs)} s ({_fmt(lost, 0)} lost)"
 
 
 def wan_table(fig: Mapping[str, Any]) -> str:
@@ -336,13 +411,22 @@ def wan_table(fig: Mapping[str, Any]) -> str:
         f"{'plain rnd s':>11} {'chaos rnd s':>11} {'ratio':>6} {'apps/rnd':>9}",
     ]
     for name, p in fig["placements"].items():
-        apps = p["clientapp_per_round"]
+        apps = p.get("clientapp_per_round") or {}
         rows.append(
             f"{name:<24} {_fmt(p['plain_join_s']):>12} {_fmt(p['relay_join_s']):>12} "
             f"{_fmt(p['join_lower_bound_s'], 2):>8} {_fmt(p['plain_round_s']):>11} "
             f"{_fmt(p['chaos_round_s']):>11} {_fmt(p['round_overhead_ratio'], 2):>6} "
-            f"{_fmt(apps['fedavg'], 0)}/{_fmt(apps['chaos'], 0):>4}"
+            f"{_fmt(apps.get('fedavg'), 0)}/{_fmt(apps.get('chaos'), 0):>4}"
         )
+    rows.append(
+        "server loss: seconds from the loss to the next finished round (rounds lost); "
+        "SIGKILL of the ServerApp | loss of the SuperLink host's disk"
+    )
+    for name, p in fig["placements"].items():
+        disk = p.get("server_disk_loss") or {}
+        kill = [_loss_cell(p, v) for v in ("chaos", "plain_checkpoint", "plain")]
+        lost = [_loss_cell(disk, v) for v in ("chaos", "plain_checkpoint")]
+        rows.append(f"{name:<24} {', '.join(kill)} | {', '.join(lost)}")
     rows.append("not measured: " + ", ".join(fig["not_measured"]))
     rows.append(fig["latency"])
     return "\n".join(rows)

@@ -10,6 +10,10 @@ with the round's ``audited`` parties and ``audit_bytes``).
 With ``chaos-keys-dir`` set (a folder from :func:`chaos_flwr.flower.keys.make_federation`),
 receipts are verified against the charter's keyring, so a restarted ServerApp resumes from the
 parties' replicas.
+
+With ``checkpoint-path`` set in plain FedAvg mode, the ServerApp does what a Flower user would
+write to survive a restart: it saves the global model (and its round) to that file after every
+round, and a new run that finds the file starts from it and runs only the rounds left.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def _build_strategy(context: Context) -> Strategy:
         return fedavg
     if mode == "chaos":
         from chaos_flwr import ChaosStrategy, load_charter
+        from chaos_flwr.defaults import FLOWER_DEADLINE_FLOOR_S as DEADLINE_FLOOR_S
         from chaos_flwr.flower import PhaseSettings, ResumeSettings
 
         # a signed federation (run config chaos-keys-dir): receipts are verified against the
@@ -61,11 +66,38 @@ def _build_strategy(context: Context) -> Strategy:
             phases=PhaseSettings(
                 phase_timeout_s=float(cfg["phase-timeout-s"]),
                 poll_interval_s=float(cfg["poll-interval-s"]),
+                # run config chaos-deadline-floor-s: the least any adaptive deadline waits
+                deadline_floor_s=float(cfg.get("chaos-deadline-floor-s", DEADLINE_FLOOR_S)),
             ),
             # run config chaos-resume = auto (default) | fresh | require (README: Resume)
             resume=ResumeSettings(mode=str(cfg.get("chaos-resume", "auto"))),
         )
     raise ValueError(f"run config 'mode' must be 'fedavg' or 'chaos', got {mode!r}")
+
+
+def _load_checkpoint(path: str, model: torch.nn.Module) -> int:
+    """Load the global model a previous run saved at ``path`` into ``model``; return its
+    round (0, model untouched, if there is none)."""
+    if not path or not Path(path).exists():
+        return 0
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    return int(saved["round"])
+
+
+def _save_checkpoint(path: str, server_round: int, arrays: ArrayRecord) -> None:
+    """Save the global model of ``server_round`` at ``path`` (write, then rename); no path,
+    no checkpoint."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    torch.save({"round": server_round, "model": arrays.to_torch_state_dict()}, tmp)
+    tmp.replace(path)
+
+
+def _client_accuracy(metrics: dict[int, MetricRecord]) -> dict[int, float]:
+    """Round -> the ClientApps' weighted evaluation accuracy (rounds that report one)."""
+    return {r: float(m["eval_acc"]) for r, m in metrics.items() if "eval_acc" in m}
 
 
 def _plain(value: Any) -> Any:
@@ -101,9 +133,10 @@ class _Progress:
     carries every RoundLog so far: a ServerApp killed mid-run leaves its history behind.
     """
 
-    def __init__(self, path: str, mode: str) -> None:
+    def __init__(self, path: str, mode: str, resumed_from: int = 0) -> None:
         self.path = Path(path) if path else None
         self.mode = mode
+        self.resumed_from = resumed_from  # the checkpoint's round (plain FedAvg), else 0
         self.accuracy: dict[int, float] = {}
         self.strategy: Any = None
         self.grid: CountingGrid | None = None
@@ -116,6 +149,7 @@ class _Progress:
             "accuracy": self.accuracy.get(server_round),
             "time": time.time(),
             "mode": self.mode,
+            "resumed_from": self.resumed_from,
         }
         if self.grid is not None:  # messages and trainers per round so far
             line.update(self.grid.summary())
@@ -151,20 +185,24 @@ def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     seed = int(cfg["seed"])
     model = make_model(seed, int(cfg["hidden"]))
+    checkpoint = str(cfg.get("checkpoint-path", "")) if str(cfg["mode"]) == "fedavg" else ""
+    done = _load_checkpoint(checkpoint, model)  # rounds a previous run finished
     test_data = load_global_test(seed)
     marks: list[float] = []
     ends: list[float] = []  # wall clock (time.time) at the end of rounds 1..N
     accuracy: dict[int, float] = {}
-    progress = _Progress(str(cfg.get("progress-path", "")), str(cfg["mode"]))
+    progress = _Progress(str(cfg.get("progress-path", "")), str(cfg["mode"]), done)
     progress.grid = grid
 
-    def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def central_eval(flower_round: int, arrays: ArrayRecord) -> MetricRecord:
+        server_round = done + flower_round  # this run's round 1 is the checkpoint's next
         model.load_state_dict(arrays.to_torch_state_dict())
         loss, acc = evaluate(model, test_data)
         marks.append(time.monotonic())
-        if server_round >= 1:
+        if flower_round >= 1:
             ends.append(time.time())
-            grid.round_done(server_round)
+            grid.round_done(flower_round)
+            _save_checkpoint(checkpoint, server_round, arrays)  # if checkpoint-path is set
         accuracy[server_round] = acc
         progress.accuracy[server_round] = acc
         filed = progress.strategy is not None and any(
@@ -182,7 +220,7 @@ def main(grid: Grid, context: Context) -> None:
     result = strategy.start(
         grid=grid,
         initial_arrays=ArrayRecord(model.state_dict()),
-        num_rounds=int(cfg["num-server-rounds"]),
+        num_rounds=int(cfg["num-server-rounds"]) - done,
         timeout=float(cfg["round-timeout-s"]),
         train_config=ConfigRecord({"lr": float(cfg["lr"])}),
         evaluate_fn=central_eval,
@@ -190,11 +228,7 @@ def main(grid: Grid, context: Context) -> None:
     total = time.monotonic() - t0
     results_path = str(cfg.get("results-path", ""))
     if results_path:
-        client_acc = {
-            r: float(m["eval_acc"])
-            for r, m in result.evaluate_metrics_clientapp.items()
-            if "eval_acc" in m
-        }
+        client_acc = _client_accuracy(result.evaluate_metrics_clientapp)
         report = {
             "mode": str(cfg["mode"]),
             "rounds": int(cfg["num-server-rounds"]),
