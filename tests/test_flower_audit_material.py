@@ -5,22 +5,30 @@ the deployment engine sends)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from test_flower_lib_join import _initial
+from test_flower_verified_rounds import PARTIES, TYPED, _alarms, _certified, _world
 
 from chaos_flwr.charter import AggregationRule
 from chaos_flwr.flower.rule import recompute
+from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
 from chaos_flwr.flower.server.state import certified_state
 from chaos_flwr.flower.updates import (
     SharedArray,
+    copy_update,
     pack_updates,
     unpack_updates,
     update_digest,
     updates_size,
 )
+from chaos_flwr.rounds import Audit, auditors_of
 
 ROUNDS_BASE = 0
 
@@ -126,3 +134,61 @@ def test_an_array_that_is_not_plain_bytes_is_packed_as_it_is() -> None:
     assert SharedArray.of(odd) is odd
     shared = SharedArray.of(Array(np.zeros(2)))
     assert SharedArray.of(shared) is shared
+
+
+def _forged(update: RecordDict, how: str) -> RecordDict:
+    """``update`` with its first array changed: one byte of it (``values``), or its shape (a
+    FedAvg of it fails: ``shape``)."""
+    out = copy_update(update)
+    record = next(r for r in out.values() if isinstance(r, ArrayRecord))
+    name, array = next(iter(record.items()))
+    if how == "values":
+        data = bytearray(array.data)
+        data[-1] ^= 0xFF
+        record[name] = Array(
+            dtype=array.dtype, shape=tuple(array.shape), stype=array.stype, data=bytes(data)
+        )
+    else:
+        record[name] = Array(np.zeros(3, np.float32))
+    return out
+
+
+@pytest.mark.parametrize("how", ["values", "shape"])
+def test_an_auditor_refuses_material_that_is_not_the_committed_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The relay sends the round-1 auditor one forged update: the auditor refuses it as not
+    the committed one (whatever the recomputation, which runs beside the checks, made of
+    it) and signs nothing; the audit asked again with the right material makes round 1
+    final."""
+    honest = RoundProofs.audit_job
+    forged: list[str] = []
+
+    def audit_job(self: RoundProofs, active: Sequence[str]) -> AuditJob | None:
+        job = honest(self, active)
+        if job is not None and not forged:
+            (victim, update), *rest = job.updates
+            forged.append(victim)
+            job = dataclasses.replace(job, updates=((victim, _forged(update, how)), *rest))
+        return job
+
+    monkeypatch.setattr(RoundProofs, "audit_job", audit_job)
+    w = _world(tmp_path)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+    assert _certified(strategy) == [1, 2, 3]
+    r1 = next(r for r in strategy.rounds if r.server_round == 1)
+    (auditor,) = auditors_of(1, r1.members["active"], 1)
+    for p in range(PARTIES):
+        party = w.party(p)
+        want = (
+            [f"ProofError: audit of round 1: the update of {forged[0]} is not the one it committed"]
+            if party.party_id == auditor
+            else []
+        )
+        assert _alarms(party, TYPED) == want
+    audits = strategy.courier.proofs.audits_of(1, r1.digest)  # type: ignore[union-attr]
+    # positive audits only: of the asking again with the right material (the forged one got
+    # nothing signed, not even a negative audit)
+    assert audits and all(Audit.decode(b).ok for b in audits)
+    assert auditor in {Audit.decode(b).party for b in audits}
