@@ -67,6 +67,7 @@ __all__ = [
     "Manifest",
     "TrainingState",
     "from_array_record",
+    "npy_view",
     "shard_range",
     "state_digest",
     "to_array_record",
@@ -621,7 +622,12 @@ def to_array_record(state: TrainingState) -> ArrayRecord:
     return record
 
 
-def _npy_view(data: bytes) -> np.ndarray[Any, Any]:
+#: Bytes of an ``.npy`` payload read to parse its header (a version 1.0 header is at most
+#: 65,545 bytes; a longer one goes through ``numpy.load``).
+NPY_HEAD_BYTES: int = 65_546
+
+
+def npy_view(data: bytes | memoryview) -> np.ndarray[Any, Any]:
     """A read-only array viewing the ``.npy`` bytes ``data`` (no copy of the elements).
 
     Only the header is parsed, with NumPy's own reader (no unpickling); anything but a plain
@@ -632,7 +638,8 @@ def _npy_view(data: bytes) -> np.ndarray[Any, Any]:
 
     from numpy.lib import format as npy
 
-    stream = io.BytesIO(data)
+    head = data if isinstance(data, bytes) else bytes(data[:NPY_HEAD_BYTES])
+    stream = io.BytesIO(head)
     readers = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
     try:
         shape, fortran, dtype = readers[npy.read_magic(stream)](stream)
@@ -666,7 +673,7 @@ def from_array_record(
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     for name, arr in record.items():
         try:
-            arrays[name] = _npy_view(arr.data) if arr.stype == "numpy.ndarray" else arr.numpy()
+            arrays[name] = npy_view(arr.data) if arr.stype == "numpy.ndarray" else arr.numpy()
         except ValueError as exc:  # e.g. an object array, which would need unpickling
             raise DecodeError(
                 f"arrays[{name!r}]: not a plain numpy array ({exc}); object arrays are refused"

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MessageType, Metadata, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MessageType, Metadata, RecordDict
 from flwr.app.message import make_message
+from flwr.common.constant import SType
+from flwr.common.typing import NDArray
 from flwr.serverapp import strategy as flwr_strategies
 from flwr.serverapp.exception import AggregationError, InconsistentMessageReplies
 from flwr.serverapp.strategy import Strategy
@@ -37,7 +39,7 @@ from chaos_flwr.flower.server.state import (
     restore_strategy_state,
     strategy_state_of,
 )
-from chaos_flwr.state import TrainingState
+from chaos_flwr.state import TrainingState, npy_view
 
 __all__ = [
     "RULE_ATOL",
@@ -223,15 +225,40 @@ def check_inner(rule: AggregationRule, inner: Strategy) -> None:
             )
 
 
+class _InPlace(Array):
+    """An update's Array as the rule's strategy reads it: :meth:`numpy` views its ``.npy``
+    bytes in place (read-only; :func:`~chaos_flwr.state.npy_view`) instead of copying them,
+    and its bytes may be a view too (an auditor's material read in place)."""
+
+    @classmethod
+    def of(cls, array: Array) -> Array:
+        out = cls.__new__(cls)
+        out.dtype, out.shape, out.stype = array.dtype, tuple(array.shape), array.stype
+        out.data = array.data
+        return out
+
+    def numpy(self) -> NDArray:
+        if self.stype != SType.NUMPY:
+            return super().numpy()
+        return npy_view(self.data)
+
+
+def _record_copy(record: ArrayRecord) -> ArrayRecord:
+    """A new ArrayRecord of :class:`_InPlace` arrays sharing the record's bytes (set one by
+    one: the constructor would rebuild each Array from ``bytes``)."""
+    out = ArrayRecord()
+    for name, array in record.items():
+        out[name] = _InPlace.of(array)
+    return out
+
+
 def _reply(update: RecordDict, server_round: int, index: int) -> Message:
     """A train reply Message carrying a copy of ``update`` (the strategy's aggregate_train
     reads only the content; FedMedian and FedTrimmedAvg pop arrays from it, so the caller's
     records are copied, not their arrays' bytes)."""
     content = RecordDict()
     for key, record in update.items():
-        content[key] = (
-            ArrayRecord(dict(record.items())) if isinstance(record, ArrayRecord) else record
-        )
+        content[key] = _record_copy(record) if isinstance(record, ArrayRecord) else record
     metadata = Metadata(
         run_id=0,
         message_id=f"recompute-{server_round}-{index}",

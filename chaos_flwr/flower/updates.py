@@ -8,15 +8,19 @@ shape, storage type and bytes, each metric and config value. The trainer signs i
 checks it before it aggregates the update; an auditor checks it before it recomputes.
 
 Audit material (:func:`pack_updates` / :func:`unpack_updates`) rides on the certify message of
-the round to its auditors: the records of update ``i`` under ``chaos-upd.<party>.<key>``.
+the round to its auditors: the records of update ``i`` under ``chaos-upd.<party>.<key>``. Its
+arrays are :class:`SharedArray`: the same bytes, which Flower's simulation engine hands to the
+auditor's ClientApp worker without copying them (see the class).
 """
 
 from __future__ import annotations
 
 import hashlib
+import pickle
 from collections.abc import Mapping, Sequence
+from typing import Any, SupportsIndex
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from chaos_flwr import codec
 from chaos_flwr.errors import DecodeError
@@ -25,6 +29,7 @@ from chaos_flwr.flower.schema import AUDIT_RECORD_PREFIX, CHAOS_RECORD_KEY
 __all__ = [
     "UPDATE_RECORD_PREFIX",
     "WEIGHT_KEY",
+    "SharedArray",
     "copy_update",
     "pack_updates",
     "unpack_updates",
@@ -115,10 +120,64 @@ def updates_size(updates: Sequence[tuple[str, RecordDict]]) -> int:
     return total
 
 
+def _array(dtype: str, shape: tuple[int, ...], stype: str, data: Any) -> Array:
+    """An Array unpickled from :meth:`SharedArray.__reduce_ex__`: its bytes as they came, or a
+    read-only view of the buffer they came out of band in (no copy)."""
+    if isinstance(data, bytes):
+        return Array(dtype=dtype, shape=tuple(shape), stype=stype, data=data)
+    out = Array.__new__(Array)
+    out.dtype, out.shape, out.stype = dtype, tuple(shape), stype
+    out.data = memoryview(data).cast("B").toreadonly()  # type: ignore[assignment]
+    return out
+
+
+class SharedArray(Array):
+    """An :class:`~flwr.app.Array` of audit material whose bytes pickle out of band.
+
+    Flower's simulation engine hands every message to its ClientApp worker process by pickling
+    it (Ray, pickle protocol 5). A plain Array's bytes are pickled in band: copied into the
+    pickle, again into Ray's object store, and again out of it in the worker, which for the
+    n committed updates an auditor is sent is most of what the audit costs (see
+    docs/internals.md, "Verifiable rounds"). This Array hands its bytes over as a
+    :class:`pickle.PickleBuffer`: with a buffer callback (Ray's) they go out of band, written
+    once into the object store and read in place by the worker (a read-only ``memoryview``
+    as :attr:`data`); without one they pickle as bytes and unpickle as a plain Array.
+
+    Anything else is an Array's: the same fields, digest (:func:`update_digest`) and
+    deflated form (its header names ``Array``: the deployment engine's receivers inflate a
+    plain Array from it).
+    """
+
+    __qualname__ = "Array"  # what Flower's deflated header names (and its receivers inflate)
+
+    @classmethod
+    def of(cls, array: Array) -> Array:
+        """``array``'s fields as a SharedArray (its bytes shared, not copied); an Array whose
+        data is not ``bytes`` is returned as it is."""
+        if type(array) is not Array or not isinstance(array.data, bytes):
+            return array
+        return cls(dtype=array.dtype, shape=tuple(array.shape), stype=array.stype, data=array.data)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        """Rebuilt as a plain Array; the bytes out of band with protocol 5 (class docstring)."""
+        data = pickle.PickleBuffer(self.data) if int(protocol) >= 5 else self.data
+        return (_array, (self.dtype, tuple(self.shape), self.stype, data))
+
+
+def _shared(record: ArrayRecord) -> ArrayRecord:
+    out = ArrayRecord()
+    for name, array in record.items():
+        out[name] = SharedArray.of(array)  # item by item: the constructor would copy them
+    return out
+
+
 def pack_updates(updates: Sequence[tuple[str, RecordDict]], into: RecordDict) -> None:
-    """Put the updates ``(party, content)`` into a message's RecordDict as audit material."""
+    """Put the updates ``(party, content)`` into a message's RecordDict as audit material
+    (their arrays as :class:`SharedArray`, sharing the updates' bytes)."""
     for party, content in updates:
         for key, record in update_records(content).items():
+            if isinstance(record, ArrayRecord):
+                record = _shared(record)
             into[f"{UPDATE_RECORD_PREFIX}{party}.{key}"] = record
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -392,7 +393,13 @@ def _recompute(
     commits: list[Commitment],
     updates: dict[str, RecordDict],
 ) -> tuple[bool, bytes]:
-    """Recompute the round's aggregate with the charter's rule; ``(right?, digest)``."""
+    """Recompute the round's aggregate with the charter's rule; ``(right?, digest)``.
+
+    Every update is checked against its commitment; the checks (hashing, in a worker thread)
+    and the recomputation (numpy, this thread) run side by side, and no verdict is given
+    before every check passed: an update that is not the one committed is refused as such,
+    whatever the recomputation made of it.
+    """
     from chaos_flwr.flower.rule import recompute, states_match
 
     charter: Any = getattr(party.peer, "charter", None)
@@ -404,14 +411,27 @@ def _recompute(
         content = updates.get(c.party)
         if content is None:
             raise ProofError(f"audit of round {proof.round}: the update of {c.party} is missing")
-        if update_digest(content) != c.update:
-            raise ProofError(
-                f"audit of round {proof.round}: the update of {c.party} is not the one it committed"
-            )
         ordered.append(content)
-    base = _base_state(party, proof.base_round, proof.base_digest)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="chaos-audit") as pool:
+        checks = pool.submit(_check_updates, proof.round, commits, ordered)
+        try:
+            base = _base_state(party, proof.base_round, proof.base_digest)
+            result = recompute(policy.rule, base, proof.round, ordered)
+        except Exception:
+            checks.result()  # a forged update is refused as one, not by what it made fail
+            raise
+        checks.result()
     mine = party.held_state
-    result = recompute(policy.rule, base, proof.round, ordered)
     if result.digest() == proof.digest:
         return True, proof.digest
     return (mine is not None and states_match(result, mine)), result.digest()
+
+
+def _check_updates(round_: int, commits: list[Commitment], ordered: list[RecordDict]) -> None:
+    """Each update is the one its commitment names (:class:`ProofError` for the first that
+    is not)."""
+    for c, content in zip(commits, ordered, strict=True):
+        if update_digest(content) != c.update:
+            raise ProofError(
+                f"audit of round {round_}: the update of {c.party} is not the one it committed"
+            )
