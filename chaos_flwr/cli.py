@@ -774,14 +774,17 @@ def bench_flower_overhead(
     as_json: bool = typer.Option(False, "--json/--no-json", help="Print all figures as JSON."),
     supernodes: int = typer.Option(5, help="SuperNodes (parties) of every run."),
     audits: bool = typer.Option(
-        False, "--audits", help="Chaos with audits off, 1 auditor and all (no FedAvg runs)."
+        False,
+        "--audits",
+        help="Chaos unverified, with audits off (0 auditors), 1 auditor and all (no FedAvg runs).",
     ),
 ) -> None:
     """ChaosStrategy over plain FedAvg: round time, time to accuracy, ClientApp work per round,
     trainers per round, accuracy and replica disk (a table, or JSON with --json).
 
-    With --audits: Chaos alone with audits off, 1 auditor and all, interleaved per repeat:
-    round time and its ratio over audits off, time to accuracy, rounds certified, audit bytes.
+    With --audits: Chaos alone, unverified (no charter rule), with audits off (the rule, 0
+    auditors), 1 auditor and all, interleaved per repeat: round time and its ratio over audits
+    off, time to accuracy, rounds certified, audit bytes.
     """
     from chaos_flwr.errors import ConfigError
     from chaos_flwr.lab.overhead import (

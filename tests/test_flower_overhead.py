@@ -359,6 +359,7 @@ def test_audit_figures_are_medians_over_repeats_with_ratios_over_audits_off() ->
     reps = []
     for off_wall, slow in ((2.0, 1.05), (4.0, 1.25), (2.0, 1.15)):
         runs = {
+            "unverified": _audit_run(off_wall / 1.1, [0.5, 0.7, 0.8], [0, 0, 0]),
             "off": _audit_run(off_wall, [0.5, 0.7, 0.8], [0, 0, 0]),
             "1": _audit_run(off_wall * slow, [0.5, 0.8, 0.8], [0, 300, 500]),
             "all": _audit_run(off_wall * 2, [0.5, 0.7, 0.8], [0, 1500, 2500]),
@@ -375,11 +376,13 @@ def test_audit_figures_are_medians_over_repeats_with_ratios_over_audits_off() ->
     assert fig["ratio_runs"]["audit1_round_ratio"] == pytest.approx([1.05, 1.25, 1.15])
     assert fig["modes"]["all"]["audit_bytes_per_round"] == 2000
     assert fig["modes"]["off"]["median_round_s"] == 2.0
+    assert fig["verified_round_ratio"] == pytest.approx(1.1)  # what commitments cost
     fig |= {"engine": "simulation", "model_bytes": 64, "rounds": 3, "supernodes": 5}
     fig |= {"repeats": 3, "poll_interval_s": 0.1, "loadavg": {"before": 1.0, "after": 2.0}}
     lines = audits_table(fig).splitlines()
-    assert [ln.split()[0] for ln in lines[2:]] == ["off", "1", "all"]
-    assert lines[3].split()[2] == "1.150" and lines[4].split()[6] == "2000"
+    assert [ln.split()[0] for ln in lines[2:]] == ["unverified", "off", "1", "all"]
+    assert lines[2].split()[2] == "0.909" and lines[3].split()[2] == "1.000"
+    assert lines[4].split()[2] == "1.150" and lines[5].split()[6] == "2000"
 
 
 def test_a_mode_that_left_a_round_uncertified_gets_no_round_ratio() -> None:
@@ -391,6 +394,7 @@ def test_a_mode_that_left_a_round_uncertified_gets_no_round_ratio() -> None:
     stalled["rounds_certified"], stalled["attempts"] = 1, 3
     stalled["every_round_certified"] = False
     runs = {
+        "unverified": _audit_run(2.0, [0.5, 0.7, 0.8], [0, 0, 0]),
         "off": _audit_run(2.0, [0.5, 0.7, 0.8], [0, 0, 0]),
         "1": _audit_run(2.1, [0.5, 0.7, 0.8], [0, 300, 300]),
         "all": stalled,
@@ -404,7 +408,7 @@ def test_a_mode_that_left_a_round_uncertified_gets_no_round_ratio() -> None:
     fig |= {"engine": "simulation", "model_bytes": 64, "rounds": 3, "supernodes": 20}
     fig |= {"repeats": 1, "poll_interval_s": 0.1, "loadavg": {"before": 1.0, "after": 2.0}}
     lines = audits_table(fig).splitlines()
-    assert lines[4].split()[2] == "-" and lines[4].split()[3] == "never"
+    assert lines[5].split()[2] == "-" and lines[5].split()[3] == "never"
     assert "uncertified" in lines[-1] and "'all'" in lines[-1]
 
 

@@ -12,12 +12,15 @@ same Grid wrapper in both modes; deployment: ClientApp processes the SuperNodes 
 one per message), the fewest trainers in any round, the final accuracies and the bytes the
 parties' replicas hold on disk after a Chaos run.
 
-With ``audits`` the bench measures Chaos alone, three ways interleaved per repeat (audits off:
-a charter without a ``rounds`` section; 1 rota auditor; ``all`` auditors: charters from
-``make_federation(rounds=fedavg_rounds(...))``, the same keys), and reports per mode the
-median round time, time to the off run's final accuracy, final accuracy, rounds certified,
-audit bytes per round (from the ServerApp's progress lines) and ClientApp messages per round,
-with the round time ratios of 1 and ``all`` auditors over audits off.
+With ``audits`` the bench measures Chaos alone, four ways interleaved per repeat
+(``unverified``: a charter without a ``rounds`` section, so no commitments either; audits
+``off``: the FedAvg rule with 0 auditors, so commitments and certify proofs but no audit;
+1 rota auditor; ``all`` auditors: charters from ``make_federation(rounds=fedavg_rounds(...))``,
+the same keys), and reports per mode the median round time, time to the off run's final
+accuracy, final accuracy, rounds certified, audit bytes per round (from the ServerApp's
+progress lines) and ClientApp messages per round, with the round time ratios of 1 and
+``all`` auditors over audits off (the same verified run without audits) and of audits off
+over unverified (what commitments and proofs cost).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.example import example_dir
@@ -62,8 +65,9 @@ __all__ = [
 
 ENGINES = ("simulation", "deployment")
 MODES = ("fedavg", "chaos")
-#: The audit bench's modes: no ``rounds`` section in the charter, 1 rota auditor, all of them.
-AUDIT_MODES = ("off", "1", "all")
+#: The audit bench's modes: no ``rounds`` section in the charter, the FedAvg rule with 0
+#: auditors, 1 rota auditor, all of them.
+AUDIT_MODES = ("unverified", "off", "1", "all")
 MIB = 1 << 20
 #: The example's MLP (64 -> h -> h -> 10, float32): parameters = h^2 + (64 + 1 + 1 + 10) h + 10.
 _IN, _OUT, _FLOAT_BYTES = 64, 10, 4
@@ -416,8 +420,11 @@ def summary_table(fig: Mapping[str, Any]) -> str:
 
 
 # -- audits off / 1 auditor / all ----------------------------------------------------------------
-#: JSON key of each audit mode's round time ratio over audits off.
+#: JSON key of each mode's round time ratio over audits off (for ``off``: unverified over
+#: it, the inverse of what commitments and proofs cost; see :func:`audit_medians`).
 AUDIT_RATIO_KEYS = {"1": "audit1_round_ratio", "all": "audit_all_round_ratio"}
+#: JSON key of the round time ratio of audits off over unverified.
+VERIFIED_RATIO_KEY = "verified_round_ratio"
 #: Per-mode figures the audit bench reports as medians over the repeats.
 AUDIT_MEDIAN_KEYS = (
     "median_round_s",
@@ -431,15 +438,16 @@ AUDIT_MEDIAN_KEYS = (
 
 
 def measure_audits(spec: OverheadSpec) -> dict[str, Any]:
-    """Run Chaos with audits off, 1 auditor and ``all``, interleaved per repeat.
+    """Run Chaos unverified, with audits off, 1 auditor and ``all``, interleaved per repeat.
 
     Returns
     -------
     dict
-        Per mode (``modes``: ``off``, ``1``, ``all``) the medians over the repeats of
-        :data:`AUDIT_MEDIAN_KEYS` (time to accuracy: to the off run's final accuracy of the
-        same repeat); ``audit1_round_ratio`` and ``audit_all_round_ratio`` (medians of the
-        per-repeat ratios of median round times over audits off), ``repeats_figures`` (each
+        Per mode (``modes``: ``unverified``, ``off``, ``1``, ``all``) the medians over the
+        repeats of :data:`AUDIT_MEDIAN_KEYS` (time to accuracy: to the off run's final
+        accuracy of the same repeat); ``audit1_round_ratio`` and ``audit_all_round_ratio``
+        (medians of the per-repeat ratios of median round times over audits off),
+        ``verified_round_ratio`` (audits off over unverified), ``repeats_figures`` (each
         repeat's per-mode figures), ``model_bytes`` and ``loadavg`` (1-minute, before and after).
     """
     if not spec.audits:
@@ -476,7 +484,8 @@ def _audit_keys(tmp: Path, spec: OverheadSpec, mode: str) -> Path:
     ``rounds`` section (none for ``off``)."""
     from chaos_flwr.flower.keys import fedavg_rounds, make_federation
 
-    rounds = None if mode == "off" else fedavg_rounds(1 if mode == "1" else "all")
+    counts: dict[str, int | Literal["all"]] = {"off": 0, "1": 1, "all": "all"}
+    rounds = None if mode == "unverified" else fedavg_rounds(counts[mode])
     n = spec.num_supernodes
     return make_federation(tmp / f"keys-{mode}", n, founders=n, seed="overhead", rounds=rounds)
 
@@ -549,7 +558,8 @@ def audit_repeat_figures(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dic
 
 
 def audit_medians(reps: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
-    """Medians over the repeats: per mode, and the ratios over audits off.
+    """Medians over the repeats: per mode, the ratios over audits off, and audits off over
+    unverified (``verified_round_ratio``).
 
     A ratio is ``None`` when a run of either mode left a round uncertified (its round times
     then include retries and are not comparable); ``ratio_runs`` keeps the measured values and
@@ -567,6 +577,10 @@ def audit_medians(reps: Sequence[Mapping[str, Mapping[str, Any]]]) -> dict[str, 
         for mode, name in AUDIT_RATIO_KEYS.items()
     }
     runs = {name: [r[mode]["round_ratio"] for r in reps] for mode, name in AUDIT_RATIO_KEYS.items()}
+    runs[VERIFIED_RATIO_KEY] = [1.0 / r["unverified"]["round_ratio"] for r in reps]
+    ratios[VERIFIED_RATIO_KEY] = (
+        None if {"unverified", "off"} & set(incomplete) else _median(runs[VERIFIED_RATIO_KEY])
+    )
     return {"modes": modes, **ratios, "ratio_runs": runs, "incomplete": incomplete}
 
 
@@ -578,14 +592,18 @@ def audits_table(fig: Mapping[str, Any]) -> str:
         f"poll={fig['poll_interval_s']} s load {fig['loadavg']['before']:.2f} -> "
         f"{fig['loadavg']['after']:.2f}"
     )
-    cols = "mode  round_s  ratio  tta_s   acc    certified  audit_B/rnd  auditors  clientapp/rnd"
+    cols = (
+        "mode        round_s  ratio  tta_s   acc    certified  audit_B/rnd  auditors  clientapp/rnd"
+    )
     lines = [head, cols]
     ratio = {"off": 1.0, **{m: fig[k] for m, k in AUDIT_RATIO_KEYS.items()}}
+    verified = fig.get(VERIFIED_RATIO_KEY)
+    ratio["unverified"] = None if not verified else 1.0 / verified
     for mode in AUDIT_MODES:
         m = fig["modes"][mode]
         tta = m["time_to_accuracy_s"]
         lines.append(
-            f"{mode:<4} {_num(m['median_round_s'], 3):>8} {_num(ratio[mode], 3):>6} "
+            f"{mode:<10} {_num(m['median_round_s'], 3):>8} {_num(ratio[mode], 3):>6} "
             f"{'never' if tta is None else f'{tta:.2f}':>6} {_num(m['final_accuracy'], 3):>6} "
             f"{_num(m['rounds_certified'], 0):>10} {_num(m['audit_bytes_per_round'], 0):>12} "
             f"{_num(m['auditors_per_round'], 0):>9} {_num(m['clientapp_per_round'], 0):>14}"
