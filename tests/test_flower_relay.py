@@ -103,6 +103,10 @@ def test_envelopes_for_unbound_party_wait_until_it_shows_up() -> None:
         ({"party": "a", "to": [1], "env": [b"x"]}, "to"),
         ({"party": "a", "receipt-round": "1"}, "receipt-round"),
         ({"party": "a", "receipt-digest": "x"}, "receipt-digest"),
+        ({"party": "a", "held-bytes": True}, "held-bytes"),
+        ({"party": "a", "held-bytes": "10"}, "held-bytes"),
+        ({"party": "a", "held-bytes": -2}, "held-bytes"),
+        ({"party": "a", "held-bytes": 1 << 40}, "held-bytes"),
     ],
 )
 def test_malformed_party_records_are_refused_naming_the_field(
@@ -337,3 +341,16 @@ def test_a_queue_full_of_given_back_envelopes_still_takes_new_ones() -> None:
     r.enqueue("b", b"new", sender="c")  # the oldest given-back envelope makes room
     assert r.dropped == 1 and r.pending("b") == 3
     assert r.take(2) == [b"\x01", b"\x02", b"new"]
+
+
+def test_a_told_state_size_is_kept_per_node_and_the_most_told_is_the_hint() -> None:
+    from chaos_flwr.flower.server.resume import size_hint
+
+    r = Relay()
+    r.absorb(4, ConfigRecord({"party": "a", "held-bytes": 900}))
+    r.absorb(5, ConfigRecord({"party": "b"}))  # told none: no entry
+    assert r.held_bytes == {4: 900} and read_party_record(ConfigRecord({})).held_bytes == -1
+    assert size_hint({1: 10, 2: 20, 3: 20}, [1, 2, 3]) == 20  # the most told
+    assert size_hint({1: 10, 2: 20}, [1, 2]) == 10  # a tie: the smallest
+    assert size_hint({1: 10, 2: 20}, [2, 9]) == 20  # only the given nodes count
+    assert size_hint({1: 10}, [2]) is None

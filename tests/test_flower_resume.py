@@ -207,9 +207,35 @@ def test_a_server_killed_mid_certify_resumes_at_the_killed_round(tmp_path: Path,
     assert second.last_pull is not None
     sharing = [h for h, b in second.last_pull.shares.items() if b > 0]
     assert len(sharing) == 1 if k == 1 else len(sharing) >= 2  # all holders at once
+    # the hello told the state's size: the pull asked the manifest at once, then the shards
+    assert second.last_pull.exchanges == 2
     # the parties that missed the killed round's certify pulled it from its holders
     assert sorted(j.party for j in hello.joins) == sorted(w.fed.party_ids[p] for p in range(k, N))
     assert all(j.ok and j.digest == killed_digest for j in hello.joins)
+    _check_goes_on(w, second, hello, KILL_ROUND + 1)
+
+
+def test_a_wrong_size_told_in_the_hello_costs_one_exchange_not_the_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.flower.server import resume
+
+    w = World(tmp_path)
+    killed_digest = w.kill_mid_certify(N - 1)
+    told: list[int | None] = []
+    true_hint = resume.size_hint
+
+    def wrong(sizes: Any, nodes: Any) -> int | None:
+        told.append(true_hint(sizes, nodes))
+        return (told[-1] or 0) + 4096  # a lie (or a stale hint): the holders' own sizes win
+
+    monkeypatch.setattr(resume, "size_hint", wrong)
+    second = w.strategy()
+    second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    hello = second.rounds[0]
+    assert told and told[0] == len(w.party(0).held_state.to_bytes())  # the true size was told
+    assert hello.server_round == KILL_ROUND and hello.digest == killed_digest
+    assert second.last_pull is not None and second.last_pull.exchanges == 3  # asked again
     _check_goes_on(w, second, hello, KILL_ROUND + 1)
 
 

@@ -90,6 +90,8 @@ class Relay:
     party_of: dict[int, str] = field(default_factory=dict)
     dropped: int = 0
     routed: int = 0
+    #: node id -> the size of the state its party holds, as it last told (a pull's hint)
+    held_bytes: dict[int, int] = field(default_factory=dict)
     # receiver -> sender -> its envelopes; and receiver -> envelopes given back (served first)
     _queues: dict[str, dict[str, deque[bytes]]] = field(default_factory=dict)
     _returned: dict[str, deque[bytes]] = field(default_factory=dict)
@@ -171,6 +173,8 @@ class Relay:
         reply = read_party_record(record)
         if reply.party:
             self.bind(reply.party, node_id)
+        if reply.held_bytes >= 0:
+            self.held_bytes[node_id] = reply.held_bytes
         for to, data in reply.outgoing:
             self.enqueue(to, data, sender=reply.party or None)
         return reply

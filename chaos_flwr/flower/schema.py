@@ -27,6 +27,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from chaos_flwr.defaults import FLOWER_JOIN_MIN_SHARD_BYTES
 from chaos_flwr.errors import DecodeError
+from chaos_flwr.pull.negotiation import PULL_MAX_STATE_BYTES
 
 __all__ = [
     "AUDIT_RECORD_PREFIX",
@@ -95,6 +96,9 @@ class PartyReply:
     receipt_round, receipt_digest, receipt:
         The party's receipt for the state it holds: round, digest, and the signed receipt
         blob (empty when the party has no identity: such a receipt is *unsigned*).
+    held_bytes:
+        Size of the held state's bytes, sent on a run's first message to the party (a hint
+        that spares a resume's pull its size step; -1: not sent).
     """
 
     party: str
@@ -102,6 +106,7 @@ class PartyReply:
     receipt_round: int
     receipt_digest: bytes
     receipt: bytes
+    held_bytes: int = -1
 
 
 def read_party_record(record: ConfigRecord) -> PartyReply:
@@ -124,10 +129,19 @@ def read_party_record(record: ConfigRecord) -> PartyReply:
         raise DecodeError("chaos record field 'receipt-round' must be an int")
     if not isinstance(dig, bytes) or not isinstance(rec, bytes):
         raise DecodeError("chaos record fields 'receipt-digest' and 'receipt' must be bytes")
+    size = record.get("held-bytes", -1)
+    if (
+        isinstance(size, bool)
+        or not isinstance(size, int)
+        or not -1 <= size <= PULL_MAX_STATE_BYTES
+    ):
+        raise DecodeError(
+            f"chaos record field 'held-bytes' must be an int in [0, {PULL_MAX_STATE_BYTES}]"
+        )
     pairs = tuple(
         (t, e) for t, e in zip(to, env, strict=True) if isinstance(t, str) and isinstance(e, bytes)
     )
-    return PartyReply(party, pairs, rnd, dig, rec)
+    return PartyReply(party, pairs, rnd, dig, rec, size)
 
 
 def party_record(

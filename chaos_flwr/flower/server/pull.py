@@ -110,7 +110,11 @@ class RelayAsker:
 
 
 def pull_state(
-    ask: RelayAsker, holders: Sequence[tuple[int, str]], *, min_shard_bytes: int
+    ask: RelayAsker,
+    holders: Sequence[tuple[int, str]],
+    *,
+    min_shard_bytes: int,
+    total_hint: int | None = None,
 ) -> tuple[ArrayRecord, PullReport]:
     """Pull the state certified as ``(ask.server_round, ask.digest)`` from ``holders`` at once.
 
@@ -127,6 +131,10 @@ def pull_state(
         ``(node id, party id)`` of parties whose verified receipts name that state.
     min_shard_bytes:
         Smallest shard of the plan.
+    total_hint:
+        The state's size in bytes as the holders told it (their hello replies), or ``None``:
+        with it the pull skips its size step (the manifest is asked at once; a holder whose
+        size differs says so and the shape is planned again).
 
     Raises
     ------
@@ -139,7 +147,7 @@ def pull_state(
     party_of = {node: party for node, party in holders}
     pull = PullNegotiation(
         ask.server_round, ask.digest, [p for _, p in holders], min_shard_bytes=min_shard_bytes,
-        direct=False,
+        total_hint=total_hint, direct=False,
     )  # fmt: skip
     decision = pull.start(ask.clock())
     for _ in range(FLOWER_RESUME_MAX_EXCHANGES):

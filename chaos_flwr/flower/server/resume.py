@@ -1,16 +1,18 @@
 """Resume: a restarted ServerApp rebuilds the newest certified state from the parties' replicas.
 
 It keeps no checkpoint of its own. It says hello to every party (their replies carry their
-signed receipts), picks the newest ``(round, digest)`` enough *verified* receipts name, and
-pulls that state in planner-sized shares from all its holders at once
-(:func:`chaos_flwr.flower.pull.pull_state`). Whatever it resumes from, it goes on above the
+signed receipts and the size of the state each holds), picks the newest ``(round, digest)``
+enough *verified* receipts name, and pulls that state in planner-sized shares from all its
+holders at once (:func:`chaos_flwr.flower.server.pull.pull_state`; the told size spares the
+pull its size step). Whatever it resumes from, it goes on above the
 newest round any party signed, so no round number is ever certified twice.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO, WARNING
 
@@ -24,7 +26,17 @@ from chaos_flwr.flower.server.logs import RoundLog
 from chaos_flwr.flower.server.pull import PullReport, RelayAsker, pull_state
 from chaos_flwr.flower.server.settings import ResumeSettings
 
-__all__ = ["Resumed", "Resumer"]
+__all__ = ["Resumed", "Resumer", "size_hint"]
+
+
+def size_hint(told: Mapping[int, int], nodes: Sequence[int]) -> int | None:
+    """The state size most of ``nodes`` told (the smallest of the most told sizes; ``None``
+    when none told one): the resume pull's hint, so it asks no sizes first."""
+    counts = Counter(told[n] for n in nodes if n in told)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(size for size, c in counts.items() if c == top)
 
 
 @dataclass
@@ -151,7 +163,10 @@ class Resumer:
                 grid, rnd, dig, courier.phases.deadline(timeout), courier.phases.poll_interval_s,
                 self.clock, self.sleep, lambda n, m: courier.absorb(n, m, {}, hello),
             )  # fmt: skip
-            arrays, report = pull_state(ask, holders, min_shard_bytes=self.settings.min_shard_bytes)
+            arrays, report = pull_state(
+                ask, holders, min_shard_bytes=self.settings.min_shard_bytes,
+                total_hint=size_hint(courier.relay.held_bytes, nodes),
+            )  # fmt: skip
         except ChaosError as exc:
             log(WARNING, "Chaos: pulling round %d from its holders failed: %s", rnd, exc)
             return False
