@@ -420,8 +420,7 @@ def summary_table(fig: Mapping[str, Any]) -> str:
 
 
 # -- audits off / 1 auditor / all ----------------------------------------------------------------
-#: JSON key of each mode's round time ratio over audits off (for ``off``: unverified over
-#: it, the inverse of what commitments and proofs cost; see :func:`audit_medians`).
+#: JSON key of each auditing mode's round time ratio over audits off.
 AUDIT_RATIO_KEYS = {"1": "audit1_round_ratio", "all": "audit_all_round_ratio"}
 #: JSON key of the round time ratio of audits off over unverified.
 VERIFIED_RATIO_KEY = "verified_round_ratio"
@@ -481,7 +480,7 @@ def measure_audits(spec: OverheadSpec) -> dict[str, Any]:
 
 def _audit_keys(tmp: Path, spec: OverheadSpec, mode: str) -> Path:
     """The federation of one audit mode: the same seeded keys, a charter with the mode's
-    ``rounds`` section (none for ``off``)."""
+    ``rounds`` section (none for ``unverified``, 0 auditors for ``off``)."""
     from chaos_flwr.flower.keys import fedavg_rounds, make_federation
 
     counts: dict[str, int | Literal["all"]] = {"off": 0, "1": 1, "all": "all"}
