@@ -17,7 +17,7 @@ from chaos_flwr.pull.messages import read_request
 from chaos_flwr.pull.messages import serve as serve_message
 from chaos_flwr.state import TrainingState
 
-__all__ = ["DonorParty", "held_bytes", "serve", "serve_request"]
+__all__ = ["DonorParty", "serve", "serve_request"]
 
 
 class DonorParty(Protocol):
@@ -39,22 +39,14 @@ def serve(party: DonorParty, record: ConfigRecord, request: ConfigRecord) -> Con
         return None
     if record.get("round") != party.held_round or record.get("digest") != party.held_digest:
         return None
-    try:
-        return serve_request(held_bytes(party), request, direct_addr=party.direct_addr)
-    except ChaosError as exc:
-        party.errors.append(f"{type(exc).__name__}: {exc}")
-        return None
-
-
-def held_bytes(party: DonorParty) -> bytes:
-    """The bytes a pull of the held state serves (cached per round; a party holding nothing
-    has none)."""
-    if party.held_state is None:
-        return b""
     if party._bytes_round != party.held_round:
         party._bytes = party.held_state.to_bytes()
         party._bytes_round = party.held_round
-    return party._bytes
+    try:
+        return serve_request(party._bytes, request, direct_addr=party.direct_addr)
+    except ChaosError as exc:
+        party.errors.append(f"{type(exc).__name__}: {exc}")
+        return None
 
 
 def serve_request(

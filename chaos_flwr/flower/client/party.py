@@ -476,8 +476,8 @@ class Party(VerifiedRounds):
             self.audits_out.clear()
         if record is not None and record.get("sync"):
             out["audits-held"] = self.audits_of_held() + self.refutations
-            if not self.left and self.held_round >= 0:  # a resume's pull skips asking sizes
-                out["held-bytes"] = len(donor.held_bytes(self))
+            if not self.left and self.held_state is not None:  # a resume's pull asks no sizes
+                out["held-bytes"] = self.held_state.serialized_size()
         if len(self.evidence) > self._evidence_sent:
             out["evidence"] = [ev.encode() for ev in self.evidence]
             self._evidence_sent = len(self.evidence)
