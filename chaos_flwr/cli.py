@@ -913,15 +913,70 @@ def bench_long_run(
         )
 
 
+@app.command("party")
+def party_daemon(
+    key: Annotated[Path, typer.Option(help="The party's key file (its chaos-key).")],
+    charter: Annotated[Path, typer.Option(help="The federation's charter (its chaos-charter).")],
+    state_dir: Annotated[
+        Path, typer.Option(help="The party's state directory (its chaos-state-dir).")
+    ],
+    listen: Annotated[
+        str, typer.Option(help="host:port to serve direct links on, e.g. 0.0.0.0:9300.")
+    ],
+) -> None:
+    """Run an institution's party daemon beside its SuperNode (until SIGTERM or Ctrl-C).
+
+    It serves the party's replicas to the federation's active members over mutually
+    authenticated, encrypted links. Set the SuperNode's node_config chaos-direct-addr to the
+    address the other institutions reach this one at; the party signs it in its endpoint
+    record. See docs/deployment.md for a systemd unit.
+    """
+    import logging
+    import signal
+    import threading
+
+    from chaos_flwr.charter import load_charter
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.flower.daemon import serve_party
+    from chaos_flwr.flower.direct import on_signals
+    from chaos_flwr.identity import Identity
+    from chaos_flwr.membership import parse_address
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        parse_address(listen)
+        ident = Identity.load(key)
+        verified = load_charter(charter)
+    except ChaosError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read the key or charter: {exc}") from None
+    stop = threading.Event()
+    restore = on_signals(stop, [signal.SIGTERM, signal.SIGINT])
+    try:
+        server = serve_party(state_dir, ident, verified, listen, stop=stop, say=typer.echo)
+    except ChaosError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        restore()
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(server.refusals().items())) or "none"
+    typer.echo(
+        f"stopped: {server.requests_served} requests, {server.bytes_served} bytes served; "
+        f"refused: {refused}"
+    )
+
+
 @app.command("serve-replica")
 def serve_replica(
     state_dir: str = typer.Option(..., help="The party's state directory (its chaos-state-dir)."),
     listen: str = typer.Option(..., help="Loopback host:port to serve on, e.g. 127.0.0.1:9300."),
 ) -> None:
-    """Serve a party's stored replicas to joiners over a direct grpc link (until SIGTERM).
+    """Serve an unsigned party's replicas over a legacy, unauthenticated loopback link.
 
-    Run one per SuperNode whose node_config sets chaos-direct-addr to the same address: Flower
-    starts a ClientApp process per message, so the server must live in its own process.
+    For unsigned (test) runs only; a signed party runs ``chaos-flwr party``. Run one per
+    SuperNode whose node_config sets chaos-direct-addr to the same address: Flower starts a
+    ClientApp process per message, so the server must live in its own process.
     """
     import signal
     import threading

@@ -106,6 +106,9 @@ FLOWER_CHAOS_TTL_PHASES: float = 2.0
 #: (the largest request/reply: LINK_* below; the probe's size is chaos_flwr.pull.negotiation's).
 FLOWER_DIRECT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "[::1]")
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
+#: How long a ClientApp waits to connect to its own ``chaos-direct-addr`` to see whether the
+#: party daemon serves there (a loopback or local connect answers in well under a millisecond).
+FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
 #: node_config key of a party's direct replica server address (optional, ``127.0.0.1:PORT``).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"

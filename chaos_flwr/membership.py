@@ -1298,6 +1298,10 @@ class RecordSet:
         """The view's entry for ``party_id`` (cheap; no full view built)."""
         return self._members.get(party_id)
 
+    def endpoint_record(self, party_id: str) -> Record | None:
+        """The newest endpoint record held of ``party_id`` (any incarnation; ``None``: none)."""
+        return self._endpoint.get(party_id)
+
     def endpoint(self, party_id: str) -> EndpointInfo | None:
         """The endpoint a dialler may use for ``party_id``: from its held (verified) endpoint
         record, only while it is an active member at exactly the record's incarnation."""

@@ -101,6 +101,7 @@ from .membership import (
     RecordSet,
     SignatureCache,
     View,
+    endpoint_body,
     join_body,
     leave_body,
     validate_record,
@@ -390,6 +391,37 @@ class Peer(PeerCore):
             If there is no up link between this party and ``other``.
         """
         return self._linking.disconnect(other, now)
+
+    def announce_endpoint(self, address: str, cert: bytes, now: float) -> list[Outgoing]:
+        """Announce where this party serves direct links: a signed endpoint record.
+
+        The record names ``address`` (``host:port``, any host) and ``cert`` (the DER of its
+        link serve certificate, :class:`chaos_flwr.transport.tls.LinkCredentials`); it
+        supersedes this incarnation's earlier endpoint (a higher ``seq``) and is broadcast to
+        the active members. Nothing is signed when the view already holds this very endpoint.
+
+        Raises
+        ------
+        PolicyError
+            If this party is not an active member.
+        DecodeError
+            If ``address`` or ``cert`` is malformed (as a receiver would refuse it).
+        """
+        if not self.is_member:
+            raise PolicyError(f"party {self.party_id} is not an active member; no endpoint")
+        held = self.records.endpoint_record(self.party_id)
+        seq = 1
+        if held is not None and held.body["incarnation"] == self.incarnation:
+            seq = int(held.body["seq"]) + 1
+        fed = self.policy.federation
+        body = endpoint_body(fed, self.party_id, self.incarnation, seq, address, cert)
+        if held is not None and seq > 1:
+            same = ("host", "port", "cert")
+            if all(held.body[k] == body[k] for k in same):
+                return []
+        record, out = self._broadcast_own(self.records.active(), body, {}, now)
+        self._apply([record], now, validated=True)
+        return out
 
     # --- driving -----------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from chaos_flwr.flower.client import (
     forget_party,
     party_for,
 )
-from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
+from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
 from chaos_flwr.flower.server import (
     ChaosStrategy,
     JoinLog,
@@ -609,11 +609,24 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
             w.add(p, **extra)
         joiner: dict[str, FakeNode] = {}
         w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
-        # the ServerApp learns of direct links from a pull only (not yet from signed endpoints)
-        strategy = w.strategy(joins=JoinSettings(source="peers"))
+        # the default source: the ServerApp sees the donors' signed endpoint records and has
+        # the joiner pull from them instead of sending the state itself
+        strategy = w.strategy()
         strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+        from chaos_flwr.flower.direct import _SERVERS
+
+        servers = dict(_SERVERS)
     finally:
         stop_servers()
+    # both donors served over authenticated links, each under the endpoint it signed
+    assert len(servers) == 2 and all(s.link is not None for s in servers.values())
+    view = strategy.courier.view
+    assert view is not None
+    for p in (0, 1):
+        ep = view.records.endpoint(w.pid(p))
+        assert ep is not None and ep.address in servers
+        assert ep.cert == servers[ep.address].link.creds.serve_cert_der
+    assert view.records.endpoint(w.pid(2)) is None  # relay-only: announced nothing
     jp = w.pid(3)
     ((rlog, join),) = _joins(strategy, jp)
     assert join.ok and join.digest == rlog.digest
@@ -629,3 +642,95 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     assert pulled.digest() == join.digest
     n = joiner["n"].node_id
     assert all(n in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)
+
+
+def _start_daemon(w: World, partition: int, addr: str) -> Any:
+    """A real ``chaos-flwr party`` process for ``partition`` (its first line read)."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chaos_flwr.cli", "party", "--key",
+         str(key_path(w.keys, partition)), "--charter", str(charter_path(w.keys)),
+         "--state-dir", str(w.state_root / f"party-{partition}"), "--listen", addr],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    assert line.startswith(f"serving {addr} as {w.pid(partition)} (link certificate "), line
+    return proc
+
+
+def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # two founders run the party daemon (a real process each, as on the deployment engine);
+    # their ClientApps sign the daemon's address and certificate into endpoint records, and a
+    # joiner pulls from both daemons over mutual TLS; outsiders are refused with typed errors
+    import signal
+
+    from chaos_flwr.errors import NotMemberError, StoreError
+    from chaos_flwr.flower.linkfile import read_link_file
+    from chaos_flwr.identity import Identity
+    from chaos_flwr.transport.links import LinkDialer
+    from chaos_flwr.transport.tls import LinkCredentials
+
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    w = World(tmp_path, 4)
+    addrs = {p: f"127.0.0.1:{_free_port()}" for p in (0, 1)}
+    daemons = {p: _start_daemon(w, p, a) for p, a in addrs.items()}
+    try:
+        for p in range(3):
+            w.add(p, **({"chaos-direct-addr": addrs[p]} if p in addrs else {}))
+        joiner: dict[str, FakeNode] = {}
+        w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
+        strategy = w.strategy()
+        strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+        ((rlog, join),) = _joins(strategy, w.pid(3))
+        assert join.ok and join.digest == rlog.digest
+        donors = {w.pid(0), w.pid(1)}
+        assert set(join.direct_bytes) == donors and join.direct_failed == []
+        view = strategy.courier.view
+        assert view is not None
+        for p, addr in addrs.items():  # the endpoint pins the daemon's own certificate
+            ep = view.records.endpoint(w.pid(p))
+            creds = read_link_file(w.state_root / f"party-{p}")
+            assert ep is not None and ep.address == addr and creds is not None
+            assert ep.cert == creds.serve_cert_der
+
+        async def dial(creds: LinkCredentials, req: bytes) -> Exception | bytes:
+            dialer = LinkDialer(creds)
+            try:
+                ep = view.records.endpoint(w.pid(0))
+                assert ep is not None
+                return await dialer.request(ep.address, ep.cert, req, timeout=10.0)
+            except Exception as exc:  # the typed refusal is the result
+                return exc
+            finally:
+                await dialer.close()
+
+        import asyncio
+
+        from chaos_flwr import codec
+
+        req = codec.encode(
+            {"round": join.server_round, "digest": b"\0" * 32, "start": [0], "end": [10]}
+        )
+        outsider = Identity.from_seed("not-in-charter", "x")
+        got = asyncio.run(dial(LinkCredentials.create(outsider, w.charter.federation), req))
+        assert isinstance(got, NotMemberError)
+        member = Identity.load(key_path(w.keys, 3))
+        got = asyncio.run(dial(LinkCredentials.create(member, w.charter.federation), req))
+        assert isinstance(got, StoreError)  # a member, but that digest is not held there
+    finally:
+        outs = {}
+        for p, proc in daemons.items():
+            proc.send_signal(signal.SIGTERM)
+            outs[p] = proc.communicate(timeout=20)[0]
+            assert proc.returncode == 0
+    for p, out in outs.items():
+        served = int(out.split("requests, ")[1].split(" bytes")[0])
+        assert served >= join.direct_bytes[w.pid(p)] > 0  # its shards, and the link probe
+    assert "NotMemberError 1" in outs[0] and "StoreError 1" in outs[0]

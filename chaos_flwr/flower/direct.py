@@ -56,6 +56,7 @@ from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_HOSTS,
+    FLOWER_DIRECT_PROBE_CONNECT_S,
     FLOWER_DIRECT_TIMEOUT_S,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
@@ -87,6 +88,7 @@ __all__ = [
     "check_address",
     "ensure_server",
     "fetch_ranges",
+    "listening",
     "stop_servers",
 ]
 
@@ -366,6 +368,21 @@ def ensure_server(
             server.start()
             _SERVERS[listen] = server
         return server
+
+
+def listening(address: str, timeout_s: float = FLOWER_DIRECT_PROBE_CONNECT_S) -> bool:
+    """Whether something accepts TCP connections at ``address`` (a party daemon already
+    serving there: a ClientApp process then starts no server of its own)."""
+    import socket
+
+    from chaos_flwr.membership import parse_address
+
+    try:
+        host, port = parse_address(address)
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except (ChaosError, OSError):
+        return False
 
 
 def stop_servers() -> None:

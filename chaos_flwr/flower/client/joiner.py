@@ -43,6 +43,7 @@ from chaos_flwr.defaults import (
     FLOWER_JOIN_MIN_SHARD_BYTES,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
+from chaos_flwr.flower.client.endpoint import LinkedParty, link_access
 from chaos_flwr.flower.schema import JOIN_TAKE_OP
 from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import (
@@ -246,6 +247,13 @@ class JoinerPull:
             for d, r in got.items()
         }
 
+    def use_link(self, link: LinkAccess | None) -> None:
+        """Dial over authenticated links with ``link`` from now on (a pull taken up from a
+        saved value has none); ``None`` changes nothing."""
+        if link is not None:
+            self.link = link
+            self.negotiation.address_ok = _any_address
+
     # -- saved between processes --------------------------------------------------------------
     def to_value(self) -> dict[str, Any]:
         """The pull in progress as plain, versioned values (:mod:`chaos_flwr.pull.saved`)."""
@@ -259,7 +267,7 @@ class JoinerPull:
         return cls(0, b"", [], negotiation=negotiation, link=link)
 
 
-class JoiningParty(Protocol):
+class JoiningParty(LinkedParty, Protocol):
     """What :func:`join_step` uses of a :class:`~chaos_flwr.flower.client.party.Party`."""
 
     held_round: int
@@ -425,10 +433,13 @@ def join_step(
         if op == JOIN_TAKE_OP:
             return take_state(party, rnd, digest, control, good), {}
         min_shard, total = _start_settings(control)
-        pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total)
+        link = link_access(party)
+        pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total, link=link)
         party.joining = pull
         status, requests = pull.start(now)
     else:
+        if pull.link is None:  # a pull saved by another process: its links are re-made here
+            pull.use_link(link_access(party))
         lost_v = control.get("lost", [])
         lost = {x for x in lost_v if isinstance(x, str)} if isinstance(lost_v, list) else set()
         status, requests = pull.step(replies, lost, now)

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
-from chaos_flwr.flower.client import donor, joiner, proofs, witness
+from chaos_flwr.flower.client import donor, endpoint, joiner, proofs, witness
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
 from chaos_flwr.flower.client.verified import VerifiedRounds
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from chaos_flwr.flower.durable import SavedParty
     from chaos_flwr.receipts import Equivocation, ReceiptLedger
     from chaos_flwr.rounds import RoundGuard
+    from chaos_flwr.transport.tls import LinkCredentials
 
 __all__ = ["Party"]
 
@@ -88,6 +89,7 @@ class Party(VerifiedRounds):
     auto_link: bool = True
     state_dir: Path | None = None
     direct_addr: str = ""
+    link_creds: LinkCredentials | None = field(default=None, repr=False)
     _links_asked: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
     _ledger: ReceiptLedger | None = field(default=None, repr=False)
     _evidence_sent: int = field(default=0, repr=False)
@@ -454,6 +456,7 @@ class Party(VerifiedRounds):
         if record is not None and self.peer is not None:
             outgoing.extend(self._maybe_join(record, now))
             outgoing.extend(self._auto_links(now))
+            outgoing.extend(endpoint.announce(self, now))
         if self.peer is not None:
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") in ("relay", "hello"):

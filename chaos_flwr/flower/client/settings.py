@@ -43,7 +43,7 @@ from pathlib import Path
 from flwr.app import Context
 
 from chaos_flwr.defaults import STORE_DEFAULT_KEEP_REPLICAS
-from chaos_flwr.errors import ConfigError
+from chaos_flwr.errors import ChaosError, ConfigError
 
 __all__ = [
     "CONFIG_ERROR_MARK",
@@ -102,8 +102,10 @@ class PartySettings:
     unsigned:
         True when the run asked for identity-less parties (:data:`RUN_UNSIGNED`).
     direct_addr:
-        The party's direct replica server (``node_config`` ``chaos-direct-addr``, a loopback
-        ``host:port``; see :mod:`chaos_flwr.flower.direct`), or ``""`` for relay only.
+        Where the party serves direct links (``node_config`` ``chaos-direct-addr``,
+        ``host:port``: any host for a signed party, which signs it in its endpoint record;
+        loopback for an unsigned one; see :mod:`chaos_flwr.flower.direct`), or ``""`` for
+        relay only.
     keep_replicas:
         Certified rounds its replica store keeps (:data:`NODE_KEEP_REPLICAS`); default
         :data:`~chaos_flwr.defaults.STORE_DEFAULT_KEEP_REPLICAS`.
@@ -208,15 +210,14 @@ def party_settings(context: Context) -> PartySettings:
         what it should be. The message names the ``node_config`` or ``run_config`` key.
     """
     from chaos_flwr.defaults import FLOWER_DIRECT_NODE_KEY, FLOWER_FEDERATION_KEY_PREFIX
-    from chaos_flwr.flower.direct import check_address
     from chaos_flwr.flower.keys import charter_path, key_path
 
+    unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
     direct = context.node_config.get(FLOWER_DIRECT_NODE_KEY)
     try:
-        direct_addr = "" if direct is None else check_address(direct)
-    except ConfigError as exc:
+        direct_addr = "" if direct is None else _direct_address(direct, unsigned)
+    except ChaosError as exc:
         raise ConfigError(f"node_config '{FLOWER_DIRECT_NODE_KEY}': {exc}") from None
-    unsigned = bool(context.run_config.get(RUN_UNSIGNED, False))
     key = _path_setting(context, NODE_KEY)
     charter = _path_setting(context, NODE_CHARTER)
     state = _path_setting(context, NODE_STATE_DIR)
@@ -258,3 +259,17 @@ def party_settings(context: Context) -> PartySettings:
     if state.exists() and not state.is_dir():
         raise ConfigError(f"{src[NODE_STATE_DIR]}: {state} exists and is not a directory")
     return PartySettings(key, charter, state, unsigned, direct_addr, kept)
+
+
+def _direct_address(value: object, unsigned: bool) -> str:
+    """A party's ``chaos-direct-addr``: any ``host:port`` for a signed party (it signs it in
+    an endpoint record and serves authenticated links); loopback only for an unsigned one (the
+    address would travel unsigned through the relay)."""
+    from chaos_flwr.flower.direct import check_address
+    from chaos_flwr.membership import endpoint_address, parse_address
+
+    if unsigned:
+        return check_address(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"direct address must be 'host:port', got {value!r:.80}")
+    return endpoint_address(*parse_address(value))

@@ -214,14 +214,17 @@ class JoinRelay:
     def _server_path(self, donors: list[int]) -> bool:
         """Whether the ServerApp sends the state (:attr:`JoinSettings.source`): always for
         ``server``, never for ``peers``; for ``auto`` when the relay is the only path (no
-        donor offered is known to serve a direct link)."""
+        donor offered announced a verified endpoint, or is known to serve a direct link)."""
         source = self.settings.source
         if source == JOIN_SOURCE_PEERS:
             return False
         if source != JOIN_SOURCE_AUTO:
             return True
-        holders = self.courier.holders
-        return not any(holders[d][0] in self.direct_parties for d in donors if d in holders)
+        holders, view = self.courier.holders, self.courier.view
+        parties = [holders[d][0] for d in donors if d in holders]
+        if view is not None and any(view.records.endpoint(p) is not None for p in parties):
+            return False
+        return not any(p in self.direct_parties for p in parties)
 
     def _start(self, donors: list[int], spec: PhaseSpec) -> ConfigRecord:
         """The join's start record: the donors, their signed receipts, the round's audits."""
