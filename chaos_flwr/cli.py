@@ -1081,6 +1081,10 @@ def bench_flower_wan(
     disk_loss: bool = typer.Option(
         True, "--disk-loss/--no-disk-loss", help="Lose the SuperLink host's disk too."
     ),
+    join_modes: str = typer.Option(
+        "fedavg,chaos,direct",
+        help="Join runs: plain FedAvg, Chaos through the relay, Chaos with party daemons.",
+    ),
     json_file: str = typer.Option("", "--json-file", help="Also write the JSON figures here."),
     plot: str = typer.Option(
         "",
@@ -1095,7 +1099,8 @@ def bench_flower_wan(
     (with lower bounds from the link rates), churn-free round wall time and its ratio,
     ClientApp processes per round; the time from a ServerApp SIGKILL, then from the loss of
     the SuperLink host's disk, to the next finished round, for Chaos and plain FedAvg with and
-    without a checkpoint (and rounds lost); a timeline plot. Direct links: not measured (null).
+    without a checkpoint (and rounds lost); a timeline plot. A direct join: every institution
+    runs its party daemon, and the joiner pulls over authenticated links between the hosts.
     """
     import tempfile
 
@@ -1109,7 +1114,8 @@ def bench_flower_wan(
         where = dict(p.split("=", 1) for p in _split_names(placement) or [] if "=" in p)
         spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
                             placements=where or None, parts=tuple(_split_names(parts) or []),
-                            disk_loss=disk_loss)  # fmt: skip
+                            disk_loss=disk_loss,
+                            join_modes=tuple(_split_names(join_modes) or []))  # fmt: skip
     except ChaosError as exc:
         raise typer.BadParameter(str(exc)) from None
     say = (lambda _m: None) if as_json else typer.echo

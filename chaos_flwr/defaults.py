@@ -123,6 +123,8 @@ LINK_MAX_REPLY_BYTES: int = 4 * 1024 * 1024
 #: Most ranges one link request may name (a dialler sends at most this many; more:
 #: RequestTooLargeError); at about 20 encoded bytes a range, far below LINK_MAX_REQUEST_BYTES.
 LINK_MAX_RANGES_PER_REQUEST: int = 1024
+#: Most shards a manifest asked over a direct link may name (32 bytes each in the reply).
+LINK_MAX_MANIFEST_SHARDS: int = 65536
 #: Reply bytes one party may take from a donor per window; more: LinkQuotaError.
 LINK_PEER_WINDOW_BYTES: int = 512 * 1024 * 1024
 #: Length of that window, in seconds.

@@ -342,3 +342,63 @@ def test_the_in_process_server_serves_the_party_store_once_per_address(tmp_path:
         {"d": addr}, {"d": [(0, 0, 8)]}, server_round=ROUND, digest=DIGEST, timeout_s=2.0
     )
     assert after["d"].error and not after["d"].shards
+
+
+def test_a_joiner_that_knows_signed_endpoints_pulls_in_its_first_step() -> None:
+    # the donors' endpoints are in the joiner's view and the ServerApp named the size: the
+    # manifest, the probes and the shards all go over the links, nothing through the relay
+    net = Net(signed=True)
+    try:
+        a, b = net.serve("a"), net.serve("b")
+        relay = net.relay({})
+        pull = net.pull(["a", "b"], total_hint=len(DATA))
+        _check(pull, relay.run(pull))
+        assert relay.steps == 0 and relay.shard_bytes == {}
+        assert set(pull.direct_bytes) == {net.pid("a"), net.pid("b")}
+        assert sum(pull.direct_bytes.values()) == len(DATA)
+        # a manifest, a probe and shard batches: the asked donor served one request more
+        assert a.requests_served >= 3 and b.requests_served >= 2
+        assert a.refusals() == {} and b.refusals() == {}
+    finally:
+        for server in net.started:
+            server.stop()
+
+
+def test_a_direct_manifest_that_fails_falls_back_to_the_relay() -> None:
+    net = Net(signed=True)
+    try:
+        other = TrainingState({"w": np.zeros(40_000, np.float32)}, ROUND).to_bytes()
+        net.serve("a", data=other)  # holds other bytes under the certified name
+        b = net.serve("b")
+        assert b.address
+        relay = net.relay({"a": "", "b": b.address})
+        pull = net.pull(["a", "b"], total_hint=len(DATA))
+        _check(pull, relay.run(pull))
+        # a's manifest did not name the digest: a was dropped and b's taken through the relay
+        assert net.pid("a") in pull.lost and relay.steps >= 1
+        assert pull.received == {net.pid("b"): len(DATA)}
+    finally:
+        for server in net.started:
+            server.stop()
+
+
+def test_a_manifest_request_is_checked_and_refused_with_typed_errors() -> None:
+    from chaos_flwr.flower.direct import fetch_manifest
+    from chaos_flwr.state import Manifest
+
+    with DirectServer(BytesSource(ROUND, DIGEST, DATA)) as server:
+        assert server.address
+        addrs = {"d": server.address}
+
+        def ask(shape: tuple[int, int, int], digest: bytes = DIGEST) -> tuple[bytes | None, str]:
+            return fetch_manifest(addrs, "d", shape, server_round=ROUND, digest=digest,
+                                  timeout_s=10.0)  # fmt: skip
+
+        raw, why = ask((len(DATA), 4096, -(-len(DATA) // 4096)))
+        assert why == "" and raw == Manifest.build(DATA, 4096).to_bytes()
+        # (a legacy link names the donor's refusal inside a TransportError)
+        assert "DecodeError('direct manifest request for" in ask((len(DATA) + 1, 4096, 40))[1]
+        assert "RequestTooLargeError" in ask((len(DATA), 4096, 10**6))[1]
+        assert "StoreError" in ask((len(DATA), 4096, 40), digest=b"x" * 32)[1]
+        assert "does not cut the state" in ask((len(DATA), 1, 3))[1]
+        assert server.refusals() == {"DecodeError": 2, "RequestTooLargeError": 1, "StoreError": 1}

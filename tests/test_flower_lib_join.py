@@ -630,6 +630,9 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     jp = w.pid(3)
     ((rlog, join),) = _joins(strategy, jp)
     assert join.ok and join.digest == rlog.digest
+    # the joiner knew the signed endpoints: the manifest and the direct shards came over the
+    # links in its first step, and only the relay-only donor's share took a second one
+    assert join.steps == 2
     direct = {w.pid(0), w.pid(1)}
     # the direct donors' bytes came over their links, measured rates planned with; the relay-only
     # donor's share came through the relay
@@ -666,9 +669,9 @@ def _start_daemon(w: World, partition: int, addr: str) -> Any:
 def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # two founders run the party daemon (a real process each, as on the deployment engine);
+    # the founders run the party daemon (a real process each, as on the deployment engine);
     # their ClientApps sign the daemon's address and certificate into endpoint records, and a
-    # joiner pulls from both daemons over mutual TLS; outsiders are refused with typed errors
+    # joiner pulls from the daemons over mutual TLS; outsiders are refused with typed errors
     import signal
 
     from chaos_flwr.errors import NotMemberError, StoreError
@@ -679,7 +682,7 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
 
     monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     w = World(tmp_path, 4)
-    addrs = {p: f"127.0.0.1:{_free_port()}" for p in (0, 1)}
+    addrs = {p: f"127.0.0.1:{_free_port()}" for p in (0, 1, 2)}
     daemons = {p: _start_daemon(w, p, a) for p, a in addrs.items()}
     try:
         for p in range(3):
@@ -690,8 +693,9 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
         ((rlog, join),) = _joins(strategy, w.pid(3))
         assert join.ok and join.digest == rlog.digest
-        donors = {w.pid(0), w.pid(1)}
+        donors = {w.pid(0), w.pid(1), w.pid(2)}
         assert set(join.direct_bytes) == donors and join.direct_failed == []
+        assert join.steps == 1  # manifest, probes and shards over the links in one step
         view = strategy.courier.view
         assert view is not None
         for p, addr in addrs.items():  # the endpoint pins the daemon's own certificate
@@ -734,3 +738,6 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         served = int(out.split("requests, ")[1].split(" bytes")[0])
         assert served >= join.direct_bytes[w.pid(p)] > 0  # its shards, and the link probe
     assert "NotMemberError 1" in outs[0] and "StoreError 1" in outs[0]
+    # one daemon answered the manifest request (counted as a request; it served no bytes)
+    requests = sorted(int(o.split("stopped: ")[1].split(" requests")[0]) for o in outs.values())
+    assert requests[-1] >= 3 and requests[0] >= 2  # a probe and shards each, plus the manifest

@@ -18,7 +18,10 @@ started once per address) does as well. Both read the replica files the party wr
 (:class:`StoreSource`), so neither needs the party's in-memory state.
 
 Wire format (codec maps): request ``{round, digest, start: [..], end: [..]}``, reply
-``{data: [bytes, ..]}``; a donor that does not hold exactly that ``(round, digest)`` fails the
+``{data: [bytes, ..]}``; or, for the manifest of a shard shape, request ``{round, digest,
+total, shard-bytes, num-shards}``, reply ``{manifest: bytes}`` (the joiner checks it names the
+certified digest; the donor counts the state's size against the asker's per-peer window, since
+hashing it is the work). A donor that does not hold exactly that ``(round, digest)`` fails the
 call.
 
 Authenticated links (``link=``)
@@ -50,7 +53,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
@@ -58,6 +61,7 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_HOSTS,
     FLOWER_DIRECT_PROBE_CONNECT_S,
     FLOWER_DIRECT_TIMEOUT_S,
+    LINK_MAX_MANIFEST_SHARDS,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
 )
@@ -87,6 +91,7 @@ __all__ = [
     "StoreSource",
     "check_address",
     "ensure_server",
+    "fetch_manifest",
     "fetch_ranges",
     "listening",
     "stop_servers",
@@ -120,6 +125,23 @@ class RangeSource(Protocol):
     def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of that state; raises :class:`ChaosError` if not held."""
 
+    def size(self, server_round: int, digest: bytes) -> int:
+        """The state's size in bytes; raises :class:`ChaosError` if not held."""
+
+
+def _manifest_of(source: RangeSource, rnd: int, digest: bytes, shape: tuple[int, int]) -> bytes:
+    """The manifest of the held state ``(rnd, digest)`` cut in ``shape`` (shard bytes, count)."""
+    from chaos_flwr.state import Manifest
+
+    total = source.size(rnd, digest)
+    data = source.read(rnd, digest, 0, total)
+    try:
+        return Manifest.build(data, shape[0], num_shards=shape[1]).to_bytes()
+    except (ChaosError, ValueError) as exc:
+        raise DecodeError(
+            f"direct manifest request: the shape does not cut the state: {exc}"
+        ) from None
+
 
 @dataclass
 class BytesSource:
@@ -130,9 +152,13 @@ class BytesSource:
     data: bytes
 
     def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
+        self.size(server_round, digest)
+        return self.data[start:end]
+
+    def size(self, server_round: int, digest: bytes) -> int:
         if (server_round, digest) != (self.server_round, self.digest):
             raise StoreError(f"round {server_round} with that digest is not held here")
-        return self.data[start:end]
+        return len(self.data)
 
 
 class StoreSource:
@@ -148,19 +174,27 @@ class StoreSource:
         self._open: dict[int, Replica] = {}
         self._lock = threading.Lock()
 
+    def _replica(self, server_round: int, digest: bytes) -> Replica:
+        replica = self._open.get(server_round)
+        if replica is None or not replica.path.exists():
+            if replica is not None:
+                replica.close()
+            replica = self.store.open(server_round, verify=False)
+            self._open[server_round] = replica
+            for old in [r for r in self._open if r < server_round - 4]:
+                self._open.pop(old).close()
+        if replica.state_digest != digest:
+            raise StoreError(f"round {server_round} is stored with another digest")
+        return replica
+
     def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
         with self._lock:
-            replica = self._open.get(server_round)
-            if replica is None or not replica.path.exists():
-                if replica is not None:
-                    replica.close()
-                replica = self.store.open(server_round, verify=False)
-                self._open[server_round] = replica
-                for old in [r for r in self._open if r < server_round - 4]:
-                    self._open.pop(old).close()
-            if replica.state_digest != digest:
-                raise StoreError(f"round {server_round} is stored with another digest")
+            replica = self._replica(server_round, digest)
             return replica.read(start, min(end, replica.total_bytes))
+
+    def size(self, server_round: int, digest: bytes) -> int:
+        with self._lock:
+            return self._replica(server_round, digest).total_bytes
 
     def close(self) -> None:
         """Close every open replica."""
@@ -255,6 +289,8 @@ class DirectServer:
             rnd, digest = value.get("round"), value.get("digest")
             if not isinstance(rnd, int) or not isinstance(digest, bytes):
                 raise DecodeError("direct request needs 'round' (int) and 'digest' (bytes)")
+            if "num-shards" in value:
+                return await self._manifest(src, rnd, digest, value)
             ranges = _ranges(value)
             asked = sum(e - s for s, e in ranges)
             if asked > self.limits.max_reply_bytes:
@@ -269,6 +305,32 @@ class DirectServer:
         self.requests_served += 1
         self.bytes_served += sum(len(c) for c in chunks)
         return codec.encode({"data": chunks})
+
+    async def _manifest(self, src: str, rnd: int, digest: bytes, value: dict[str, Any]) -> bytes:
+        """Reply to a manifest request (called inside :meth:`_handle`'s refusal guard)."""
+        shape = (value.get("shard-bytes"), value.get("num-shards"))
+        total = value.get("total")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (*shape, total)):
+            raise DecodeError("direct manifest request needs int total/shard-bytes/num-shards")
+        held = self.source.size(rnd, digest)
+        if total != held:
+            raise DecodeError(f"direct manifest request for {total} bytes; the state has {held}")
+        num = int(shape[1])  # type: ignore[arg-type]
+        if not 0 < num <= LINK_MAX_MANIFEST_SHARDS:
+            raise RequestTooLargeError(f"a manifest of {num} shards; at most "
+                                       f"{LINK_MAX_MANIFEST_SHARDS}")  # fmt: skip
+        self._quota.charge(src, held)  # hashing the whole state is the work asked
+        loop = asyncio.get_running_loop()
+        raw = await loop.run_in_executor(
+            None,
+            _manifest_of,
+            self.source,
+            rnd,
+            digest,
+            (int(shape[0]), num),  # type: ignore[arg-type]
+        )
+        self.requests_served += 1
+        return codec.encode({"manifest": raw})
 
     def _make_carrier(self) -> GrpcCarrier | LinkServer:
         if self.link is None:
@@ -599,6 +661,56 @@ def fetch_ranges(
     for d in ranges:
         out.setdefault(d, DirectResult(error="no direct address" if d not in addresses else "hung"))
     return out
+
+
+def fetch_manifest(
+    addresses: Mapping[str, str],
+    donor: str,
+    shape: tuple[int, int, int],
+    *,
+    server_round: int,
+    digest: bytes,
+    timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
+    link: LinkAccess | None = None,
+) -> tuple[bytes | None, str]:
+    """Ask ``donor`` over its direct link for the manifest of ``shape`` (total, shard bytes,
+    shard count) of the state ``(server_round, digest)``; bounded by ``timeout_s``.
+
+    Returns ``(manifest bytes, "")``, or ``(None, why)`` (not dialled, refused with a typed
+    error, no answer in time, a malformed reply). The manifest is *not* checked here.
+    """
+    got: list[tuple[bytes | None, str]] = []
+    total, shard_bytes, num_shards = shape
+    req = codec.encode({"round": server_round, "digest": digest, "total": total,
+                        "shard-bytes": shard_bytes, "num-shards": num_shards})  # fmt: skip
+
+    async def main() -> None:
+        sends, refused, close = _senders(addresses, [donor], link, timeout_s)
+        try:
+            if donor in refused:
+                got.append((None, refused[donor].error))
+                return
+            if donor not in sends:
+                got.append((None, "no direct address"))
+                return
+            raw = await sends[donor](req, timeout_s)
+            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES)
+            manifest = value.get("manifest") if isinstance(value, dict) else None
+            if not isinstance(manifest, bytes):
+                raise DecodeError("a direct manifest reply must be {manifest: bytes}")
+            got.append((manifest, ""))
+        except ChaosError as exc:
+            got.append((None, f"{type(exc).__name__}: {exc}"))
+        finally:
+            await close()
+
+    worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-direct-manifest",
+                              daemon=True)  # fmt: skip
+    worker.start()
+    worker.join(timeout_s + 5.0)
+    if worker.is_alive() or not got:
+        return None, "hung"
+    return got[0]
 
 
 def serve_forever(

@@ -233,7 +233,7 @@ class DeploymentCluster:
             self.port, self.home / "state.db", host=self.site.host, tls=self.site.tls,
             supernode_auth=self.site.supernode_auth,
         )  # fmt: skip
-        self.link = self._spawn(self.link_cmd, "superlink.log", self.site.netns)
+        self.link = self.spawn(self.link_cmd, "superlink.log", self.site.netns)
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -254,9 +254,11 @@ class DeploymentCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spawn(
+    def spawn(
         self, cmd: list[str], log_name: str, netns: str | None = None
     ) -> subprocess.Popen[Any]:
+        """Start ``cmd`` (in namespace ``netns``) logging to ``log_name``; it is stopped, by
+        pid, with the cluster."""
         with (self.logs / log_name).open("ab") as log_file:
             proc = subprocess.Popen(
                 in_netns(netns, cmd),
@@ -308,7 +310,7 @@ class DeploymentCluster:
             root_certificates=tls.ca if tls is not None else None, auth_key=auth_key,
         )  # fmt: skip
         t = time.time()
-        self.supernodes[name] = self._spawn(cmd, f"supernode-{name}.log", netns)
+        self.supernodes[name] = self.spawn(cmd, f"supernode-{name}.log", netns)
         return t
 
     def kill_supernode(self, name: str) -> list[int]:
@@ -323,7 +325,7 @@ class DeploymentCluster:
 
     def start_run(self, run_config: Mapping[str, object], log_name: str) -> subprocess.Popen[Any]:
         """Start ``flwr run <app> deployment`` with ``run_config`` (streams to ``log_name``)."""
-        proc = self._spawn(deployment_run_cmd(self.app, run_config), log_name, self.site.netns)
+        proc = self.spawn(deployment_run_cmd(self.app, run_config), log_name, self.site.netns)
         self.runs.append(proc)
         return proc
 
@@ -360,7 +362,7 @@ class DeploymentCluster:
                     entry.unlink()
             ca = self.site.tls.ca if self.site.tls is not None else None
             deployment_home(self.home, self.port, host=self.site.host, root_certificates=ca)
-        self.link = self._spawn(self.link_cmd, "superlink.log", self.site.netns)
+        self.link = self.spawn(self.link_cmd, "superlink.log", self.site.netns)
         self._wait_ready(self.startup_timeout_s)
         return t
 

@@ -88,6 +88,8 @@ WAN_BENCH_MODEL_MIB: float = 64.0
 WAN_BENCH_ROUNDS: int = 6
 #: Rounds every institution but the joiner trains before the joiner's SuperNode starts.
 WAN_BENCH_JOIN_AFTER_ROUND: int = 2
+#: The port each institution's party daemon serves direct links on in the WAN bench.
+WAN_BENCH_DIRECT_PORT: int = 9300
 #: The profile's institution that joins mid-run in the WAN bench.
 WAN_BENCH_JOINER: str = "inst3"
 #: Placements of the SuperLink in the WAN bench: name -> its host in the profile (testbed5).

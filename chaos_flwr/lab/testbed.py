@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from chaos_flwr.errors import ConfigError
+from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deployment import ClusterSite, DeploymentCluster
 from chaos_flwr.lab.tls import TlsFiles, make_auth_key, make_tls
 from chaos_flwr.transport.netns import NetnsLan, lan, wire_rate_bit_s
@@ -45,6 +46,8 @@ __all__ = [
 
 #: The profile's party that hosts the SuperLink unless told otherwise.
 DEFAULT_SERVER = "superlink"
+#: How long a party daemon may take to listen after it is started (its imports and key load).
+TESTBED_DAEMON_START_S: float = 60.0
 #: What the testbed says about latency (``netem`` is missing on this machine).
 LATENCY_NOTE = "latency_ms from the profile, recorded only: netem is missing, links add none"
 
@@ -120,6 +123,32 @@ class WanTestbed:
         return self.cluster.start_supernode(
             host, node_config, netns=self.net.namespaces[host], auth_key=key
         )
+
+    def start_party_daemon(self, host: str, node_config: Mapping[str, object], port: int) -> str:
+        """Start ``host``'s party daemon (``chaos-flwr party``) in its namespace, serving on
+        its address at ``port`` with the key, charter and state directory of ``node_config``;
+        wait until it listens and return the address (what ``chaos-direct-addr`` names).
+
+        Raises
+        ------
+        TransportError
+            It exited or did not listen within ``TESTBED_DAEMON_START_S``.
+        """
+        import sys
+
+        address = f"{self.net.addresses[host]}:{port}"
+        cmd = [sys.executable, "-m", "chaos_flwr.cli", "party", "--key",
+               str(node_config["chaos-key"]), "--charter", str(node_config["chaos-charter"]),
+               "--state-dir", str(node_config["chaos-state-dir"]), "--listen", address]  # fmt: skip
+        log = f"party-{host}.log"
+        proc = self.cluster.spawn(cmd, log, self.net.namespaces[host])
+        deadline = time.monotonic() + TESTBED_DAEMON_START_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            text = (self.cluster.logs / log).read_text(errors="replace")
+            if f"serving {address} " in text:
+                return address
+            time.sleep(0.1)
+        raise TransportError(f"the party daemon of {host} did not start; see {log}")
 
     def restart_superlink(self, *, lose_disk: bool = False) -> float:
         """SIGKILL the SuperLink (and its ServerApps) and start it again; with ``lose_disk``

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos_flwr.defaults import FLOWER_DIRECT_NODE_KEY
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deploy_churn import trained_parties
 from chaos_flwr.lab.deployment import clientapp_pids
@@ -50,6 +51,7 @@ from chaos_flwr.lab.processes import alive
 from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
     FLOWER_CLIENTAPP_SAMPLE_S,
+    WAN_BENCH_DIRECT_PORT,
     WAN_BENCH_JOIN_AFTER_ROUND,
     WAN_BENCH_JOINER,
     WAN_BENCH_MODEL_MIB,
@@ -76,11 +78,14 @@ __all__ = [
 #: Rounds every institution but the joiner trains before the joiner's SuperNode starts.
 JOIN_AFTER_ROUND = WAN_BENCH_JOIN_AFTER_ROUND
 #: The issue's keys this bench does not measure (null in the JSON), and why.
-NOT_MEASURED = {
-    "direct_join_s": "direct peer links do not exist yet (the peer-links issue)",
-}
+NOT_MEASURED: dict[str, str] = {}
 #: The parts of the bench: the join runs and the server-loss runs.
 PARTS = ("join", "server_loss")
+#: The join runs' modes: plain FedAvg, Chaos through the relay, Chaos with party daemons
+#: (direct, authenticated links between the institutions' hosts).
+JOIN_MODES = ("fedavg", "chaos", "direct")
+#: The port every institution's party daemon serves on (at its host's address).
+DIRECT_PORT = WAN_BENCH_DIRECT_PORT
 
 
 @dataclass(frozen=True)
@@ -100,10 +105,13 @@ class WanBenchSpec:
     app_dir: Path | None = None
     parts: tuple[str, ...] = PARTS
     disk_loss: bool = True
+    join_modes: tuple[str, ...] = JOIN_MODES
 
     def __post_init__(self) -> None:
         if not self.parts or any(p not in PARTS for p in self.parts):
             raise ConfigError(f"parts: give some of {PARTS}, got {self.parts}")
+        if not self.join_modes or any(m not in JOIN_MODES for m in self.join_modes):
+            raise ConfigError(f"join modes: give some of {JOIN_MODES}, got {self.join_modes}")
         if self.rounds < JOIN_AFTER_ROUND + 2:
             raise ConfigError(f"rounds: give at least {JOIN_AFTER_ROUND + 2} (join, then more)")
         if self.repeats < 1 or not self.model_mib > 0:
@@ -143,7 +151,9 @@ def join_bounds(
         if d != joiner
     ]
     relay = lower_bound(model_bytes, pool, ingress if ingress < inf else None)
-    return {"plain": plain, "relay": relay}
+    peers = [Donor(d, profile.link(d).up_bps or fast) for d in donors if d != joiner]
+    direct = lower_bound(model_bytes, peers, j.down_bps or None)
+    return {"plain": plain, "relay": relay, "direct": direct}
 
 
 def _joiner_trained(line: Mapping[str, Any], mode: str, n: int, joiner_id: str | None) -> bool:
@@ -183,10 +193,11 @@ def _one_run(
         raise ConfigError(f"joiner {spec.joiner!r} / server {server!r}: not in the profile")
     order = [h for h in insts if h != spec.joiner] + [spec.joiner]  # the joiner is last
     n = len(order)
-    run_spec = WanRunSpec(mode=mode, rounds=spec.rounds, model_mib=spec.model_mib, server=server,
-                          institutions=tuple(order))  # fmt: skip
+    signed = "fedavg" if mode == "fedavg" else "chaos"
+    run_spec = WanRunSpec(mode=signed, rounds=spec.rounds, model_mib=spec.model_mib,
+                          server=server, institutions=tuple(order))  # fmt: skip
     keys, joiner_id = None, None
-    if mode == "chaos":  # signed parties; the joiner's key is allowlisted, not a founder
+    if signed == "chaos":  # signed parties; the joiner's key is allowlisted, not a founder
         from chaos_flwr.flower.keys import load_federation, make_federation
 
         keys = make_federation(work / "keys", n, founders=n - 1, seed="flower-wan")
@@ -199,12 +210,20 @@ def _one_run(
     deadline = t0 + spec.timeout_s
     with wan_testbed(profile, work / "bed", app_dir=spec.app_dir or example_dir(), server=server,
                      institutions=order) as bed:  # fmt: skip
+        if mode == "direct":  # every institution runs its party daemon beside its SuperNode
+            nodes = [{**node, FLOWER_DIRECT_NODE_KEY: f"{bed.net.addresses[h]}:{DIRECT_PORT}"}
+                     for h, node in zip(order, nodes, strict=True)]  # fmt: skip
+            for host, node in zip(order[:-1], nodes[:-1], strict=True):
+                bed.start_party_daemon(host, node, DIRECT_PORT)
         proc = bed.cluster.start_run(cfg, "run.log")
         for host, node in zip(order[:-1], nodes[:-1], strict=True):
             bed.start_supernode(host, node)
         _run_until(bed, proc, progress, lambda ls: any(x["round"] >= JOIN_AFTER_ROUND for x in ls),
                    deadline, clientapps)  # fmt: skip
-        t_join = bed.start_supernode(order[-1], nodes[-1])
+        t_join = time.time()  # the joiner's institution starts: its daemon (if any), SuperNode
+        if mode == "direct":
+            bed.start_party_daemon(order[-1], nodes[-1], DIRECT_PORT)
+        bed.start_supernode(order[-1], nodes[-1])
         lines = _run_until(bed, proc, progress, lambda _ls: False, deadline, clientapps)
         logs = bed.cluster.logs
     pids = bed.cluster.close()
@@ -213,7 +232,7 @@ def _one_run(
         raise TransportError(f"the {mode} run on {server} failed (exit {proc.returncode}); "
                              f"see {logs}")  # fmt: skip
     first = next((x for x in lines if x["round"] > JOIN_AFTER_ROUND
-                  and _joiner_trained(x, mode, n, joiner_id)), None)  # fmt: skip
+                  and _joiner_trained(x, signed, n, joiner_id)), None)  # fmt: skip
     walls = [float(w) for w in results["round_wall_s"]]
     trained_in = int(first["round"]) if first is not None else None
     join_rounds = range(JOIN_AFTER_ROUND + 1, (trained_in or len(walls)) + 1)
@@ -235,7 +254,20 @@ def _one_run(
         "clientapp_per_round": caps["clientapp_processes_per_round"],
         "pids_alive": [p for p in pids if alive(p)],
         "events": events,
+        "join": _join_figures(results, joiner_id),
     }
+
+
+def _join_figures(results: Mapping[str, Any], joiner_id: str | None) -> dict[str, Any] | None:
+    """How the joiner got the state, from the ServerApp's round logs (``None``: plain FedAvg,
+    or no join logged): where from, bytes per donor and over direct links, its time."""
+    for rnd in results.get("chaos_rounds") or []:
+        for join in rnd.get("joins") or []:
+            if join.get("party") == joiner_id:
+                keys = ("source", "ok", "error", "pull_s", "lower_bound_s", "total_bytes",
+                        "bytes_per_donor", "direct_bytes", "direct_failed", "rate_bps")  # fmt: skip
+                return {k: join.get(k) for k in keys} | {"round": rnd.get("round")}
+    return None
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -261,8 +293,15 @@ def overhead_ratio(
     return {"ratio": _median([p["ratio"] for p in pairs]), "pairs": pairs}
 
 
-_JOIN_KEYS = ("plain_join_s", "relay_join_s", "join_lower_bound_s", "plain_join_lower_bound_s",
+_JOIN_KEYS = ("plain_join_s", "relay_join_s", "direct_join_s", "join_lower_bound_s",
+              "plain_join_lower_bound_s", "direct_join_lower_bound_s", "direct_pull_s",
               "plain_round_s", "chaos_round_s", "round_overhead_ratio")  # fmt: skip
+#: The join keys each join mode gives.
+_MODE_KEYS = {
+    "fedavg": ("plain_join_s", "plain_round_s", "round_overhead_ratio"),
+    "chaos": ("relay_join_s", "chaos_round_s", "round_overhead_ratio"),
+    "direct": ("direct_join_s", "direct_pull_s"),
+}
 _LOSS_KEYS = ("chaos_resume_s", "plain_checkpoint_resume_s", "plain_rounds_lost")
 
 
@@ -271,9 +310,9 @@ def _join_part(
     say: Callable[[str], None],
 ) -> dict[str, Any]:  # fmt: skip
     """The join runs of one placement, plain and Chaos interleaved; their figures."""
-    runs: dict[str, list[dict[str, Any]]] = {"fedavg": [], "chaos": []}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in JOIN_MODES}
     for rep in range(spec.repeats):
-        for mode in ("fedavg", "chaos"):  # interleaved, so load drifts hit both alike
+        for mode in spec.join_modes:  # interleaved, so load drifts hit every mode alike
             say(f"{name} (SuperLink at {server}), {mode}, repeat {rep + 1}/{spec.repeats}")
             run_dir = work / f"{name}-{mode}-{rep}"
             fig = _one_run(profile, spec, server, mode, run_dir)
@@ -282,20 +321,25 @@ def _join_part(
             say(f"  joiner trained after {fig['join_s']} s (round {fig['joiner_trained_in_round']})"
                 f", churn-free round {fig['churn_free_round_s']} s")  # fmt: skip
             runs[mode].append(fig)
-    model = runs["chaos"][-1]["model_bytes"]
+    model = next(r[-1]["model_bytes"] for r in runs.values() if r)
     bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
     overhead = overhead_ratio(runs["fedavg"], runs["chaos"])
     return {
         "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
         "relay_join_s": _median([r["join_s"] for r in runs["chaos"]]),
+        "direct_join_s": _median([r["join_s"] for r in runs["direct"]]),
         "join_lower_bound_s": bounds["relay"],
+        "direct_join_lower_bound_s": bounds["direct"],
+        "direct_pull_s": _median([(r["join"] or {}).get("pull_s") for r in runs["direct"]]),
         "plain_join_lower_bound_s": bounds["plain"],
         "plain_round_s": _median([p.get("plain_s") for p in overhead["pairs"]]),
         "chaos_round_s": _median([p.get("chaos_s") for p in overhead["pairs"]]),
         "round_overhead_ratio": overhead["ratio"],
         "round_overhead_pairs": overhead["pairs"],
         "clientapp_per_round": {
-            m: _median([statistics.median(r["clientapp_per_round"]) for r in runs[m]]) for m in runs
+            m: _median([statistics.median(r["clientapp_per_round"]) for r in runs[m]])
+            for m in runs
+            if runs[m]
         },
         "runs": runs,
     }
@@ -331,7 +375,7 @@ def _placement(
     profile: WanProfile, spec: WanBenchSpec, name: str, server: str, work: Path,
     say: Callable[[str], None],
 ) -> dict[str, Any]:  # fmt: skip
-    out: dict[str, Any] = {"server_host": server, "direct_join_s": None}
+    out: dict[str, Any] = {"server_host": server}
     out.update(dict.fromkeys(_JOIN_KEYS + _LOSS_KEYS))
     if "join" in spec.parts:
         out.update(_join_part(profile, spec, name, server, work, say))
@@ -380,6 +424,12 @@ def measure_flower_wan(
                 if part not in spec.parts
                 for k in keys
             },
+            **{
+                k: f"the {mode} join runs were not asked for (--join-modes)"
+                for mode, keys in _MODE_KEYS.items()
+                if "join" in spec.parts and mode not in spec.join_modes
+                for k in keys
+            },
         },
         "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
     }
@@ -407,14 +457,22 @@ def wan_table(fig: Mapping[str, Any]) -> str:
         f"model {fig['model_bytes']} bytes, {fig['rounds']} rounds, joiner {fig['joiner']} "
         f"after round {fig['join_after_round']}, medians of {fig['repeats']} run(s); load "
         f"{fig['loadavg']['before']:.2f} -> {fig['loadavg']['after']:.2f}",
-        f"{'placement':<24} {'plain join s':>12} {'relay join s':>12} {'bound s':>8} "
+        "join: seconds from the joiner's SuperNode start to its first trained round "
+        "(lower bound from the link rates)",
+        f"{'placement':<24} {'plain':>12} {'relay':>12} {'direct':>12} "
         f"{'plain rnd s':>11} {'chaos rnd s':>11} {'ratio':>6} {'apps/rnd':>9}",
     ]
     for name, p in fig["placements"].items():
         apps = p.get("clientapp_per_round") or {}
+        cells = [
+            f"{_fmt(p.get(k))} ({_fmt(p.get(b), 1)})"
+            for k, b in (("plain_join_s", "plain_join_lower_bound_s"),
+                         ("relay_join_s", "join_lower_bound_s"),
+                         ("direct_join_s", "direct_join_lower_bound_s"))
+        ]  # fmt: skip
         rows.append(
-            f"{name:<24} {_fmt(p['plain_join_s']):>12} {_fmt(p['relay_join_s']):>12} "
-            f"{_fmt(p['join_lower_bound_s'], 2):>8} {_fmt(p['plain_round_s']):>11} "
+            f"{name:<24} {cells[0]:>12} {cells[1]:>12} {cells[2]:>12} "
+            f"{_fmt(p['plain_round_s']):>11} "
             f"{_fmt(p['chaos_round_s']):>11} {_fmt(p['round_overhead_ratio'], 2):>6} "
             f"{_fmt(apps.get('fedavg'), 0)}/{_fmt(apps.get('chaos'), 0):>4}"
         )

@@ -94,7 +94,7 @@ def timeline_rows(fig: Mapping[str, Any]) -> list[dict[str, Any]]:
     (plain, Chaos) and its server-loss runs (Chaos, plain with a checkpoint, plain)."""
     rows: list[dict[str, Any]] = []
     names = {"fedavg": "plain", "chaos": "Chaos", "plain_checkpoint": "plain+checkpoint",
-             "plain": "plain"}  # fmt: skip
+             "plain": "plain", "direct": "Chaos direct"}  # fmt: skip
     for place, p in fig.get("placements", {}).items():
         for part, runs in (("join", p.get("runs") or {}), ("loss", p.get("loss_runs") or {})):
             for mode, reps in runs.items():

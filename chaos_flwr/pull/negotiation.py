@@ -9,6 +9,7 @@ Stages (:class:`Stage`), and the events that move them::
 
     SIZE      --replies-->  MANIFEST            (sizes known: plan the shard shape, once)
     MANIFEST  --replies-->  PROBE | SHARDS      (a manifest of the told shape names the digest)
+    MANIFEST  --manifest->  PROBE | MANIFEST    (one fetched over a direct link, or the relay)
     PROBE     --probes--->  SHARDS              (direct links timed: plan shares with the rates)
     SHARDS    --replies/direct--> SHARDS | DONE (every shard verified, state hashes to digest)
     any       --error---->  FAILED
@@ -17,6 +18,12 @@ With a size hint (the ServerApp knows the size of the state it certified), the m
 in MANIFEST: the first holder is told the shape at once and the other holders are asked their
 size (where they name their direct link) in the same step. A holder whose size differs from the
 hint answers with its size instead, and the shape is planned again for it.
+
+With a size hint *and* holders' direct addresses known before the pull (a joiner's view holds
+their signed endpoints), nothing goes through the relay at first: the manifest is fetched over
+the first such holder's direct link (``Decision.manifest``), then the links are probed and the
+shards fetched, all in the carrier's first step. A direct manifest that fails (no answer, a
+refusal, a manifest that does not name the digest) falls back to asking through the relay.
 
 A plan is made at most once per event: the shard *shape* when the size is known, the *shares*
 per holder when the shards start (over the shape already fixed, with measured rates when direct
@@ -128,14 +135,18 @@ class Decision:
     direct:
         Holder -> ``(address, requests)``: fetch these shards over its direct link and hand the
         results to :meth:`PullNegotiation.on_direct`.
+    manifest:
+        Holder -> ``(address, request)`` (one holder): fetch the manifest over its direct link
+        and hand it (or why not) to :meth:`PullNegotiation.on_manifest`.
 
-    At most one of ``relay``, ``probe`` and ``direct`` is non-empty.
+    At most one of ``relay``, ``probe``, ``direct`` and ``manifest`` is non-empty.
     """
 
     status: Status
     relay: Mapping[str, Request] = field(default_factory=dict)
     probe: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     direct: Mapping[str, tuple[str, tuple[ShardRequest, ...]]] = field(default_factory=dict)
+    manifest: Mapping[str, tuple[str, ManifestRequest]] = field(default_factory=dict)
 
 
 _FINAL = {Stage.DONE: Status.DONE, Stage.FAILED: Status.FAILED}
@@ -163,6 +174,9 @@ class PullNegotiation:
     max_state_bytes:
         Largest state the puller takes on: a size past it (from the relay or a holder, neither
         of which the receipts bind) loses its holder before anything is allocated.
+    addresses:
+        Holder -> direct address known before the pull (checked with ``address_ok``): with a
+        size hint, the manifest is fetched over the first one's link (module docstring).
     """
 
     def __init__(
@@ -177,6 +191,7 @@ class PullNegotiation:
         direct: bool = True,
         address_ok: Callable[[str], str] | None = None,
         max_state_bytes: int = PULL_MAX_STATE_BYTES,
+        addresses: Mapping[str, str] | None = None,
     ) -> None:
         self.server_round = server_round
         self.digest = digest
@@ -208,6 +223,9 @@ class PullNegotiation:
         self._pending: list[ShardRequest | CancelRequest] = []
         self._owed: dict[str, tuple[ShardRequest, ...]] = {}
         self._direct_rounds = 0
+        for donor, addr in (addresses or {}).items():
+            if donor in self.donors:
+                self._note_address(donor, addr)
 
     # -- events -----------------------------------------------------------------------------
     def start(self, now: float) -> Decision:
@@ -221,6 +239,11 @@ class PullNegotiation:
         answer (a ``None`` reply, or one of the wrong kind, loses its holder too)."""
         self._direct_rounds = 0
         return self._guard(lambda: self._on_replies(replies, set(lost), now))
+
+    def on_manifest(self, donor: str, raw: bytes | None, error: str, now: float) -> Decision:
+        """The manifest ``donor`` sent over its direct link (``raw``), or why there is none
+        (``error``: its link is then not used again, and the relay is asked)."""
+        return self._guard(lambda: self._on_direct_manifest(donor, raw, error, now))
 
     def on_probes(self, results: Mapping[str, LinkResult], now: float) -> Decision:
         """The timed probe ranges of the direct links (rates for the shares' plan)."""
@@ -297,8 +320,8 @@ class PullNegotiation:
         if now is not None and self.session is not None:
             self._pending.extend(self.session.on_donor_lost(donor, now))
 
-    def _note_address(self, donor: str, reply: Reply) -> None:
-        addr = getattr(reply, "direct", "")
+    def _note_address(self, donor: str, reply: Reply | str) -> None:
+        addr = reply if isinstance(reply, str) else getattr(reply, "direct", "")
         if not self.direct or not addr:
             return
         check = self.address_ok
@@ -313,7 +336,27 @@ class PullNegotiation:
         hint = self.total_hint
         if hint is None or hint > self.max_state_bytes:  # no (believable) hint: ask them
             return Decision(Status.WANT, relay={d: SizeRequest() for d in self.live})
-        return self._ask_manifest(hint, others=True)
+        usable = self._usable()
+        first = next((d for d in self.live if d in usable), None)
+        if first is None:
+            return self._ask_manifest(hint, others=True)
+        self.total = hint
+        self.plan = self._plan(hint)
+        self.stage = Stage.MANIFEST
+        self.asked = first
+        ask = ManifestRequest(hint, self.plan.shard_bytes, self.plan.num_shards)
+        return Decision(Status.WANT, manifest={first: (usable[first], ask)})
+
+    def _on_direct_manifest(
+        self, donor: str, raw: bytes | None, error: str, now: float
+    ) -> Decision:
+        if self.stage != Stage.MANIFEST or donor != self.asked or self.total is None:
+            raise DecodeError(f"a direct manifest from {donor} at stage {self.stage}")
+        if raw is None:
+            self.direct_failed[donor] = error or "no manifest over the direct link"
+            return self._ask_manifest(self.total, others=True)
+        reply = ManifestReply(self.total, raw, self.addresses.get(donor, ""))
+        return self._on_manifest(reply, {}, now)
 
     def _ask_manifest(self, total: int, *, others: bool = False) -> Decision:
         """Plan the shard shape for ``total`` (once) and tell the first live holder."""

@@ -76,6 +76,14 @@ def _any_address(value: str) -> str:
     return value
 
 
+def _signed_endpoints(link: LinkAccess | None, donors: list[str]) -> dict[str, str]:
+    """Donor -> the address its verified endpoint record signs (the donors that have one)."""
+    if link is None:
+        return {}
+    view = link.view()
+    return {d: ep.address for d in donors if (ep := view.endpoint(d)) is not None}
+
+
 class JoinerPull:
     """The joiner's side of one relayed pull: a :class:`~chaos_flwr.pull.PullNegotiation` and
     the I/O it asks for.
@@ -125,6 +133,7 @@ class JoinerPull:
             rates={d: PULL_ASSUMED_BANDWIDTH_BPS for d in donors},
             direct=direct,
             address_ok=_address_ok if link is None else _any_address,
+            addresses=_signed_endpoints(link, donors) if direct else None,
         )
         self.link = link
         self.direct_batch_bytes = direct_batch_bytes
@@ -198,9 +207,11 @@ class JoinerPull:
         """Carry out the probes and direct fetches the machine decides, within one budget;
         return what goes through the relay."""
         until = self.clock() + FLOWER_DIRECT_TIMEOUT_S
-        while decision.probe or decision.direct:
+        while decision.manifest or decision.probe or decision.direct:
             left = max(until - self.clock(), 0.001)
-            if decision.probe:
+            if decision.manifest:
+                decision = self._fetch_manifest(decision, left)
+            elif decision.probe:
                 results = self._fetch(
                     {d: a for d, (a, _) in decision.probe.items()},
                     {d: [(-1, 0, min(n, PULL_PROBE_BYTES))] for d, (_, n) in
@@ -218,6 +229,17 @@ class JoinerPull:
                 decision = self.negotiation.on_direct(results, self.clock())
         requests = {d: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
         return decision.status.value, requests if decision.status == Status.WANT else {}
+
+    def _fetch_manifest(self, decision: Decision, timeout_s: float) -> Decision:
+        from chaos_flwr.flower.direct import fetch_manifest
+
+        neg = self.negotiation
+        ((donor, (addr, ask)),) = decision.manifest.items()
+        raw, why = fetch_manifest(
+            {donor: addr}, donor, (ask.total, ask.shard_bytes, ask.num_shards),
+            server_round=neg.server_round, digest=neg.digest, timeout_s=timeout_s, link=self.link,
+        )  # fmt: skip
+        return neg.on_manifest(donor, raw, why, self.clock())
 
     def _fetch(
         self,
