@@ -293,3 +293,44 @@ def test_chaos_run_crosses_every_shaped_link_and_leaves_nothing(
     assert fig["pids_alive"] == [] and fig["namespaces_left"] == []
     assert _root_links() <= links_before
     assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_joiner_pulls_over_direct_links_between_the_hosts(
+    tmp_path: Path, flower_env: Path
+) -> None:
+    # every institution runs its party daemon on its own host; the joiner (inst3) takes the
+    # state over authenticated links straight from the donors' hosts, not through the SuperLink
+    from chaos_flwr.lab.wan_bench import _one_run
+
+    profile = parse_profile({"parties": {
+        "superlink": {"up_mb_s": 20.0, "down_mb_s": 20.0},
+        "inst1": {"up_mb_s": 10.0, "down_mb_s": 20.0},
+        "inst2": {"up_mb_s": 5.0, "down_mb_s": 10.0},
+        "inst3": {"up_mb_s": 5.0, "down_mb_s": 20.0},
+    }})  # fmt: skip
+    before_pids, ns_before = set(descendants(os.getpid())), _namespaces()
+    spec = WanBenchSpec(model_mib=2.0, rounds=4, joiner="inst3", app_dir=EXAMPLE, timeout_s=240)
+    t0 = time.monotonic()
+    fig = _one_run(profile, spec, "superlink", "direct", tmp_path)
+    print(f"direct join run: {time.monotonic() - t0:.0f} s, joined after {fig['join_s']} s")
+    join = fig["join"]
+    assert join is not None and join["ok"] and join["source"] == "pull", join
+    assert fig["joiner_trained_in_round"] is not None
+    # every byte came over the two donors' direct links, in one relay step
+    assert set(join["direct_bytes"]) == set(join["bytes_per_donor"])
+    assert len(join["direct_bytes"]) == 2
+    assert sum(join["direct_bytes"].values()) == join["total_bytes"] > 2_000_000
+    assert join["direct_failed"] == []
+    logs = tmp_path / "bed" / "home" / "logs"
+    served = 0
+    for host in ("inst1", "inst2"):
+        text = (logs / f"party-{host}.log").read_text()
+        assert "serving 10.77.0." in text and "refused: none" in text
+        served += int(text.split("requests, ")[1].split(" bytes")[0])
+    assert served >= join["total_bytes"]
+    assert fig["pids_alive"] == []
+    assert _namespaces() <= ns_before
+    assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []
