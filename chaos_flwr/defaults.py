@@ -84,6 +84,8 @@ MEMORY_CARRIER_MAX_DELIVERIES: int = 10_000_000
 # --- flower ----------------------------------------------------------------------------------
 #: Pause between two pulls of replies while a Chaos phase waits (Flower's own grids use 0.1-3 s).
 FLOWER_POLL_INTERVAL_S: float = 0.02
+#: Leave the model out of Chaos train messages to parties that hold it (they restore it).
+FLOWER_ELIDE_HELD_ARRAYS: bool = True
 #: Most envelopes one relay message carries to one party; the rest wait for the next exchange.
 FLOWER_MAX_ENVELOPES_PER_MESSAGE: int = 4096
 #: Most envelopes the relay queues for one party before dropping the oldest.

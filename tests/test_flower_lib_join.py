@@ -741,3 +741,42 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
     # one daemon answered the manifest request (counted as a request; it served no bytes)
     requests = sorted(int(o.split("stopped: ")[1].split(" requests")[0]) for o in outs.values())
     assert requests[-1] >= 3 and requests[0] >= 2  # a probe and shards each, plus the manifest
+
+
+def _train_contents(w: World) -> list[set[str]]:
+    """Record the content keys of every train message the grid pushes."""
+    seen: list[set[str]] = []
+    push = w.grid.push_messages
+
+    def recording(messages: Any) -> Any:
+        msgs = list(messages)
+        seen.extend(
+            set(m.content.keys()) for m in msgs if m.metadata.message_type.startswith("train")
+        )
+        return push(msgs)
+
+    w.grid.push_messages = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_train_messages_leave_out_the_model_each_party_holds(tmp_path: Path) -> None:
+    from chaos_flwr.flower.held import HELD_KEY
+    from chaos_flwr.flower.server.state import certified_digest
+
+    finals, contents = {}, {}
+    for elide in (True, False):
+        w = World(tmp_path / str(elide), 3)
+        for p in range(3):
+            w.add(p)
+        contents[elide] = _train_contents(w)
+        strategy = w.strategy(elide_held=elide)
+        result = strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
+        finals[elide] = certified_digest(result.arrays, 3)
+        assert [len(r.trained) for r in strategy.rounds if r.server_round >= 1] == [3, 3, 3]
+    # the same rounds, the same trainers, the same model: each party trained on its own copy
+    assert finals[True] == finals[False]
+    # round 1's train messages carry the initial state's certify (and its arrays); from round
+    # 2 on the model is left out and named instead
+    assert all("arrays" in c and HELD_KEY not in c for c in contents[False])
+    later = contents[True][3:]
+    assert len(later) == 6 and all("arrays" not in c and HELD_KEY in c for c in later)

@@ -32,11 +32,12 @@ from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
-from chaos_flwr.errors import ConfigError
+from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.client import proofs
 from chaos_flwr.flower.client.factory import default_party_factory
 from chaos_flwr.flower.client.registry import Parties, PartyFactory, register
 from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK, NODE_PARTITION_ID
+from chaos_flwr.flower.held import restore_held
 from chaos_flwr.flower.schema import (
     CHAOS_RECORD_KEY,
     PULL_DATA_KEY,
@@ -96,6 +97,14 @@ def _wrap(
             if record.get("phase") == "certify":  # an initial state rides on its first train
                 party.take_certified(
                     record, next(iter(message.content.array_records.values()), None)
+                )
+            try:
+                restore_held(message, party)  # the state it holds, left out by the ServerApp
+            except ChaosError as exc:
+                party.errors.append(f"{type(exc).__name__}: {exc}")
+                return Message(
+                    Error(ErrorCode.MOD_FAILED_PRECONDITION, f"{type(exc).__name__}: {exc}"),
+                    reply_to=message,
                 )
             if party.check_receipts(record):
                 # it will not train on a round that was shown two ways (evidence goes out

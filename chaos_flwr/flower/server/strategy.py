@@ -45,7 +45,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from chaos_flwr.defaults import FLOWER_ELIDE_HELD_ARRAYS
 from chaos_flwr.errors import ResumeError
+from chaos_flwr.flower.held import elide_held
 from chaos_flwr.flower.relay import Relay
 from chaos_flwr.flower.server.courier import (
     Courier,
@@ -142,6 +144,12 @@ class ChaosStrategy(Strategy):
         The envelope router (a fresh one by default).
     clock, sleep:
         The ServerApp's clock and pause (a virtual clock in tests).
+    elide_held:
+        Leave the model out of train messages to parties that hold it (with a charter: each
+        receiver's verified receipt names the state the round trains from; the party puts its
+        own copy back, :mod:`chaos_flwr.flower.held`), so the model leaves the ServerApp once
+        per round instead of twice; default
+        :data:`~chaos_flwr.defaults.FLOWER_ELIDE_HELD_ARRAYS`.
 
     Attributes
     ----------
@@ -169,12 +177,14 @@ class ChaosStrategy(Strategy):
         relay: Relay | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        elide_held: bool = FLOWER_ELIDE_HELD_ARRAYS,
     ) -> None:
         if not isinstance(inner, Strategy):
             raise TypeError(
                 f"inner must be a flwr.serverapp.strategy.Strategy, got {type(inner).__name__}"
             )
         self.inner = inner
+        self.elide_held = elide_held
         self.phases = phases or PhaseSettings()
         self.joins = joins or JoinSettings()
         self.resume = resume or ResumeSettings()
@@ -546,6 +556,11 @@ class ChaosStrategy(Strategy):
                     rnd, held.arrays, run.train_config, EligibleGrid(run.grid, eligible)
                 )
             )
+            if self.elide_held and held.genesis is None and self.view is not None:
+                # each receiver holds exactly this state (its verified receipt names it)
+                train_msgs = [
+                    elide_held(m, held.arrays, held.server_round, held.digest) for m in train_msgs
+                ]
         rlog.trained = [m.metadata.dst_node_id for m in train_msgs]
         proofs = self.courier.proofs
         active = sorted(self.view.active()) if self.view is not None else []
