@@ -967,37 +967,6 @@ def party_daemon(
     )
 
 
-@app.command("serve-replica")
-def serve_replica(
-    state_dir: str = typer.Option(..., help="The party's state directory (its chaos-state-dir)."),
-    listen: str = typer.Option(..., help="Loopback host:port to serve on, e.g. 127.0.0.1:9300."),
-) -> None:
-    """Serve an unsigned party's replicas over a legacy, unauthenticated loopback link.
-
-    For unsigned (test) runs only; a signed party runs ``chaos-flwr party``. Run one per
-    SuperNode whose node_config sets chaos-direct-addr to the same address: Flower starts a
-    ClientApp process per message, so the server must live in its own process.
-    """
-    import signal
-    import threading
-
-    from chaos_flwr.errors import ChaosError
-    from chaos_flwr.flower.direct import check_address, on_signals, serve_forever
-
-    try:
-        check_address(listen)
-    except ChaosError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--listen") from None
-    stop = threading.Event()
-    restore = on_signals(stop, [signal.SIGTERM, signal.SIGINT])
-    started = threading.Event()
-    try:
-        server = serve_forever(Path(state_dir), listen, stop=stop, started=started)
-    finally:
-        restore()
-    typer.echo(f"stopped: {server.requests_served} requests, {server.bytes_served} bytes served")
-
-
 # --- testbed ---------------------------------------------------------------------------------
 # (section owned by the multi-site testbed, issue #17)
 

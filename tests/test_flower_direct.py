@@ -1,34 +1,31 @@
-"""Direct grpc links for joiner pulls (chaos_flwr.flower.direct) and per-donor rate estimates.
+"""Direct links for joiner pulls (chaos_flwr.flower.direct) and per-donor rate estimates.
 
-Real grpc servers on 127.0.0.1, stopped at the end of each test; the relay is a small loop
-that answers the joiner's relay requests with ``serve_request`` over each donor's bytes. The
-pull tests run twice: over authenticated links (``signed``: donors are charter members with
-signed endpoint records, mutual TLS) and over the legacy loopback links.
+Real grpc servers on 127.0.0.1 over mutual TLS (donors are charter members with signed endpoint
+records), stopped at the end of each test; the relay is a small loop that answers the joiner's
+relay requests with ``serve_request`` over each donor's bytes. Unless a test says otherwise the
+joiner is not told the state's size, so it learns the donors' addresses from their relayed
+replies (and checks each against the donor's signed record).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 from link_world import access, endpoint_record, ident, records
 
-from chaos_flwr.errors import ConfigError, StoreError
+from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.client.donor import serve_request
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.direct import (
     BytesSource,
     DirectServer,
-    check_address,
     fetch_ranges,
 )
 from chaos_flwr.state import TrainingState
@@ -81,43 +78,41 @@ class Relay:
 
 
 class Net:
-    """Donor servers and the joiner's pull, over signed (authenticated) or legacy links.
+    """Donor servers and the joiner's pull over authenticated links.
 
     Donors are named ``a``..``d`` (charter members of tests/link_world.py); :meth:`pid` gives
-    the id a pull uses (the party id when signed, the name itself when legacy).
+    the party id a pull uses.
     """
 
-    def __init__(self, signed: bool) -> None:
-        self.signed = signed
+    def __init__(self) -> None:
         self.records = records()
         self.started: list[DirectServer] = []
 
     def pid(self, name: str) -> str:
-        return ident(name).party_id if self.signed else name
+        return ident(name).party_id
 
     def serve(self, name: str, data: bytes = DATA, shaper: Shaper | None = None) -> DirectServer:
         from chaos_flwr.transport.tls import LinkCredentials
 
-        creds = LinkCredentials.create(ident(name), "link-fed") if self.signed else None
-        link = access(name, self.records, creds) if creds is not None else None
+        creds = LinkCredentials.create(ident(name), "link-fed")
+        link = access(name, self.records, creds)
         server = DirectServer(BytesSource(ROUND, DIGEST, data), shaper=shaper, link=link)
         address = server.start()
         self.started.append(server)
-        if creds is not None:
-            self.records.add(endpoint_record(ident(name), address, creds))
+        self.records.add(endpoint_record(ident(name), address, creds))
         return server
 
     def pull(self, names: list[str], **kw: object) -> JoinerPull:
-        link = access("e", self.records) if self.signed else None  # e joins through the pull
+        link = access("e", self.records)  # e joins through the pull
         return JoinerPull(ROUND, DIGEST, [self.pid(n) for n in names], link=link, **kw)  # type: ignore[arg-type]
 
     def relay(self, addrs: Mapping[str, str], dead: set[str] | None = None) -> Relay:
         return Relay({self.pid(n): a for n, a in addrs.items()}, dead)
 
 
-@pytest.fixture(params=["signed", "legacy"])
-def net(request: pytest.FixtureRequest) -> Iterator[Net]:
-    n = Net(request.param == "signed")
+@pytest.fixture
+def net() -> Iterator[Net]:
+    n = Net()
     yield n
     for server in n.started:
         server.stop()
@@ -190,11 +185,9 @@ def test_a_donor_advertising_a_bad_address_falls_back_to_the_relay(net: Net) -> 
     pull = net.pull(["a", "b", "c"])
     _check(pull, relay.run(pull))
     pa, pb, pc = net.pid("a"), net.pid("b"), net.pid("c")
-    assert sorted(pull.direct_failed) == sorted([pb, pc])  # c is never dialled
-    if net.signed:  # neither b nor c signed an endpoint: the relay's addresses are refused
-        assert all("EndpointError" in pull.direct_failed[d] for d in (pb, pc))
-    else:
-        assert "not loopback" in pull.direct_failed[pc]
+    assert sorted(pull.direct_failed) == sorted([pb, pc])  # never dialled
+    # neither b nor c signed an endpoint: the relay's addresses are refused
+    assert all("EndpointError" in pull.direct_failed[d] for d in (pb, pc))
     assert pull.lost == []
     assert relay.shard_bytes[pb] == pull.received[pb] > 0
     assert pull.direct_bytes[pa] == pull.received[pa] > 0
@@ -203,18 +196,23 @@ def test_a_donor_advertising_a_bad_address_falls_back_to_the_relay(net: Net) -> 
 def test_a_relay_pointing_a_donor_elsewhere_is_refused_and_bypassed(net: Net) -> None:
     a, b = net.serve("a"), net.serve("b")
     assert a.address and b.address
-    # the relay swaps the two donors' addresses: legacy links dial them (and the manifest
-    # check still catches nothing wrong, the bytes are the same); signed links refuse both
+    # the relay swaps the two donors' addresses: a joiner that learns addresses from the
+    # relayed replies refuses both (they are not the signed ones) and pulls through the relay
     relay = net.relay({"a": b.address, "b": a.address})
-    pull = net.pull(["a", "b"])
+    pull = net.pull(["a", "b"], direct=True)
+    pull.negotiation.known = frozenset()  # as if the view had not held their records yet
+    pull.negotiation.addresses.clear()
     _check(pull, relay.run(pull))
-    if net.signed:
-        assert sorted(pull.direct_failed) == sorted([net.pid("a"), net.pid("b")])
-        assert all("EndpointError" in e for e in pull.direct_failed.values())
-        assert a.requests_served == b.requests_served == 0
-        assert sum(relay.shard_bytes.values()) == len(DATA)
-    else:
-        assert pull.direct_failed == {}
+    assert sorted(pull.direct_failed) == sorted([net.pid("a"), net.pid("b")])
+    assert all("EndpointError" in e for e in pull.direct_failed.values())
+    assert a.requests_served == b.requests_served == 0
+    assert sum(relay.shard_bytes.values()) == len(DATA)
+    # one whose view holds their signed endpoints ignores the relay's addresses altogether
+    again = net.relay({"a": b.address, "b": a.address})
+    pull = net.pull(["a", "b"])
+    _check(pull, again.run(pull))
+    assert pull.direct_failed == {} and again.shard_bytes == {}
+    assert pull.direct_bytes == pull.received and sum(pull.received.values()) == len(DATA)
 
 
 def test_a_donor_sending_a_bad_shard_directly_is_dropped(net: Net) -> None:
@@ -255,47 +253,10 @@ def test_rate_estimates_shift_shares_toward_the_faster_donor(net: Net) -> None:
     assert abs(eq[ps] - eq[pf]) <= len(DATA) // 4
 
 
-def test_serve_request_names_the_direct_address_and_addresses_are_checked() -> None:
+def test_serve_request_names_the_direct_address() -> None:
     rec = serve_request(DATA, ConfigRecord({"op": "size"}), direct_addr="127.0.0.1:9")
     assert rec["direct"] == "127.0.0.1:9" and rec["total"] == len(DATA)
     assert "direct" not in serve_request(DATA, ConfigRecord({"op": "size"}))
-    assert check_address("localhost:80") == "localhost:80"
-    for bad in ("10.0.0.1:80", "127.0.0.1:0", "127.0.0.1", 5, "127.0.0.1:x"):
-        with pytest.raises(ConfigError):
-            check_address(bad)
-
-
-def test_serve_replica_daemon_serves_the_store_and_stops_on_sigterm(tmp_path: Path) -> None:
-    ReplicaStore(tmp_path / "replicas").put(STATE, certificate=b"cert")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chaos_flwr.cli", "serve-replica", "--state-dir", str(tmp_path),
-         "--listen", addr],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == f"serving {addr}"
-        got = fetch_ranges(
-            {"d": addr}, {"d": [(0, 0, 100), (1, 100, len(DATA))]},
-            server_round=ROUND, digest=DIGEST, timeout_s=10.0,
-        )  # fmt: skip
-        assert got["d"].error == ""
-        assert b"".join(c for _, c, _ in got["d"].shards) == DATA
-        wrong = fetch_ranges(
-            {"d": addr}, {"d": [(0, 0, 10)]}, server_round=ROUND, digest=b"x" * 32, timeout_s=10.0
-        )
-        assert wrong["d"].error and not wrong["d"].shards
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=15)
-        assert proc.returncode == 0
-        assert f"1 requests, {len(DATA)} bytes served" in out  # the wrong digest was refused
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_party_settings_read_the_direct_address_and_name_a_bad_one(tmp_path: Path) -> None:
@@ -310,44 +271,56 @@ def test_party_settings_read_the_direct_address_and_name_a_bad_one(tmp_path: Pat
         )  # fmt: skip
 
     state = str(tmp_path / "st")
-    got = party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "127.0.0.1:9301"}))
-    assert got.direct_addr == "127.0.0.1:9301"
     assert party_settings(ctx({"chaos-state-dir": state})).direct_addr == ""
-    with pytest.raises(ConfigError, match="node_config 'chaos-direct-addr'"):
-        party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "192.168.1.5:80"}))
+    # an unsigned party has no keys to authenticate links with: refused, not ignored
+    with pytest.raises(ConfigError, match=r"node_config 'chaos-direct-addr'.*unsigned"):
+        party_settings(ctx({"chaos-state-dir": state, "chaos-direct-addr": "127.0.0.1:9301"}))
+    from chaos_flwr.flower.client.settings import _direct_address
+
+    assert _direct_address("Inst1.Example.ORG:9300", False) == "inst1.example.org:9300"
+    assert _direct_address("[2001:DB8::1]:80", False) == "[2001:db8::1]:80"
+    for bad in ("10.0.0.1", "10.0.0.1:0", "224.0.0.1:80", 5):
+        with pytest.raises(ChaosError):
+            _direct_address(bad, False)
 
 
-def test_the_in_process_server_serves_the_party_store_once_per_address(tmp_path: Path) -> None:
+def test_the_in_process_server_serves_the_party_store_once_per_address(
+    tmp_path: Path, net: Net
+) -> None:
     from chaos_flwr.flower.direct import ensure_server, stop_servers
+    from chaos_flwr.transport.tls import LinkCredentials
 
     store = ReplicaStore(tmp_path / "replicas")
     store.put(STATE)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
+    creds = LinkCredentials.create(ident("a"), "link-fed")
+    net.records.add(endpoint_record(ident("a"), addr, creds))
+    pa, joiner = net.pid("a"), access("e", net.records)
+
+    def fetch(rnd: int, ranges: list[tuple[int, int, int]], timeout_s: float = 10.0) -> Any:
+        return fetch_ranges({}, {pa: ranges}, server_round=rnd, digest=DIGEST,
+                            timeout_s=timeout_s, link=joiner)[pa]  # fmt: skip
+
     try:
-        server = ensure_server(tmp_path, addr)
-        assert ensure_server(tmp_path, addr) is server and server.address == addr
-        got = fetch_ranges(
-            {"d": addr}, {"d": [(0, 5, 50)]}, server_round=ROUND, digest=DIGEST, timeout_s=10.0
-        )
-        assert got["d"].shards == [(0, DATA[5:50], got["d"].shards[0][2])]
-        other = fetch_ranges(  # a round the store does not hold
-            {"d": addr}, {"d": [(0, 0, 8)]}, server_round=ROUND + 1, digest=DIGEST, timeout_s=10.0
-        )
-        assert "not stored" in other["d"].error
+        server = ensure_server(tmp_path, addr, link=access("a", net.records, creds))
+        assert ensure_server(tmp_path, addr, link=server.link) is server
+        assert server.address == addr
+        got = fetch(ROUND, [(0, 5, 50)])
+        assert got.shards == [(0, DATA[5:50], got.shards[0][2])]
+        other = fetch(ROUND + 1, [(0, 0, 8)])  # a round the store does not hold
+        assert "not stored" in other.error and isinstance(other.exc, StoreError)
     finally:
         stop_servers()
-    after = fetch_ranges(
-        {"d": addr}, {"d": [(0, 0, 8)]}, server_round=ROUND, digest=DIGEST, timeout_s=2.0
-    )
-    assert after["d"].error and not after["d"].shards
+    after = fetch(ROUND, [(0, 0, 8)], timeout_s=2.0)
+    assert after.error and not after.shards
 
 
 def test_a_joiner_that_knows_signed_endpoints_pulls_in_its_first_step() -> None:
     # the donors' endpoints are in the joiner's view and the ServerApp named the size: the
     # manifest, the probes and the shards all go over the links, nothing through the relay
-    net = Net(signed=True)
+    net = Net()
     try:
         a, b = net.serve("a"), net.serve("b")
         relay = net.relay({})
@@ -365,7 +338,7 @@ def test_a_joiner_that_knows_signed_endpoints_pulls_in_its_first_step() -> None:
 
 
 def test_a_direct_manifest_that_fails_falls_back_to_the_relay() -> None:
-    net = Net(signed=True)
+    net = Net()
     try:
         other = TrainingState({"w": np.zeros(40_000, np.float32)}, ROUND).to_bytes()
         net.serve("a", data=other)  # holds other bytes under the certified name
@@ -382,23 +355,27 @@ def test_a_direct_manifest_that_fails_falls_back_to_the_relay() -> None:
             server.stop()
 
 
-def test_a_manifest_request_is_checked_and_refused_with_typed_errors() -> None:
+def test_a_manifest_request_is_checked_and_refused_with_typed_errors(net: Net) -> None:
     from chaos_flwr.flower.direct import fetch_manifest
     from chaos_flwr.state import Manifest
 
-    with DirectServer(BytesSource(ROUND, DIGEST, DATA)) as server:
-        assert server.address
-        addrs = {"d": server.address}
+    server, pa = net.serve("a"), net.pid("a")
+    link = access("e", net.records)
 
-        def ask(shape: tuple[int, int, int], digest: bytes = DIGEST) -> tuple[bytes | None, str]:
-            return fetch_manifest(addrs, "d", shape, server_round=ROUND, digest=digest,
-                                  timeout_s=10.0)  # fmt: skip
+    def ask(shape: tuple[int, int, int], digest: bytes = DIGEST) -> tuple[bytes | None, str]:
+        return fetch_manifest({}, pa, shape, server_round=ROUND, digest=digest, timeout_s=10.0,
+                              link=link)  # fmt: skip
 
-        raw, why = ask((len(DATA), 4096, -(-len(DATA) // 4096)))
-        assert why == "" and raw == Manifest.build(DATA, 4096).to_bytes()
-        # (a legacy link names the donor's refusal inside a TransportError)
-        assert "DecodeError('direct manifest request for" in ask((len(DATA) + 1, 4096, 40))[1]
-        assert "RequestTooLargeError" in ask((len(DATA), 4096, 10**6))[1]
-        assert "StoreError" in ask((len(DATA), 4096, 40), digest=b"x" * 32)[1]
-        assert "does not cut the state" in ask((len(DATA), 1, 3))[1]
-        assert server.refusals() == {"DecodeError": 2, "RequestTooLargeError": 1, "StoreError": 1}
+    raw, why = ask((len(DATA), 4096, -(-len(DATA) // 4096)))
+    assert why == "" and raw == Manifest.build(DATA, 4096).to_bytes()
+    why = ask((len(DATA) + 1, 4096, 40))[1]
+    assert why.startswith("DecodeError") and "the state has" in why
+    assert ask((len(DATA), 4096, 10**6))[1].startswith("RequestTooLargeError")
+    assert ask((len(DATA), 4096, 40), digest=b"x" * 32)[1].startswith("StoreError")
+    assert "does not cut the state" in ask((len(DATA), 1, 3))[1]
+    assert server.refusals() == {"DecodeError": 2, "RequestTooLargeError": 1, "StoreError": 1}
+    # a party the view does not list is refused before anything is read
+    assert fetch_manifest(
+        {}, net.pid("b"), (len(DATA), 4096, 40), server_round=ROUND, digest=DIGEST,
+        timeout_s=10.0, link=link,
+    )[1].startswith("EndpointError")  # fmt: skip

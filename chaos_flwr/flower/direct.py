@@ -1,18 +1,30 @@
-"""Direct grpc links for joiner pulls: a donor's replica server and the joiner's fetcher.
+"""Direct links for joiner pulls: a donor's replica server and the joiner's fetcher.
 
-Flower carries no node-to-node traffic, so a joiner pulls through the relay
-(:mod:`chaos_flwr.flower.client.joiner`). When a donor is configured with a direct address
-(``node_config`` key ``chaos-direct-addr``, ``"127.0.0.1:PORT"``), it names that address in its
-relayed size/manifest reply, and the joiner fetches that donor's shards straight over grpc
-(:class:`~chaos_flwr.transport.grpc_carrier.GrpcCarrier`), from every reachable donor at once.
-An address gives a donor nothing: the joiner still checks every shard against the manifest
-that names the certified digest, and the assembled state against the digest.
+Flower carries no node-to-node traffic, so without direct links a joiner pulls through the
+relay (:mod:`chaos_flwr.flower.client.joiner`). A signed party configured with a direct address
+(``node_config`` key ``chaos-direct-addr``) announces it in a signed endpoint record
+(:mod:`chaos_flwr.flower.client.endpoint`), and a joiner fetches that donor's manifest and
+shards straight over the link, from every reachable donor at once. An address gives a donor
+nothing: the joiner still checks every shard against the manifest that names the certified
+digest, and the assembled state against the digest.
+
+Links are authenticated and encrypted
+-------------------------------------
+Given the party's :class:`LinkAccess` (its link credentials, policy and view), a
+:class:`DirectServer` serves over mutual TLS (:class:`~chaos_flwr.transport.links.LinkServer`):
+only to a peer whose certificate is bound to a charter key (:mod:`chaos_flwr.transport.tls`)
+and that is an active member of the donor's view, and :func:`fetch_ranges` dials a donor only
+at the endpoint its verified endpoint record names (any host, IPv4, IPv6 or a name), pinning
+the certificate that record carries; an address the relay offered that no record signs is
+refused with :class:`~chaos_flwr.errors.EndpointError`. Limits (named defaults): requests
+served at once, request message size, reply bytes one request may ask for (no amplification)
+and reply bytes per peer per window; each refusal is a typed error the dialler raises as such
+(:attr:`DirectResult.exc`). There is no unauthenticated server.
 
 Serving process
 ---------------
 The server must outlive one Flower message. On the deployment engine Flower starts a process
-per message, so a thread would die with it: a small daemon serves the party's replica store
-(``chaos-flwr serve-replica --state-dir DIR --listen 127.0.0.1:PORT``, stopped by SIGTERM).
+per message, so the party daemon serves (``chaos-flwr party``, :mod:`chaos_flwr.flower.daemon`).
 In simulation the Ray worker persists, so :func:`ensure_server` (an in-process server thread,
 started once per address) does as well. Both read the replica files the party wrote
 (:class:`StoreSource`), so neither needs the party's in-memory state.
@@ -23,24 +35,6 @@ total, shard-bytes, num-shards}``, reply ``{manifest: bytes}`` (the joiner check
 certified digest; the donor counts the state's size against the asker's per-peer window, since
 hashing it is the work). A donor that does not hold exactly that ``(round, digest)`` fails the
 call.
-
-Authenticated links (``link=``)
--------------------------------
-Given a :class:`LinkAccess` (the party's link credentials, its policy and its view), a
-:class:`DirectServer` serves over mutual TLS (:class:`~chaos_flwr.transport.links.LinkServer`):
-only to a peer whose certificate is bound to a charter key (:mod:`chaos_flwr.transport.tls`)
-and that is an active member of the donor's view, and :func:`fetch_ranges` dials a donor only
-at the endpoint its verified endpoint record names (any host, IPv4, IPv6 or a name), pinning
-the certificate that record carries; an address the relay offered that no record signs is
-refused with :class:`~chaos_flwr.errors.EndpointError`. Limits (named defaults): requests
-served at once, request message size, reply bytes one request may ask for (no amplification)
-and reply bytes per peer per window; each refusal is a typed error the dialler raises as such
-(:attr:`DirectResult.exc`).
-
-Without ``link`` (the simulation engine and the ``serve-replica`` daemon until the party
-daemon hands them the party's credentials) the server is the legacy unauthenticated one:
-it listens and dials only loopback addresses (:data:`~chaos_flwr.defaults.FLOWER_DIRECT_HOSTS`,
-the address travels through the untrusted relay) and applies the same size limits.
 """
 
 from __future__ import annotations
@@ -58,7 +52,6 @@ from typing import Any, Protocol
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
-    FLOWER_DIRECT_HOSTS,
     FLOWER_DIRECT_PROBE_CONNECT_S,
     FLOWER_DIRECT_TIMEOUT_S,
     LINK_MAX_MANIFEST_SHARDS,
@@ -77,7 +70,6 @@ from chaos_flwr.errors import (
 )
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.store import Replica, ReplicaStore
-from chaos_flwr.transport.grpc_carrier import GrpcCarrier
 from chaos_flwr.transport.links import LinkAccess, LinkDialer, LinkLimits, LinkServer, PeerQuota
 from chaos_flwr.transport.shaping import Shaper
 
@@ -89,34 +81,12 @@ __all__ = [
     "LinkLimits",
     "RangeSource",
     "StoreSource",
-    "check_address",
     "ensure_server",
     "fetch_manifest",
     "fetch_ranges",
     "listening",
     "stop_servers",
 ]
-
-_FROM = "joiner"
-
-
-def check_address(address: object) -> str:
-    """Return ``address`` if it is ``host:port`` with a dialable (loopback) host.
-
-    Raises
-    ------
-    ConfigError
-        Not a string ``host:port``, a port outside 1..65535, or a host not in
-        :data:`~chaos_flwr.defaults.FLOWER_DIRECT_HOSTS`.
-    """
-    if not isinstance(address, str) or ":" not in address:
-        raise ConfigError(f"direct address must be 'host:port', got {address!r}")
-    host, _, port = address.rpartition(":")
-    if host not in FLOWER_DIRECT_HOSTS:
-        raise ConfigError(f"direct address host {host!r} is not loopback {FLOWER_DIRECT_HOSTS}")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"direct address port must be 1..65535, got {port!r}")
-    return address
 
 
 class RangeSource(Protocol):
@@ -232,8 +202,7 @@ class DirectServer:
     shaper:
         Optional link shaping of this server's replies (tests, benchmarks).
     link:
-        Serve authenticated links (mutual TLS, active members only); ``None``: the legacy
-        unauthenticated server (see the module docstring).
+        The party's link access: whom it serves, with which credentials (module docstring).
     limits:
         The donor's limits.
     clock:
@@ -250,8 +219,8 @@ class DirectServer:
         source: RangeSource,
         listen: str = "127.0.0.1:0",
         *,
+        link: LinkAccess,
         shaper: Shaper | None = None,
-        link: LinkAccess | None = None,
         limits: LinkLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -269,7 +238,7 @@ class DirectServer:
         self.refused: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._carrier: GrpcCarrier | LinkServer | None = None
+        self._carrier: LinkServer | None = None
         self._stopped = threading.Event()
 
     def _refuse(self, exc: ChaosError) -> ChaosError:
@@ -332,9 +301,7 @@ class DirectServer:
         self.requests_served += 1
         return codec.encode({"manifest": raw})
 
-    def _make_carrier(self) -> GrpcCarrier | LinkServer:
-        if self.link is None:
-            return GrpcCarrier("replica", port=self._port, host=self._host, shaper=self._shaper)
+    def _make_carrier(self) -> LinkServer:
         link = self.link
         return LinkServer(
             link.creds,
@@ -388,7 +355,7 @@ class DirectServer:
 
     def refusals(self) -> dict[str, int]:
         """Every refusal so far by error class name (the link layer's and the handler's)."""
-        if isinstance(self._carrier, LinkServer):
+        if self._carrier is not None:
             return dict(self._carrier.refused)  # it saw the handler's refusals too
         return dict(self.refused)
 
@@ -413,16 +380,12 @@ _SERVERS: dict[str, DirectServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def ensure_server(
-    state_dir: str | Path, listen: str, *, link: LinkAccess | None = None
-) -> DirectServer:
+def ensure_server(state_dir: str | Path, listen: str, *, link: LinkAccess) -> DirectServer:
     """The in-process replica server for ``listen`` (started once per process and address).
 
     For the simulation engine, whose worker processes outlive one message. It serves
-    ``<state_dir>/replicas`` (authenticated links with ``link``; else loopback only).
+    ``<state_dir>/replicas`` over the party's authenticated links.
     """
-    if link is None:
-        check_address(listen)
     with _SERVERS_LOCK:
         server = _SERVERS.get(listen)
         if server is None:
@@ -567,20 +530,11 @@ async def _fetch_one(
 
 
 def _senders(
-    addresses: Mapping[str, str],
-    donors: Sequence[str],
-    link: LinkAccess | None,
-    timeout_s: float,
+    addresses: Mapping[str, str], donors: Sequence[str], link: LinkAccess
 ) -> tuple[dict[str, _Send], dict[str, DirectResult], Callable[[], Awaitable[None]]]:
     """A send function per dialable donor, the donors refused before dialling, and a closer."""
     refused: dict[str, DirectResult] = {}
     sends: dict[str, _Send] = {}
-    if link is None:
-        carrier = GrpcCarrier(_FROM, dict(addresses), request_timeout_s=timeout_s)
-        for d in donors:
-            if d in addresses:
-                sends[d] = functools.partial(_legacy_send, carrier, d)
-        return sends, refused, carrier.close
     dialer = LinkDialer(link.creds)
     for d in donors:
         try:
@@ -591,10 +545,6 @@ def _senders(
             continue
         sends[d] = functools.partial(_link_send, dialer, ep)
     return sends, refused, dialer.close
-
-
-async def _legacy_send(carrier: GrpcCarrier, donor: str, req: bytes, timeout: float) -> bytes:
-    return await carrier.request(donor, req, timeout=timeout)
 
 
 async def _link_send(dialer: LinkDialer, ep: EndpointInfo, req: bytes, timeout: float) -> bytes:
@@ -609,7 +559,7 @@ def fetch_ranges(
     digest: bytes,
     timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
     batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
-    link: LinkAccess | None = None,
+    link: LinkAccess,
 ) -> dict[str, DirectResult]:
     """Fetch ``ranges[donor]`` from every donor's direct address at once (bounded by
     ``timeout_s`` overall). Runs its own event loop in a helper thread, so it may be called
@@ -618,10 +568,10 @@ def fetch_ranges(
     Parameters
     ----------
     addresses
-        Donor -> address as offered (by the relay). With ``link`` each must be the address
-        the donor's verified endpoint record signs (else that donor fails with
+        Donor -> address as offered (by the relay): each must be the address the donor's
+        verified endpoint record signs (else that donor fails with
         :class:`~chaos_flwr.errors.EndpointError`, never dialled); a donor with no offered
-        address is dialled at its signed endpoint. Without ``link`` only these are dialled.
+        address is dialled at its signed endpoint.
     link
         This party's credentials and view: authenticated, encrypted links.
 
@@ -634,8 +584,7 @@ def fetch_ranges(
     fetched: dict[str, DirectResult] = {}
 
     async def main() -> None:
-        donors = [d for d in ranges if link is not None or d in addresses]
-        sends, refused, close = _senders(addresses, donors, link, timeout_s)
+        sends, refused, close = _senders(addresses, list(ranges), link)
         fetched.update(refused)
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -659,7 +608,7 @@ def fetch_ranges(
     # a worker still running past its bound may yet write: its results are not read at all
     out = {} if worker.is_alive() else dict(fetched)
     for d in ranges:
-        out.setdefault(d, DirectResult(error="no direct address" if d not in addresses else "hung"))
+        out.setdefault(d, DirectResult(error="hung"))
     return out
 
 
@@ -671,7 +620,7 @@ def fetch_manifest(
     server_round: int,
     digest: bytes,
     timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
-    link: LinkAccess | None = None,
+    link: LinkAccess,
 ) -> tuple[bytes | None, str]:
     """Ask ``donor`` over its direct link for the manifest of ``shape`` (total, shard bytes,
     shard count) of the state ``(server_round, digest)``; bounded by ``timeout_s``.
@@ -685,13 +634,10 @@ def fetch_manifest(
                         "shard-bytes": shard_bytes, "num-shards": num_shards})  # fmt: skip
 
     async def main() -> None:
-        sends, refused, close = _senders(addresses, [donor], link, timeout_s)
+        sends, refused, close = _senders(addresses, [donor], link)
         try:
             if donor in refused:
                 got.append((None, refused[donor].error))
-                return
-            if donor not in sends:
-                got.append((None, "no direct address"))
                 return
             raw = await sends[donor](req, timeout_s)
             value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES)
@@ -711,33 +657,6 @@ def fetch_manifest(
     if worker.is_alive() or not got:
         return None, "hung"
     return got[0]
-
-
-def serve_forever(
-    state_dir: str | Path,
-    listen: str,
-    *,
-    stop: threading.Event,
-    started: threading.Event | None = None,
-    link: LinkAccess | None = None,
-) -> DirectServer:
-    """Serve ``<state_dir>/replicas`` on ``listen`` until ``stop`` is set (the daemon's body).
-
-    Prints ``serving <address>`` once listening (flushed, for whoever started the daemon) and
-    returns the stopped server (its counters).
-    """
-    source = StoreSource(Path(state_dir) / "replicas")
-    server = DirectServer(source, listen, link=link)
-    address = server.start()
-    print(f"serving {address}", flush=True)
-    if started is not None:
-        started.set()
-    try:
-        stop.wait()
-    finally:
-        server.stop()
-        source.close()
-    return server
 
 
 def on_signals(stop: threading.Event, signals: Sequence[int]) -> Callable[[], None]:

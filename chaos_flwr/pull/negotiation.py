@@ -176,7 +176,8 @@ class PullNegotiation:
         of which the receipts bind) loses its holder before anything is allocated.
     addresses:
         Holder -> direct address known before the pull (checked with ``address_ok``): with a
-        size hint, the manifest is fetched over the first one's link (module docstring).
+        size hint, the manifest is fetched over the first one's link (module docstring); an
+        address a reply names for such a holder is ignored.
     """
 
     def __init__(
@@ -223,9 +224,13 @@ class PullNegotiation:
         self._pending: list[ShardRequest | CancelRequest] = []
         self._owed: dict[str, tuple[ShardRequest, ...]] = {}
         self._direct_rounds = 0
+        #: Holders whose address was known before the pull: one named in a reply (which the
+        #: relay carries) does not replace it.
+        self.known: frozenset[str] = frozenset()
         for donor, addr in (addresses or {}).items():
             if donor in self.donors:
                 self._note_address(donor, addr)
+        self.known = frozenset(self.addresses)
 
     # -- events -----------------------------------------------------------------------------
     def start(self, now: float) -> Decision:
@@ -322,7 +327,7 @@ class PullNegotiation:
 
     def _note_address(self, donor: str, reply: Reply | str) -> None:
         addr = reply if isinstance(reply, str) else getattr(reply, "direct", "")
-        if not self.direct or not addr:
+        if not self.direct or not addr or donor in self.known:
             return
         check = self.address_ok
         try:

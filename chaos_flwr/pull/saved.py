@@ -24,7 +24,7 @@ from chaos_flwr.transfer import PullSession
 __all__ = ["PULL_SAVED_VERSION", "load_negotiation", "save_negotiation"]
 
 #: Version of the saved form; a value of another version is refused (the pull starts again).
-PULL_SAVED_VERSION: int = 1
+PULL_SAVED_VERSION: int = 2
 
 #: Stages a pull may be saved at (between events).
 _SAVED_STAGES = frozenset({Stage.SIZE, Stage.MANIFEST, Stage.SHARDS})
@@ -59,6 +59,7 @@ def save_negotiation(pull: PullNegotiation) -> dict[str, Any]:
         "session": None if pull.session is None else pull.session.snapshot(),
         "asked": pull.asked,
         "addresses": dict(pull.addresses),
+        "known": sorted(pull.known),
         "direct-failed": dict(pull.direct_failed),
         "received": dict(pull.received),
         "direct-bytes": dict(pull.direct_bytes),
@@ -166,6 +167,7 @@ def load_negotiation(
     pull.plan = _plan_of(value.get("plan"), pull.total)
     pull.asked = _field(value, "asked", str)
     pull.addresses = _map(value, "addresses", str)
+    pull.known = frozenset(d for d in _strs(value, "known") if d in pull.addresses)
     pull.direct_failed = _map(value, "direct-failed", str)
     pull.received = _map(value, "received", int)
     pull.direct_bytes = _map(value, "direct-bytes", int)

@@ -96,30 +96,24 @@ def default_party_factory(context: Context) -> Party:
     return party
 
 
-def _direct_server(settings: PartySettings, peer: Any = None) -> str:
+def _direct_server(settings: PartySettings, peer: Any) -> str:
     """The direct address this party announces (``""``: relay only).
 
     If nothing listens on ``chaos-direct-addr`` yet, this process serves the party's replica
-    store there (the simulation engine's workers outlive one message): over authenticated
-    links for a signed party (``peer`` given: its identity and charter), else the legacy
-    loopback server. If the address is taken, the party daemon (``chaos-flwr party``, or the
-    legacy ``serve-replica``) is assumed to serve it (the deployment engine starts a process
-    per message); should that be wrong, joiners fall back to the relay, and every byte is
-    checked against the certified digest either way.
+    store there over its authenticated links (the simulation engine's workers outlive one
+    message). If something does, it is the party daemon (``chaos-flwr party``; the deployment
+    engine starts a process per message); should that be wrong, joiners fall back to the
+    relay, and every byte is checked against the certified digest either way.
     """
     if not settings.direct_addr or settings.state_dir is None:
         return ""
+    from chaos_flwr.flower.daemon import party_link
     from chaos_flwr.flower.direct import ensure_server, listening
 
     if listening(settings.direct_addr):  # the daemon's, or this process's own server
         return settings.direct_addr
-
-    link = None
-    if peer is not None and hasattr(peer, "identity"):
-        from chaos_flwr.flower.daemon import party_link
-
-        link = party_link(settings.state_dir, peer.identity, peer.charter)
-    with contextlib.suppress(TransportError):  # taken: the daemon's (see above)
+    link = party_link(settings.state_dir, peer.identity, peer.charter)
+    with contextlib.suppress(TransportError):  # bound since the check: the daemon's
         ensure_server(settings.state_dir, settings.direct_addr, link=link)
     return settings.direct_addr
 

@@ -63,12 +63,6 @@ if TYPE_CHECKING:
 __all__ = ["JoinerPull", "JoiningParty", "join_step", "take_state"]
 
 
-def _address_ok(value: str) -> str:
-    from chaos_flwr.flower.direct import check_address
-
-    return check_address(value)
-
-
 def _any_address(value: str) -> str:
     from chaos_flwr.membership import parse_address
 
@@ -107,7 +101,7 @@ class JoinerPull:
     link:
         This party's link credentials and view (:class:`~chaos_flwr.flower.direct.LinkAccess`):
         direct links are authenticated and encrypted, and a donor is dialled only at the
-        endpoint its verified record signs. ``None``: legacy loopback links.
+        endpoint its verified record signs. ``None`` (an unsigned party): relay only.
     """
 
     def __init__(
@@ -131,8 +125,8 @@ class JoinerPull:
             min_shard_bytes=min_shard_bytes,
             total_hint=total_hint,
             rates={d: PULL_ASSUMED_BANDWIDTH_BPS for d in donors},
-            direct=direct,
-            address_ok=_address_ok if link is None else _any_address,
+            direct=direct and link is not None,
+            address_ok=_any_address,
             addresses=_signed_endpoints(link, donors) if direct else None,
         )
         self.link = link
@@ -235,6 +229,8 @@ class JoinerPull:
 
         neg = self.negotiation
         ((donor, (addr, ask)),) = decision.manifest.items()
+        if self.link is None:  # a pull saved with addresses, taken up without credentials
+            return neg.on_manifest(donor, None, "no link credentials", self.clock())
         raw, why = fetch_manifest(
             {donor: addr}, donor, (ask.total, ask.shard_bytes, ask.num_shards),
             server_round=neg.server_round, digest=neg.digest, timeout_s=timeout_s, link=self.link,
@@ -249,6 +245,8 @@ class JoinerPull:
     ) -> dict[str, LinkResult]:
         from chaos_flwr.flower.direct import fetch_ranges
 
+        if self.link is None:  # a pull saved with addresses, taken up without credentials
+            return {d: LinkResult(error="no link credentials") for d in ranges}
         neg = self.negotiation
         got = fetch_ranges(
             addresses,
@@ -274,7 +272,6 @@ class JoinerPull:
         saved value has none); ``None`` changes nothing."""
         if link is not None:
             self.link = link
-            self.negotiation.address_ok = _any_address
 
     # -- saved between processes --------------------------------------------------------------
     def to_value(self) -> dict[str, Any]:
@@ -284,8 +281,7 @@ class JoinerPull:
     @classmethod
     def from_value(cls, value: Mapping[str, Any], *, link: LinkAccess | None = None) -> JoinerPull:
         """A pull saved by :meth:`to_value` (DecodeError on a bad or foreign value)."""
-        check = _address_ok if link is None else _any_address
-        negotiation = load_negotiation(value, address_ok=check)
+        negotiation = load_negotiation(value, address_ok=_any_address)
         return cls(0, b"", [], negotiation=negotiation, link=link)
 
 

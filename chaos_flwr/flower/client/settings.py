@@ -103,9 +103,8 @@ class PartySettings:
         True when the run asked for identity-less parties (:data:`RUN_UNSIGNED`).
     direct_addr:
         Where the party serves direct links (``node_config`` ``chaos-direct-addr``,
-        ``host:port``: any host for a signed party, which signs it in its endpoint record;
-        loopback for an unsigned one; see :mod:`chaos_flwr.flower.direct`), or ``""`` for
-        relay only.
+        ``host:port``, any host; the party signs it in its endpoint record; see
+        :mod:`chaos_flwr.flower.direct`), or ``""`` for relay only. Signed parties only.
     keep_replicas:
         Certified rounds its replica store keeps (:data:`NODE_KEEP_REPLICAS`); default
         :data:`~chaos_flwr.defaults.STORE_DEFAULT_KEEP_REPLICAS`.
@@ -262,14 +261,17 @@ def party_settings(context: Context) -> PartySettings:
 
 
 def _direct_address(value: object, unsigned: bool) -> str:
-    """A party's ``chaos-direct-addr``: any ``host:port`` for a signed party (it signs it in
-    an endpoint record and serves authenticated links); loopback only for an unsigned one (the
-    address would travel unsigned through the relay)."""
-    from chaos_flwr.flower.direct import check_address
+    """A party's ``chaos-direct-addr`` (``host:port``, any host), in canonical form.
+
+    Direct links are authenticated with the party's keys, so an unsigned party has none.
+    """
     from chaos_flwr.membership import endpoint_address, parse_address
 
     if unsigned:
-        return check_address(value)
+        raise ConfigError(
+            "direct links are authenticated with the party's keys: an unsigned run has none "
+            "(remove chaos-direct-addr, or run signed)"
+        )
     if not isinstance(value, str):
         raise ConfigError(f"direct address must be 'host:port', got {value!r:.80}")
     return endpoint_address(*parse_address(value))
