@@ -169,12 +169,13 @@ def link_credentials(state_dir: Path | None, identity: Any, federation: str) -> 
         return held
     fresh = LinkCredentials.create(identity, federation)
     try:
-        _publish(state_dir, fresh, replace=replace)
-    except FileExistsError:  # another process published first: use its credentials
-        theirs = read_link_file(state_dir)
-        if theirs is not None and _usable(theirs, party_id, federation):
-            return theirs
-        _publish(state_dir, fresh, replace=True)
+        try:
+            _publish(state_dir, fresh, replace=replace)
+        except FileExistsError:  # another process published first: use its credentials
+            theirs = read_link_file(state_dir)
+            if theirs is not None and _usable(theirs, party_id, federation):
+                return theirs
+            _publish(state_dir, fresh, replace=True)
     except OSError as exc:
         raise ConfigError(f"cannot save link credentials in {state_dir}: {exc}") from exc
     return fresh
