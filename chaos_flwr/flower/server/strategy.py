@@ -494,7 +494,7 @@ class ChaosStrategy(Strategy):
 
         # certify + evaluate: the new state goes to the live nodes that held the previous one
         # or trained on it; receipts come back. Others (joiners) get it in the join below.
-        receivers = self._receivers(grid, prev_holders | set(rlog.trained))
+        receivers = _receivers(self.courier, grid, prev_holders | set(rlog.trained))
         eval_msgs: list[Message] = []
         if len(receivers) >= min_nodes(self.inner, "evaluate"):
             eval_msgs = list(
@@ -596,15 +596,6 @@ class ChaosStrategy(Strategy):
         fields = proofs.certify_fields(base, chosen) if proofs is not None else ()
         return agg_arrays, fields, chosen
 
-    def _receivers(self, grid: Grid, candidates: set[int]) -> set[int]:
-        """Who gets the new state: live, non-suspect ``candidates``; if none, every live node
-        (nobody holds the previous state, e.g. every node missed the last deadline: there is
-        no party to pull from)."""
-        suspects = self.courier.suspects
-        nodes_now = set(grid.get_node_ids())
-        receivers = {n for n in candidates & nodes_now if n not in suspects}
-        return receivers or {n for n in nodes_now if n not in suspects} or set(nodes_now)
-
     def _finish(self, rlog: RoundLog) -> None:
         """Fill the round's membership fields from the server-side view and keep the log."""
         if self.view is not None:
@@ -613,6 +604,16 @@ class ChaosStrategy(Strategy):
             rlog.leaves = [e.subject for e in rlog.events if e.kind == "leave"]
             rlog.failures = [e.subject for e in rlog.events if e.kind == "fail"]
         self.rounds.append(rlog)
+
+
+def _receivers(courier: Courier, grid: Grid, candidates: set[int]) -> set[int]:
+    """Who gets the new state: live, non-suspect ``candidates``; if none, every live node
+    (nobody holds the previous state, e.g. every node missed the last deadline: there is no
+    party to pull from)."""
+    suspects = courier.suspects
+    nodes_now = set(grid.get_node_ids())
+    receivers = {n for n in candidates & nodes_now if n not in suspects}
+    return receivers or {n for n in nodes_now if n not in suspects} or set(nodes_now)
 
 
 def _not_certifiable(
