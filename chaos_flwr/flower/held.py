@@ -22,6 +22,7 @@ from typing import Protocol
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from chaos_flwr.errors import DecodeError, ProofError
+from chaos_flwr.flower.schema import with_content
 
 __all__ = ["HELD_KEY", "elide_held", "restore_held"]
 
@@ -46,14 +47,7 @@ def elide_held(message: Message, arrays: ArrayRecord, server_round: int, digest:
         return message
     content = RecordDict({k: v for k, v in message.content.items() if k not in keys})
     content[HELD_KEY] = ConfigRecord({"keys": keys, "round": server_round, "digest": digest})
-    md = message.metadata
-    return Message(
-        content,
-        dst_node_id=md.dst_node_id,
-        message_type=md.message_type,
-        group_id=md.group_id or None,
-        ttl=md.ttl,
-    )
+    return with_content(message, content)
 
 
 def restore_held(message: Message, party: HoldingParty) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "start_record",
     "take_record",
     "with_chaos",
+    "with_content",
 ]
 
 #: Flower message type of the messages Chaos sends besides the inner strategy's.
@@ -202,6 +203,12 @@ def with_chaos(message: Message, record: ConfigRecord) -> Message:
     """
     content = RecordDict(dict(message.content.items()))
     content[CHAOS_RECORD_KEY] = record
+    return with_content(message, content)
+
+
+def with_content(message: Message, content: RecordDict) -> Message:
+    """A new message to ``message``'s destination, of its type, group and lifetime, carrying
+    ``content``."""
     md = message.metadata
     return Message(
         content,
