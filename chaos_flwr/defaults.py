@@ -110,7 +110,8 @@ FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).
 FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
-#: node_config key of a party's direct replica server address (optional, ``127.0.0.1:PORT``).
+#: node_config key of the address a signed party serves direct links at (optional,
+#: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
 
 # --- authenticated direct links (flower/direct.py, transport/tls.py) -----------------------------
@@ -125,6 +126,9 @@ LINK_MAX_REPLY_BYTES: int = 4 * 1024 * 1024
 LINK_MAX_RANGES_PER_REQUEST: int = 1024
 #: Most shards a manifest asked over a direct link may name (32 bytes each in the reply).
 LINK_MAX_MANIFEST_SHARDS: int = 65536
+#: Manifests a donor keeps per (round, digest, shape), so joiners asking the same one cost one
+#: hash of the state.
+LINK_MANIFESTS_CACHED: int = 8
 #: Reply bytes one party may take from a donor per window; more: LinkQuotaError.
 LINK_PEER_WINDOW_BYTES: int = 512 * 1024 * 1024
 #: Length of that window, in seconds.

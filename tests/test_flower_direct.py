@@ -372,7 +372,9 @@ def test_a_manifest_request_is_checked_and_refused_with_typed_errors(net: Net) -
     assert why.startswith("DecodeError") and "the state has" in why
     assert ask((len(DATA), 4096, 10**6))[1].startswith("RequestTooLargeError")
     assert ask((len(DATA), 4096, 40), digest=b"x" * 32)[1].startswith("StoreError")
-    assert "does not cut the state" in ask((len(DATA), 1, 3))[1]
+    assert "do not cover a state" in ask((len(DATA), 1, 3))[1]
+    assert ask((len(DATA), 4096, -(-len(DATA) // 4096)))[0] == raw  # from the donor's cache
+    assert len(server._manifests) == 1
     assert server.refusals() == {"DecodeError": 2, "RequestTooLargeError": 1, "StoreError": 1}
     # a party the view does not list is refused before anything is read
     assert fetch_manifest(

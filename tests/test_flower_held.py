@@ -49,7 +49,10 @@ def test_the_held_model_is_left_out_and_put_back_unchanged() -> None:
     mine = _arrays()  # the party's own copy (equal values, another object)
     restore_held(sent, _Party(held_arrays=mine))
     assert set(sent.content.keys()) == {"config", "arrays"}
-    assert sent.content.array_records["arrays"] is mine
+    got = sent.content.array_records["arrays"]
+    assert got is not mine and list(got) == ["w"] and got["w"].data is mine["w"].data  # no copy
+    del got["w"]  # an application that edits the record leaves the party's copy alone
+    assert list(mine) == ["w"]
     assert sent.content.config_records["config"]["lr"] == 0.1
 
 

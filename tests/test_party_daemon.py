@@ -94,15 +94,22 @@ def test_unusable_link_credentials_are_replaced(fed: Path, tmp_path: Path) -> No
     mine = link_credentials(tmp_path, ident, "fed")  # another party's file: replaced
     assert mine.party_id == ident.party_id and mine != theirs
     assert link_credentials(tmp_path, ident, "other-fed").federation == "other-fed"
-    # about to expire: replaced by fresh ones
+    # about to expire: a dialling process keeps using them (the daemon serves with them); the
+    # serving process renews them, and everyone then reads the new ones
     old = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=29, hours=12)
     stale = LinkCredentials.create(ident, "fed", now=old)
     (tmp_path / LINK_FILE).unlink()
     from chaos_flwr.flower import linkfile
 
     linkfile._publish(tmp_path, stale, replace=False)
-    fresh = link_credentials(tmp_path, ident, "fed")
+    assert link_credentials(tmp_path, ident, "fed") == stale
+    fresh = link_credentials(tmp_path, ident, "fed", renew=True)
     assert fresh != stale and read_link_file(tmp_path) == fresh
+    assert link_credentials(tmp_path, ident, "fed") == fresh
+    # expired: replaced by anyone
+    dead = LinkCredentials.create(ident, "fed", now=old - datetime.timedelta(days=2))
+    linkfile._publish(tmp_path, dead, replace=True)
+    assert link_credentials(tmp_path, ident, "fed") not in (dead, fresh)
     # malformed: refused with a typed error on read, replaced when needed
     (tmp_path / LINK_FILE).write_bytes(b"\x00garbage")
     with pytest.raises(DecodeError):

@@ -14,14 +14,18 @@ certificate into the party's endpoint record (:mod:`chaos_flwr.flower.client.end
 Both processes share the party's link credentials through the state directory
 (:mod:`chaos_flwr.flower.linkfile`).
 
-What the daemon serves, and to whom: byte ranges of the replicas in ``<state-dir>/replicas``
-(only a ``(round, digest)`` it holds), over mutual TLS, to a peer whose certificate is bound to
-a charter key and that is an active member of the party's view. The view is the one the
-party's ClientApps saved last (``<state-dir>/party.state``, checked against the party's own
-seal), read again whenever that file changes (:class:`SavedView`); until one exists it serves
-nobody. Limits (concurrent requests, request size, reply bytes per request and per peer) are
-the named ``LINK_*`` defaults. It stops on SIGTERM or SIGINT and logs its start, each change
-of the view it serves by, and its totals at exit.
+What the daemon serves, and to whom: byte ranges and manifests of the replicas in
+``<state-dir>/replicas`` (only a ``(round, digest)`` it holds), over mutual TLS, to a peer
+whose certificate is bound to a charter key and that is an active member of the party's view.
+The view is the one the party's ClientApps saved last (``<state-dir>/party.state``, checked
+against the party's own seal), read again whenever that file changes (:class:`SavedView`);
+until one exists it serves nobody. Limits (concurrent requests, request size, reply bytes per
+request and per peer) are the named ``LINK_*`` defaults. It stops on SIGTERM or SIGINT and
+logs its start, each change of the view it serves by, and its totals at exit.
+
+Its link certificates are made (or renewed, when they expire within a day) when it starts,
+and are valid for :data:`~chaos_flwr.defaults.LINK_CERT_VALIDITY_S` (30 days): restart it
+within that time (the systemd unit in ``docs/deployment.md`` does, weekly).
 
 Not yet in the daemon (issue #16): the ClientApp's local socket to it, gossip over the
 direct links, and link probes; the ClientApp keeps its protocol state in the state directory.
@@ -116,11 +120,12 @@ class SavedView:
 
 
 def party_link(state_dir: Path, identity: Any, charter: Any) -> LinkAccess:
-    """The link access a party serves with: its shared credentials and its saved view."""
+    """The link access a party serves with: its shared credentials (renewed here if they
+    expire within a day: the server is the one that renews) and its saved view."""
     from chaos_flwr.peer import Peer
 
     policy = Peer(identity, charter).policy
-    creds = link_credentials(state_dir, identity, policy.federation)
+    creds = link_credentials(state_dir, identity, policy.federation, renew=True)
     return LinkAccess(creds, policy, SavedView(state_dir, identity, charter))
 
 

@@ -54,6 +54,7 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_PROBE_CONNECT_S,
     FLOWER_DIRECT_TIMEOUT_S,
+    LINK_MANIFESTS_CACHED,
     LINK_MAX_MANIFEST_SHARDS,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
@@ -240,6 +241,8 @@ class DirectServer:
         self._thread: threading.Thread | None = None
         self._carrier: LinkServer | None = None
         self._stopped = threading.Event()
+        self._manifests: dict[tuple[int, bytes, int, int], bytes] = {}
+        self._manifest_lock = asyncio.Lock()
 
     def _refuse(self, exc: ChaosError) -> ChaosError:
         name = type(exc).__name__
@@ -284,20 +287,26 @@ class DirectServer:
         held = self.source.size(rnd, digest)
         if total != held:
             raise DecodeError(f"direct manifest request for {total} bytes; the state has {held}")
-        num = int(shape[1])  # type: ignore[arg-type]
+        size, num = int(shape[0]), int(shape[1])  # type: ignore[arg-type]
         if not 0 < num <= LINK_MAX_MANIFEST_SHARDS:
             raise RequestTooLargeError(f"a manifest of {num} shards; at most "
                                        f"{LINK_MAX_MANIFEST_SHARDS}")  # fmt: skip
-        self._quota.charge(src, held)  # hashing the whole state is the work asked
-        loop = asyncio.get_running_loop()
-        raw = await loop.run_in_executor(
-            None,
-            _manifest_of,
-            self.source,
-            rnd,
-            digest,
-            (int(shape[0]), num),  # type: ignore[arg-type]
-        )
+        if size < 1 or size * num < held:
+            raise DecodeError(f"direct manifest request: {num} shards of {size} bytes do not "
+                              f"cover a state of {held} bytes")  # fmt: skip
+        key = (rnd, digest, size, num)
+        raw = self._manifests.get(key)
+        if raw is None:
+            # hashing the state is the work asked: charged (up to one window), one at a time
+            self._quota.charge(src, min(held, self.limits.peer_window_bytes))
+            async with self._manifest_lock:
+                loop = asyncio.get_running_loop()
+                raw = await loop.run_in_executor(
+                    None, _manifest_of, self.source, rnd, digest, (size, num)
+                )
+            while len(self._manifests) >= LINK_MANIFESTS_CACHED:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[key] = raw
         self.requests_served += 1
         return codec.encode({"manifest": raw})
 

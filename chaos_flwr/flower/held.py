@@ -84,5 +84,5 @@ def restore_held(message: Message, party: HoldingParty) -> None:
             f"the train message leaves out the state of round {rnd}, which this party does not "
             f"hold (it holds round {party.held_round}): it does not train on another state"
         )
-    for key in keys:
-        message.content[str(key)] = held
+    for key in keys:  # a record of its own: an app that edits it leaves the party's copy
+        message.content[str(key)] = ArrayRecord(dict(held.items()))

@@ -9,10 +9,14 @@ directory's replicas). The first process that needs them makes them and publishe
 with a hard link, which never replaces one another process published first; every other
 process reads that file.
 
-A file that is malformed, of another party or federation, or whose certificates expire within
-:data:`LINK_RENEW_BEFORE_S` is replaced by fresh credentials (the party's next message then
-announces the new certificate in a new endpoint record). Reads are bounded
-(:data:`LINK_FILE_MAX_BYTES`) and type-checked.
+A file that is malformed or of another party or federation is replaced by fresh credentials.
+Only the process that serves renews credentials whose certificates expire within
+:data:`LINK_RENEW_BEFORE_S` (``renew=True``: the party daemon when it starts, or the
+simulation ClientApp that starts the in-process server); the party's next message then
+announces the new certificate in a new endpoint record. A ClientApp that only dials keeps
+using the file the daemon serves with, so the two never disagree. After any replace the file
+is read back, so two processes that replaced it at once both use what is on disk. Reads are
+bounded (:data:`LINK_FILE_MAX_BYTES`) and type-checked.
 """
 
 from __future__ import annotations
@@ -110,11 +114,11 @@ def read_link_file(state_dir: Path) -> LinkCredentials | None:
     return creds
 
 
-def _usable(creds: LinkCredentials | None, party_id: str, federation: str) -> bool:
+def _usable(creds: LinkCredentials | None, party_id: str, federation: str, renew: bool) -> bool:
     if creds is None or (creds.party_id, creds.federation) != (party_id, federation):
         return False
     left = _expires_at(creds) - datetime.datetime.now(datetime.UTC)
-    return left.total_seconds() > LINK_RENEW_BEFORE_S
+    return left.total_seconds() > (LINK_RENEW_BEFORE_S if renew else 0.0)
 
 
 def _publish(state_dir: Path, creds: LinkCredentials, *, replace: bool) -> None:
@@ -137,7 +141,9 @@ def _publish(state_dir: Path, creds: LinkCredentials, *, replace: bool) -> None:
             tmp.unlink()
 
 
-def link_credentials(state_dir: Path | None, identity: Any, federation: str) -> LinkCredentials:
+def link_credentials(
+    state_dir: Path | None, identity: Any, federation: str, *, renew: bool = False
+) -> LinkCredentials:
     """This party's link credentials: read from ``state_dir``, made (and saved) if missing or
     unusable (module docstring). Without a state directory they are made fresh.
 
@@ -148,6 +154,9 @@ def link_credentials(state_dir: Path | None, identity: Any, federation: str) -> 
         binding).
     federation
         The federation's name (the charter's).
+    renew
+        Replace credentials that expire within :data:`LINK_RENEW_BEFORE_S` (the serving
+        process only; module docstring).
 
     Raises
     ------
@@ -164,7 +173,7 @@ def link_credentials(state_dir: Path | None, identity: Any, federation: str) -> 
         replace = True
     else:
         replace = held is not None
-    if _usable(held, party_id, federation):
+    if _usable(held, party_id, federation, renew):
         assert held is not None
         return held
     fresh = LinkCredentials.create(identity, federation)
@@ -173,9 +182,10 @@ def link_credentials(state_dir: Path | None, identity: Any, federation: str) -> 
             _publish(state_dir, fresh, replace=replace)
         except FileExistsError:  # another process published first: use its credentials
             theirs = read_link_file(state_dir)
-            if theirs is not None and _usable(theirs, party_id, federation):
+            if theirs is not None and _usable(theirs, party_id, federation, renew):
                 return theirs
             _publish(state_dir, fresh, replace=True)
     except OSError as exc:
         raise ConfigError(f"cannot save link credentials in {state_dir}: {exc}") from exc
-    return fresh
+    on_disk = read_link_file(state_dir)  # another replace may have won: what is there counts
+    return on_disk if on_disk is not None else fresh

@@ -220,10 +220,9 @@ def _one_run(
             bed.start_supernode(host, node)
         _run_until(bed, proc, progress, lambda ls: any(x["round"] >= JOIN_AFTER_ROUND for x in ls),
                    deadline, clientapps)  # fmt: skip
-        t_join = time.time()  # the joiner's institution starts: its daemon (if any), SuperNode
-        if mode == "direct":
+        if mode == "direct":  # the joiner's institution runs its daemon before its SuperNode
             bed.start_party_daemon(order[-1], nodes[-1], DIRECT_PORT)
-        bed.start_supernode(order[-1], nodes[-1])
+        t_join = bed.start_supernode(order[-1], nodes[-1])
         lines = _run_until(bed, proc, progress, lambda _ls: False, deadline, clientapps)
         logs = bed.cluster.logs
     pids = bed.cluster.close()

@@ -22,8 +22,9 @@ hint answers with its size instead, and the shape is planned again for it.
 With a size hint *and* holders' direct addresses known before the pull (a joiner's view holds
 their signed endpoints), nothing goes through the relay at first: the manifest is fetched over
 the first such holder's direct link (``Decision.manifest``), then the links are probed and the
-shards fetched, all in the carrier's first step. A direct manifest that fails (no answer, a
-refusal, a manifest that does not name the digest) falls back to asking through the relay.
+shards fetched, all in the carrier's first step. A direct manifest that does not come (no
+answer, a refusal) is asked through the relay instead (the link is still probed for shards);
+one that comes but does not name the digest drops its holder, as a relayed one does.
 
 A plan is made at most once per event: the shard *shape* when the size is known, the *shares*
 per holder when the shards start (over the shape already fixed, with measured rates when direct
@@ -224,6 +225,9 @@ class PullNegotiation:
         self._pending: list[ShardRequest | CancelRequest] = []
         self._owed: dict[str, tuple[ShardRequest, ...]] = {}
         self._direct_rounds = 0
+        #: Why the manifest could not be had over a direct link (``""``: it could, or was not
+        #: asked that way).
+        self.manifest_failed = ""
         #: Holders whose address was known before the pull: one named in a reply (which the
         #: relay carries) does not replace it.
         self.known: frozenset[str] = frozenset()
@@ -357,8 +361,8 @@ class PullNegotiation:
     ) -> Decision:
         if self.stage != Stage.MANIFEST or donor != self.asked or self.total is None:
             raise DecodeError(f"a direct manifest from {donor} at stage {self.stage}")
-        if raw is None:
-            self.direct_failed[donor] = error or "no manifest over the direct link"
+        if raw is None:  # the relay is asked; the link is still probed for the shards
+            self.manifest_failed = error or "no manifest over the direct link"
             return self._ask_manifest(self.total, others=True)
         reply = ManifestReply(self.total, raw, self.addresses.get(donor, ""))
         return self._on_manifest(reply, {}, now)
