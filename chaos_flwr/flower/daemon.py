@@ -43,7 +43,7 @@ from typing import Any
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.direct import DirectServer, StoreSource
 from chaos_flwr.flower.linkfile import link_credentials
-from chaos_flwr.membership import View
+from chaos_flwr.membership import Policy, View
 from chaos_flwr.transport.links import LinkAccess
 
 __all__ = ["SavedView", "party_link", "serve_party"]
@@ -122,9 +122,7 @@ class SavedView:
 def party_link(state_dir: Path, identity: Any, charter: Any) -> LinkAccess:
     """The link access a party serves with: its shared credentials (renewed here if they
     expire within a day: the server is the one that renews) and its saved view."""
-    from chaos_flwr.peer import Peer
-
-    policy = Peer(identity, charter).policy
+    policy = Policy.from_charter(charter)
     creds = link_credentials(state_dir, identity, policy.federation, renew=True)
     return LinkAccess(creds, policy, SavedView(state_dir, identity, charter))
 
