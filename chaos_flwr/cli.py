@@ -13,6 +13,8 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from .defaults import GOSSIP_INTERVAL_S, GOSSIP_SUSPECT_S
+
 app = typer.Typer(
     name="chaos-flwr",
     help="Self-healing and autoscaling for Flower federated learning over WANs.",
@@ -923,11 +925,22 @@ def party_daemon(
     listen: Annotated[
         str, typer.Option(help="host:port to serve direct links on, e.g. 0.0.0.0:9300.")
     ],
+    gossip: bool = typer.Option(
+        True, "--gossip/--no-gossip", help="Gossip records and failure votes with other daemons."
+    ),
+    gossip_interval_s: float = typer.Option(
+        GOSSIP_INTERVAL_S, min=0.05, help="Seconds between gossip rounds."
+    ),
+    suspect_s: float = typer.Option(
+        GOSSIP_SUSPECT_S, min=1.0, help="Silence after which a daemon heard before is suspected."
+    ),
 ) -> None:
     """Run an institution's party daemon beside its SuperNode (until SIGTERM or Ctrl-C).
 
     It serves the party's replicas to the federation's active members over mutually
-    authenticated, encrypted links. Set the SuperNode's node_config chaos-direct-addr to the
+    authenticated, encrypted links, and gossips membership records and failure votes with
+    the other members' daemons (views converge and crashes are declared while the ServerApp
+    is down). Set the SuperNode's node_config chaos-direct-addr to the
     address the other institutions reach this one at; the party signs it in its endpoint
     record. See docs/deployment.md for a systemd unit.
     """
@@ -954,7 +967,10 @@ def party_daemon(
     stop = threading.Event()
     restore = on_signals(stop, [signal.SIGTERM, signal.SIGINT])
     try:
-        server = serve_party(state_dir, ident, verified, listen, stop=stop, say=typer.echo)
+        server = serve_party(
+            state_dir, ident, verified, listen, stop=stop, say=typer.echo,
+            gossip=gossip, gossip_interval_s=gossip_interval_s, suspect_s=suspect_s,
+        )  # fmt: skip
     except ChaosError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None

@@ -114,6 +114,24 @@ FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
 #: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
 
+# --- gossip over direct links (chaos_flwr/gossip.py, the party daemon) ---------------------------
+#: Peers a party daemon asks per gossip round.
+GOSSIP_FANOUT: int = 3
+#: Seconds between a party daemon's gossip rounds.
+GOSSIP_INTERVAL_S: float = 2.0
+#: Bound of one gossip exchange (connect, request and reply), in seconds.
+GOSSIP_TIMEOUT_S: float = 5.0
+#: Seconds without a gossip exchange after which a peer heard before is suspected (many
+#: rounds: a slow or busy daemon is not a dead one).
+GOSSIP_SUSPECT_S: float = 30.0
+#: Most records one gossip reply carries or is accepted with (the frontier of a federation of
+#: n parties holds about 3 n records plus one per link).
+GOSSIP_MAX_RECORDS: int = 4096
+#: Most failure votes one gossip reply carries or is accepted with.
+GOSSIP_MAX_VOTES: int = 256
+#: Largest gossip-heard records file a party reads (``<state-dir>/gossip.records``), bytes.
+GOSSIP_FILE_MAX_BYTES: int = 8 * 1024 * 1024
+
 # --- authenticated direct links (flower/direct.py, transport/tls.py) -----------------------------
 #: Link requests a donor serves at once; more are refused with LinkBusyError (bounds memory).
 LINK_MAX_CONCURRENT_REQUESTS: int = 4

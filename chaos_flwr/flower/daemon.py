@@ -27,8 +27,15 @@ Its link certificates are made (or renewed, when they expire within a day) when 
 and are valid for :data:`~chaos_flwr.defaults.LINK_CERT_VALIDITY_S` (30 days): restart it
 within that time (the systemd unit in ``docs/deployment.md`` does, weekly).
 
-Not yet in the daemon (issue #16): the ClientApp's local socket to it, gossip over the
-direct links, and link probes; the ClientApp keeps its protocol state in the state directory.
+It also gossips (:mod:`chaos_flwr.flower.gossiper`): every few seconds it asks a few
+members' daemons for the records it lacks, answers theirs, suspects a daemon it heard and
+then did not for :data:`~chaos_flwr.defaults.GOSSIP_SUSPECT_S`, and writes what it learned to
+``<state-dir>/gossip.records``, which the party's next ClientApp message takes up. So views
+converge and a crashed party is declared failed while the ServerApp is down, and records a
+relay withholds reach the party anyway.
+
+Not yet in the daemon (issue #16): the ClientApp's local socket to it and link probes; the
+ClientApp keeps its protocol state in the state directory (the daemon never writes it).
 """
 
 from __future__ import annotations
@@ -40,10 +47,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from chaos_flwr.defaults import GOSSIP_INTERVAL_S, GOSSIP_SUSPECT_S
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.direct import DirectServer, StoreSource
 from chaos_flwr.flower.linkfile import link_credentials
-from chaos_flwr.membership import Policy, View
+from chaos_flwr.gossip import Gossip
+from chaos_flwr.membership import Policy, Record, View
 from chaos_flwr.transport.links import LinkAccess
 
 __all__ = ["SavedView", "party_link", "serve_party"]
@@ -52,8 +61,9 @@ LOG = logging.getLogger(__name__)
 
 
 class SavedView:
-    """The party's view as its processes saved it last (a callable for
-    :class:`~chaos_flwr.transport.links.LinkAccess`).
+    """The party's records as its processes saved them last, with what its daemon heard by
+    gossip (a callable for :class:`~chaos_flwr.transport.links.LinkAccess`: the view served
+    by).
 
     Parameters
     ----------
@@ -64,11 +74,18 @@ class SavedView:
     charter
         The federation's verified charter.
 
+    Attributes
+    ----------
+    gossip : Gossip
+        The party's gossip state (:mod:`chaos_flwr.gossip`); use it under :attr:`lock`.
+
     Notes
     -----
-    The file is read again when its inode, size or modification time changes; a file that
-    does not read (torn, foreign, malformed) leaves the last good view in force, and with no
-    good view yet the view is empty (every peer is refused as a non-member).
+    The file is read again when its inode, size or modification time changes; every record
+    in it is verified and added to the records held (a newer record supersedes an older one,
+    so a leave or a fail ends a membership for good). A file that does not read (torn,
+    foreign, malformed) adds nothing; with no good file and nothing heard, the view is empty
+    (every peer is refused as a non-member).
     """
 
     def __init__(self, state_dir: Path, identity: Any, charter: Any) -> None:
@@ -76,47 +93,51 @@ class SavedView:
 
         self._path = Path(state_dir) / STATE_FILE
         self._dir = Path(state_dir)
-        self._identity, self._charter = identity, charter
-        self._lock = threading.Lock()
+        self._identity = identity
+        self.lock = threading.RLock()
         self._seen: tuple[int, int, int] | None = None
-        self._view: View = View({}, {})
+        policy = Policy.from_charter(charter)
+        self.gossip = Gossip(str(identity.party_id), identity.sign, policy)
+        self.saved_ids: frozenset[str] = frozenset()
         self.errors = 0
 
     def __call__(self) -> View:
-        with self._lock:
+        with self.lock:
             try:
                 st = self._path.stat()
             except OSError:
-                return self._view
+                return self.gossip.view()
             key = (st.st_ino, st.st_size, st.st_mtime_ns)
             if key != self._seen:
                 self._seen = key
                 self._reload()
-            return self._view
+            return self.gossip.view()
 
     def _reload(self) -> None:
-        import time
-
         from chaos_flwr.flower.durable import load
-        from chaos_flwr.peer import Peer
 
         try:
             saved = load(self._dir, str(self._identity.party_id), seal=self._identity.sign)
             if saved is None:
                 return
-            peer = Peer(self._identity, self._charter)
-            own = saved.sealed and saved.charter == peer.federation_tag
-            peer.load_records(saved.records, time.time(), sealed=own)
+            records = [Record.from_wire(value) for value in saved.records]
         except ChaosError as exc:
             self.errors += 1
             LOG.warning("chaos-flwr party: saved view not taken (%s); serving by the last", exc)
             return
-        view = peer.view()
-        if view.digest != self._view.digest:
+        before = self.gossip.view().digest
+        self.gossip.take(records)
+        self.saved_ids = frozenset(r.record_id for r in records)
+        view = self.gossip.view()
+        if view.digest != before:
             LOG.info(
                 "chaos-flwr party: serving by a view of %d active member(s)", len(view.active())
             )
-        self._view = view
+
+    def unsaved(self) -> list[Record]:
+        """Records held that the party's saved state lacks (what gossip brought)."""
+        with self.lock:
+            return [r for r in self.gossip.records if r.record_id not in self.saved_ids]
 
 
 def party_link(state_dir: Path, identity: Any, charter: Any) -> LinkAccess:
@@ -135,11 +156,17 @@ def serve_party(
     *,
     stop: threading.Event,
     say: Callable[[str], None] = print,
+    gossip: bool = True,
+    gossip_interval_s: float = GOSSIP_INTERVAL_S,
+    suspect_s: float = GOSSIP_SUSPECT_S,
 ) -> DirectServer:
-    """Serve the party's replicas on ``listen`` until ``stop`` is set (the daemon's body).
+    """Serve the party's replicas on ``listen`` and gossip with the other parties' daemons
+    until ``stop`` is set (the daemon's body).
 
     Says ``serving <address> as <party id> (link certificate <sha256 prefix>)`` once
-    listening, and returns the stopped server (its counters).
+    listening, and the gossip totals at exit; returns the stopped server (its counters).
+    ``gossip_interval_s`` spaces the gossip rounds; a daemon heard and then silent for
+    ``suspect_s`` is suspected (:mod:`chaos_flwr.gossip`).
 
     Raises
     ------
@@ -148,15 +175,30 @@ def serve_party(
     TransportError
         ``listen`` cannot be bound.
     """
+    from chaos_flwr.flower.gossiper import Gossiper
+
     link = party_link(state_dir, identity, charter)
+    gossiper = None
+    if gossip:
+        saved = link.view
+        assert isinstance(saved, SavedView)
+        saved.gossip.suspect_after_s = suspect_s
+        gossiper = Gossiper(saved, link, Path(state_dir), interval_s=gossip_interval_s)
     source = StoreSource(Path(state_dir) / "replicas")
-    server = DirectServer(source, listen, link=link)
+    server = DirectServer(
+        source, listen, link=link, gossip=gossiper.answer if gossiper is not None else None
+    )
     address = server.start()
     fingerprint = hashlib.sha256(link.creds.serve_cert_der).hexdigest()[:16]
     say(f"serving {address} as {identity.party_id} (link certificate {fingerprint})")
+    if gossiper is not None:
+        gossiper.start()
     try:
         stop.wait()
     finally:
+        if gossiper is not None:
+            gossiper.stop()
+            say(gossiper.totals())
         server.stop()
         source.close()
     return server

@@ -69,6 +69,7 @@ from chaos_flwr.errors import (
     StoreError,
     TransportError,
 )
+from chaos_flwr.gossip import GOSSIP_KEY
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.store import Replica, ReplicaStore
 from chaos_flwr.transport.links import LinkAccess, LinkDialer, LinkLimits, LinkServer, PeerQuota
@@ -208,6 +209,9 @@ class DirectServer:
         The donor's limits.
     clock:
         Monotonic clock of the per-peer windows.
+    gossip:
+        Answers gossip requests (the party daemon's :meth:`Gossiper.answer`); without it they
+        are refused.
 
     Attributes
     ----------
@@ -224,13 +228,14 @@ class DirectServer:
         shaper: Shaper | None = None,
         limits: LinkLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        gossip: Callable[[str, dict[str, Any]], bytes] | None = None,
     ) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"listen address must be 'host:port', got {listen!r}")
         self.source = source
         self._host, self._port, self._shaper = host, int(port), shaper
-        self.link = link
+        self.link, self.gossip = link, gossip
         self.limits = limits if limits is not None else LinkLimits()
         self._quota = PeerQuota(self.limits, clock)
         self.address: str | None = None
@@ -258,6 +263,12 @@ class DirectServer:
             value = codec.decode(data, max_bytes=self.limits.max_request_bytes)
             if not isinstance(value, dict):
                 raise DecodeError("direct request must be a map")
+            if GOSSIP_KEY in value:
+                if self.gossip is None:
+                    raise DecodeError("this link server does not gossip (no party daemon)")
+                reply = self.gossip(src, value)
+                self._quota.charge(src, len(reply))
+                return reply
             rnd, digest = value.get("round"), value.get("digest")
             if not isinstance(rnd, int) or not isinstance(digest, bytes):
                 raise DecodeError("direct request needs 'round' (int) and 'digest' (bytes)")

@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
+from chaos_flwr.flower import gossipfile
 from chaos_flwr.flower.client import donor, endpoint, joiner, proofs, witness
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
@@ -113,6 +114,8 @@ class Party(VerifiedRounds):
     #: Negative audits it signed or acted on (evidence a restarted ServerApp is told of).
     refutations: list[bytes] = field(default_factory=list)
     _saved_held: tuple[int, list[str], bytes] | None = field(default=None, repr=False)
+    #: The gossip-heard records file as last taken up (:mod:`chaos_flwr.flower.gossipfile`).
+    gossip_seen: tuple[int, int, int] | None = field(default=None, repr=False)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
     def saved(self) -> SavedParty:
@@ -451,6 +454,7 @@ class Party(VerifiedRounds):
         now = self.clock()
         if record is not None:
             self.take_envelopes(record)
+        gossipfile.take_heard(self, now)  # what its daemon heard from other parties' daemons
         outgoing: list[OutgoingLike] = list(self.pending)
         self.pending.clear()
         if record is not None and self.peer is not None:

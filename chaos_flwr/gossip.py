@@ -1,0 +1,273 @@
+"""Gossip between parties over direct links, without the relay (sans-I/O): :class:`Gossip`.
+
+Every party that runs a daemon (:mod:`chaos_flwr.flower.daemon`) and announced a signed
+endpoint asks a few of its peers, every gossip interval, for what they hold: it sends the
+digest of its record set (the anti-entropy digest of :meth:`RecordSet.digest`), and a peer
+whose digest differs answers with its records (each verified here before it is held, so a
+peer can add nothing the charter does not sign). Both sides also carry their failure votes.
+So views converge while the ServerApp is down, and a relay that withholds records from one
+party is bypassed by its neighbours.
+
+Failure detection over the links: a peer counts as *heard* when a gossip exchange with it
+succeeds in either direction (an authenticated link whose far end is that party's key). A
+member this party has heard since it started, and has not heard for ``suspect_after_s``, is
+suspected: this party signs the fail body of its incarnation (the same bytes every suspecting
+party signs, so no vote can equivocate; no envelope, so the party's sequence numbers are not
+touched) and carries the vote; whoever holds ``failure_quorum`` votes holds the fail record
+and gossips it like any other. A party never heard (no daemon, or never reachable) is never
+suspected here; the relay's failure detection still covers it.
+
+The class does no I/O and reads no clock: ``now`` comes in, values to send go out. The
+daemon's carrier dials, serves, writes files and serialises calls (one lock).
+
+Wire values (codec maps): request ``{"gossip": digest, "endpoint": the asker's own endpoint
+record (optional)}``; reply ``{"digest": bytes,
+"records": [record, ..] (only when the digests differ), "votes": [{"body", "signer",
+"sig"}, ..]}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .defaults import GOSSIP_FANOUT, GOSSIP_MAX_RECORDS, GOSSIP_MAX_VOTES, GOSSIP_SUSPECT_S
+from .errors import ChaosError, DecodeError, PolicyError, UnknownPartyError
+from .membership import (
+    ACTIVE,
+    EndpointInfo,
+    Policy,
+    Record,
+    RecordSet,
+    View,
+    fail_body,
+    record_id_of,
+    signing_bytes,
+)
+
+__all__ = ["Gossip"]
+
+#: Request key naming a gossip request (its value: the asker's record-set digest).
+GOSSIP_KEY = "gossip"
+
+
+class Gossip:
+    """One party's side of gossip: its record set, whom it heard when, and failure votes.
+
+    Parameters
+    ----------
+    party_id
+        This party's id.
+    sign
+        Signs a fail body with the party's key (``Identity.sign``).
+    policy
+        The federation's policy: every record and vote is checked against it.
+    fanout
+        Peers asked per gossip round.
+    suspect_after_s
+        Silence (seconds without a gossip exchange) after which a heard peer is suspected.
+
+    Attributes
+    ----------
+    records : RecordSet
+        The records held: the party's own saved ones and those learned by gossip.
+    refused : dict[str, int]
+        Records and votes refused, by error class name.
+    """
+
+    def __init__(
+        self,
+        party_id: str,
+        sign: Callable[[bytes], bytes],
+        policy: Policy,
+        *,
+        fanout: int = GOSSIP_FANOUT,
+        suspect_after_s: float = GOSSIP_SUSPECT_S,
+    ) -> None:
+        self.party_id, self._sign, self.policy = party_id, sign, policy
+        self.fanout, self.suspect_after_s = fanout, suspect_after_s
+        self.records = RecordSet(policy)
+        self.refused: dict[str, int] = {}
+        self._heard: dict[str, float] = {}
+        # fail record id -> (its body, signer -> signature)
+        self._votes: dict[str, tuple[dict[str, Any], dict[str, bytes]]] = {}
+        self._turn = 0
+
+    # -- what it holds ------------------------------------------------------------------------
+    def view(self) -> View:
+        """The view of the records held."""
+        return self.records.view()
+
+    def take(self, records: Iterable[Record]) -> int:
+        """Hold ``records`` (each validated; a bad one is counted in :attr:`refused` and
+        skipped). Returns how many were new."""
+        new = 0
+        for record in records:
+            try:
+                new += self.records.add(record)
+            except ChaosError as exc:
+                self._refuse(exc)
+        return new
+
+    def heard(self, party: str) -> float | None:
+        """When ``party`` was last heard over a link (``None``: never since the start)."""
+        return self._heard.get(party)
+
+    def _refuse(self, exc: ChaosError) -> None:
+        name = type(exc).__name__
+        self.refused[name] = self.refused.get(name, 0) + 1
+
+    # -- a gossip round ----------------------------------------------------------------------
+    def targets(self) -> list[tuple[str, EndpointInfo]]:
+        """The peers to ask this round: up to ``fanout`` active members with a signed endpoint,
+        taken in turn (every such peer is asked within ``ceil(n / fanout)`` rounds). None while
+        this party is not an active member itself."""
+        view = self.view()
+        if not view.is_active(self.party_id):
+            return []
+        peers = [
+            (p, ep)
+            for p in view.active()
+            if p != self.party_id and (ep := view.endpoint(p)) is not None
+        ]
+        if not peers:
+            return []
+        start = self._turn % len(peers)
+        self._turn = start + min(self.fanout, len(peers))
+        return (peers[start:] + peers[:start])[: self.fanout]
+
+    def request(self) -> dict[str, Any]:
+        """The request value sent to each target: the digest, and this party's own endpoint
+        record (so a peer the relay never told where this party is can ask it back)."""
+        value: dict[str, Any] = {GOSSIP_KEY: self.records.digest()}
+        own = next(
+            (r for r in self.records if r.kind == "endpoint" and r.subject == self.party_id), None
+        )
+        if own is not None:
+            value["endpoint"] = own.to_wire()
+        return value
+
+    def on_request(self, src: str, value: Any, now: float) -> dict[str, Any]:
+        """Answer ``src``'s request (``src`` is authenticated by the link).
+
+        Raises
+        ------
+        DecodeError
+            ``value`` is not a gossip request.
+        """
+        if not isinstance(value, dict) or not isinstance(value.get(GOSSIP_KEY), bytes):
+            raise DecodeError("gossip request must be a map with 'gossip' (bytes)")
+        if "endpoint" in value:
+            own = Record.from_wire(value["endpoint"])
+            if own.kind != "endpoint" or own.subject != src:
+                raise PolicyError("a gossip request carries only the asker's own endpoint")
+            self.take([own])
+        self._heard[src] = now
+        digest = self.records.digest()
+        reply: dict[str, Any] = {"digest": digest, "votes": self._vote_values()}
+        if value[GOSSIP_KEY] != digest:
+            reply["records"] = [r.to_wire() for r in list(self.records)[:GOSSIP_MAX_RECORDS]]
+        return reply
+
+    def on_reply(self, src: str, value: Any, now: float) -> int:
+        """Take ``src``'s reply; returns how many records were new.
+
+        Raises
+        ------
+        DecodeError
+            ``value`` is not a gossip reply or carries too many records or votes (nothing
+            is taken then).
+        """
+        if not isinstance(value, dict) or not isinstance(value.get("digest"), bytes):
+            raise DecodeError("gossip reply must be a map with 'digest' (bytes)")
+        records, votes = value.get("records", []), value.get("votes", [])
+        if not isinstance(records, list) or not isinstance(votes, list):
+            raise DecodeError("gossip reply fields 'records' and 'votes' must be lists")
+        if len(records) > GOSSIP_MAX_RECORDS or len(votes) > GOSSIP_MAX_VOTES:
+            raise DecodeError(
+                f"gossip reply with {len(records)} records / {len(votes)} votes, above "
+                f"{GOSSIP_MAX_RECORDS} / {GOSSIP_MAX_VOTES}"
+            )
+        self._heard[src] = now
+        parsed: list[Record] = []
+        for raw in records:
+            try:
+                parsed.append(Record.from_wire(raw))
+            except ChaosError as exc:
+                self._refuse(exc)
+        new = self.take(parsed)
+        for raw in votes:
+            try:
+                new += self._take_vote(raw)
+            except ChaosError as exc:
+                self._refuse(exc)
+        return new
+
+    # -- failure votes -------------------------------------------------------------------------
+    def tick(self, now: float) -> int:
+        """Vote against every heard member silent for ``suspect_after_s``; drop the votes of
+        incarnations that are over. Returns how many votes this party cast now."""
+        view = self.view()
+        for rid, (body, _sigs) in list(self._votes.items()):
+            m = view.members.get(body["subject"])
+            if m is None or m.status != ACTIVE or m.incarnation != body["incarnation"]:
+                del self._votes[rid]
+        if not view.is_active(self.party_id):
+            return 0
+        cast = 0
+        for party, at in list(self._heard.items()):
+            m = view.members.get(party)
+            if m is None or m.status != ACTIVE:
+                del self._heard[party]  # over: a later incarnation is heard afresh
+                continue
+            if now - at < self.suspect_after_s or party == self.party_id:
+                continue
+            body = fail_body(self.policy.federation, party, m.incarnation)
+            rid = record_id_of(body)
+            sigs = self._votes.setdefault(rid, (body, {}))[1]
+            if self.party_id not in sigs:
+                sigs[self.party_id] = self._sign(signing_bytes(body))
+                cast += 1
+            self._assemble(rid)
+        return cast
+
+    def suspects(self) -> list[str]:
+        """Parties this party holds a vote against (its own or others')."""
+        return sorted({body["subject"] for body, _ in self._votes.values()})
+
+    def _vote_values(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for body, sigs in self._votes.values():
+            out.extend({"body": body, "signer": s, "sig": sig} for s, sig in sigs.items())
+        return out[:GOSSIP_MAX_VOTES]
+
+    def _take_vote(self, raw: Any) -> int:
+        """Check one vote (a fail body of an active member, signed by another charter party)
+        and hold it; returns 1 if that completed a fail record."""
+        if not isinstance(raw, dict) or set(raw) != {"body", "signer", "sig"}:
+            raise DecodeError("gossip vote must be a map of 'body', 'signer', 'sig'")
+        signer, sig = raw["signer"], raw["sig"]
+        if not isinstance(signer, str) or not isinstance(sig, bytes):
+            raise DecodeError("gossip vote fields 'signer' (str) and 'sig' (bytes)")
+        body = Record.wire_parts({"body": raw["body"], "sigs": {signer: sig}})[0]
+        if body["kind"] != "fail" or body["federation"] != self.policy.federation:
+            raise PolicyError("a gossip vote must be a fail body of this federation")
+        key = self.policy.keyring.get(signer)
+        if key is None or signer == body["subject"]:
+            raise UnknownPartyError(f"gossip vote signer {signer!r} may not vote on it")
+        m = self.view().members.get(body["subject"])
+        if m is None or m.status != ACTIVE or m.incarnation != body["incarnation"]:
+            return 0  # about nothing current: dropped
+        self.records.cache.verify(key, sig, signing_bytes(body))
+        rid = record_id_of(body)
+        self._votes.setdefault(rid, (body, {}))[1][signer] = sig
+        return self._assemble(rid)
+
+    def _assemble(self, rid: str) -> int:
+        body, sigs = self._votes[rid]
+        if len(set(sigs) - {body["subject"]}) < self.policy.failure_quorum:
+            return 0
+        if self.take([Record(body=body, signatures=dict(sigs))]):
+            del self._votes[rid]
+            return 1
+        return 0
