@@ -1045,6 +1045,39 @@ def testbed_cmd(
     typer.echo(fig["testbed"]["latency"])
 
 
+@bench_app.command("direct-pull")
+def bench_direct_pull(
+    model_mib: float = typer.Option(16.0, help="State size in MiB."),
+    rates: str = typer.Option(
+        "20,10,2.5,1.25", help="Comma-separated donor uplinks in MB/s (testbed5's donors)."
+    ),
+    repeats: int = typer.Option(3, min=1, help="Pulls (medians)."),
+    as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
+) -> None:
+    """A joiner's pull over authenticated direct links from donors with paced uplinks (on
+    127.0.0.1): wall time against the planner's lower bound, shares, probe estimates."""
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.lab.direct_bench import measure_direct_pull
+
+    try:
+        mb_s = [float(r) for r in _split_names(rates) or []]
+    except ValueError:
+        raise typer.BadParameter(f"--rates must be numbers in MB/s, got {rates!r}") from None
+    say = (lambda _m: None) if as_json else typer.echo
+    try:
+        fig = measure_direct_pull(model_mib, mb_s, repeats=repeats, say=say)
+    except ChaosError as exc:
+        _fail(exc)
+    if as_json:
+        _print_json(fig)
+        return
+    typer.echo(
+        f"{fig['model_bytes'] / 1e6:.1f} MB from {len(mb_s)} donors: median "
+        f"{fig['median_pull_s']:.3f} s, bound {fig['lower_bound_s']:.3f} s, "
+        f"{fig['median_ratio_to_bound']:.2f}x; shares (MB) {fig['runs'][-1]['received_mb']}"
+    )
+
+
 @bench_app.command("flower-wan")
 def bench_flower_wan(
     profile: Annotated[

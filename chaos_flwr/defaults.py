@@ -110,6 +110,9 @@ FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).
 FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
+#: First, untimed request of a link probe (it sets the connection up: a TLS handshake is not
+#: the link's rate); the rest of the probe range is timed.
+FLOWER_PROBE_WARM_BYTES: int = 4096
 #: node_config key of the address a signed party serves direct links at (optional,
 #: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"

@@ -572,12 +572,14 @@ class PullSession:
         return self._fill(now)
 
     def on_shard(
-        self, donor: str, index: int, data: bytes | memoryview, now: float
+        self, donor: str, index: int, data: bytes | memoryview, now: float, *, fill: bool = True
     ) -> list[Action]:
         """Consume a shard reply.
 
         A shard that fails verification marks ``donor`` bad and re-plans its shards; replies
-        from unknown or bad donors and duplicates are ignored.
+        from unknown or bad donors and duplicates are ignored. With ``fill=False`` no new
+        request is planned (a carrier feeding many replies at once calls :meth:`poll` after
+        the last: planning after each would cost a scan of the shards in flight per reply).
 
         Returns
         -------
@@ -605,7 +607,7 @@ class PullSession:
         if self._shards[index] is not None:
             if sent is not None:
                 peer.last_recv = now
-            return self._fill(now)
+            return self._fill(now) if fill else []
         try:
             size = self._store.put(index, data)
         except ShardIntegrityError:
@@ -626,7 +628,8 @@ class PullSession:
         for other in sorted(self._holders.pop(index, set())):
             self._peers[other].inflight.pop(index, None)
             actions.append(CancelRequest(other, index))
-        actions.extend(self._fill(now))
+        if fill:
+            actions.extend(self._fill(now))
         return actions
 
     def knows(self, donor: str) -> bool:
@@ -724,10 +727,6 @@ class PullSession:
         start, per_shard = self._pace(peer, now)
         return start + (len(peer.inflight) + len(peer.queue)) * per_shard
 
-    def _expected_done(self, peer: _Peer, index: int, now: float) -> float:
-        start, per_shard = self._pace(peer, now)
-        return start + (list(peer.inflight).index(index) + 1) * per_shard
-
     def _window_of(self, peer: _Peer) -> int:
         # Enough requests in flight to cover the bandwidth-delay product, never fewer than
         # ``window``: a pull over a long link would otherwise idle for a round trip per shard.
@@ -767,18 +766,23 @@ class PullSession:
                 if self._shards[index] is None and index not in thief.inflight:
                     return index
             return None
-        # Endgame: duplicate the in-flight shard expected last, if we would beat it.
+        # Endgame: duplicate the in-flight shard expected last, if we would beat it. A donor's
+        # in-flight shards are expected in the order sent, so its candidate is the last one
+        # sent that is neither duplicated nor the thief's own (one look per donor, not one
+        # per shard: a pull with thousands of shards in flight stays linear).
         best: tuple[float, int] | None = None
         for donor in self._order:
             p = self._peers[donor]
-            if p is thief or p.status != DonorStatus.LIVE:
+            if p is thief or p.status != DonorStatus.LIVE or not p.inflight:
                 continue
-            for index in p.inflight:
+            start, per_shard = self._pace(p, now)
+            for back, index in enumerate(reversed(p.inflight)):
                 if len(self._holders.get(index, ())) > 1 or index in thief.inflight:
                     continue
-                eta = self._expected_done(p, index, now)
+                eta = start + (len(p.inflight) - back) * per_shard
                 if best is None or eta > best[0]:
                     best = (eta, index)
+                break
         if best is not None and mine < best[0]:
             return best[1]
         return None

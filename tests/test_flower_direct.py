@@ -160,7 +160,7 @@ def test_a_donor_that_dies_mid_direct_transfer_is_replanned_via_the_others(net: 
         def read(self, server_round: int, digest: bytes, start: int, end: int) -> bytes:
             nonlocal reads
             reads += 1
-            if reads > 2:  # the probe and one shard range, then the donor is gone
+            if reads > 3:  # the probe (2 requests) and one shard range, then it is gone
                 relay.dead.add(pa)  # gone from the relay too
                 threading.Thread(target=a.stop).start()
                 raise StoreError("donor crashed")
@@ -381,3 +381,33 @@ def test_a_manifest_request_is_checked_and_refused_with_typed_errors(net: Net) -
         {}, net.pid("b"), (len(DATA), 4096, 40), server_round=ROUND, digest=DIGEST,
         timeout_s=10.0, link=link,
     )[1].startswith("EndpointError")  # fmt: skip
+
+
+def test_a_direct_pull_cuts_shards_fine_enough_for_the_measured_rates(net: Net) -> None:
+    from chaos_flwr.pull.negotiation import PULL_DIRECT_SHARDS_PER_DONOR, _direct_shards
+
+    # at most PULL_DIRECT_SHARD_BYTES a shard, at least PULL_DIRECT_SHARDS_PER_DONOR per holder
+    assert _direct_shards(64 << 20, 4, 1024) == 256
+    assert _direct_shards(len(DATA), 3, 1024) == 32 >= 3 * PULL_DIRECT_SHARDS_PER_DONOR
+    assert _direct_shards(5000, 4, 1024) == 4  # shards never below the minimum size
+    assert _direct_shards(100, 4, 1024) == 1
+    # a pull with four equal assumed rates used to fix one shard per holder before the probes,
+    # so the measured rates could not change the shares: now the shape is fine
+    servers = {n: net.serve(n) for n in "abc"}
+    pull = net.pull(list(servers), total_hint=len(DATA))
+    assert pull.start(0.0)[0] == "done"
+    assert pull.stats()["num-shards"] == _direct_shards(len(DATA), 3, 1024)
+
+
+def test_a_probe_times_the_link_after_its_connection_is_up(net: Net) -> None:
+    # the probe's first small request sets the connection (TLS) up; the rate is the second
+    # request's bytes over the time between the replies, so a paced link shows its own rate
+    profile = parse_profile({"parties": {"replica": {"up_mb_s": 1.0}}})
+    slow = net.serve("a", shaper=Shaper(profile, "replica", burst=4096))
+    fast = net.serve("b")
+    assert slow.address and fast.address
+    pull = net.pull(["a", "b"], total_hint=len(DATA))
+    assert pull.start(0.0)[0] == "done"
+    rates = dict(zip(pull.stats()["rate-donors"], pull.stats()["rate-bps"], strict=True))  # type: ignore[arg-type]
+    assert 0.7e6 < rates[net.pid("a")] < 1.3e6  # within 30% of the paced 1 MB/s
+    assert rates[net.pid("b")] > 3 * rates[net.pid("a")]

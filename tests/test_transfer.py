@@ -546,3 +546,26 @@ def test_pull_over_loopback_with_a_bad_and_a_crashing_donor() -> None:
     assert session.status("crash") == DonorStatus.LOST
     got = session.progress(0.0).bytes_by_donor
     assert got["liar"] == 0 and got["good"] > 0
+
+
+def test_replies_fed_without_fill_plan_nothing_until_polled() -> None:
+    # a carrier delivering a whole direct fetch feeds every shard with fill=False, then polls
+    # once: the state is the same as feeding them one by one, and no request is planned per
+    # shard (the endgame is not run thousands of times over shards already in hand)
+    data = _data(400_000)
+    donors = [Donor("a", 4e6), Donor("b", 1e6)]
+    plan = plan_transfer(len(data), donors, max_shards=64, min_shard_bytes=1024)
+    m = Manifest.build(data, plan.shard_bytes, num_shards=plan.num_shards)
+    s = PullSession(m, plan, donors, now=0.0, window=plan.num_shards)
+    sent = s.poll(0.0)
+    assert len(sent) == plan.num_shards
+    mine = [r for r in sent if r.donor == "a"]
+    for r in mine:
+        assert s.on_shard("a", r.index, data[r.start : r.end], 0.5, fill=False) == []
+    assert s.inflight("a") == ()
+    stolen = s.poll(0.5)  # now "a" is idle and takes copies of what "b" still owes
+    assert stolen and all(isinstance(x, ShardRequest) and x.donor == "a" for x in stolen)
+    for r in sent:
+        if r.donor == "b":
+            s.on_shard("b", r.index, data[r.start : r.end], 1.0, fill=False)
+    assert s.done and hashlib.sha256(s.assemble()).digest() == hashlib.sha256(data).digest()

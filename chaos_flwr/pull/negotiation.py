@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from chaos_flwr.defaults import PLANNER_MAX_SHARDS
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.monitor import Monitor
 from chaos_flwr.planner import Donor, TransferPlan, plan_transfer
@@ -70,13 +71,31 @@ __all__ = [
 PULL_MAX_STATE_BYTES: int = 16 << 30
 #: Rate assumed for a holder before anything was measured on its link (bytes/s).
 PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
-#: Bytes of the timed range that probes a direct link before the shares are planned.
-PULL_PROBE_BYTES: int = 64 * 1024
+#: Bytes of the range that probes a direct link before the shares are planned (well above a
+#: shaper's burst, so a slow link shows its rate).
+PULL_PROBE_BYTES: int = 256 * 1024
+#: A pull over direct links cuts the state into shards of at most about this size, and at
+#: least PULL_DIRECT_SHARDS_PER_DONOR per holder (shard bytes permitting), so the shares
+#: planned with the measured rates can follow them (the shape is fixed before the probes).
+PULL_DIRECT_SHARD_BYTES: int = 256 * 1024
+PULL_DIRECT_SHARDS_PER_DONOR: int = 8
 #: Direct fetch rounds per holder within one event (re-plans and steals between direct holders).
 PULL_DIRECT_ROUNDS_PER_DONOR: int = 16
 #: Floor of a shard request's timeout inside the session: the carrier's own deadline decides
 #: who is lost (a relay step waits for every reply), not a local request timer.
 PULL_REQUEST_TIMEOUT_S: float = 3600.0
+
+
+def _direct_shards(total: int, donors: int, min_shard_bytes: int) -> int:
+    """The shard count of a pull over direct links: a power of two giving shards of at most
+    PULL_DIRECT_SHARD_BYTES and at least PULL_DIRECT_SHARDS_PER_DONOR shards per holder,
+    within PLANNER_MAX_SHARDS and never below ``min_shard_bytes`` a shard (1 for a tiny
+    state)."""
+    want = max(-(-total // PULL_DIRECT_SHARD_BYTES), PULL_DIRECT_SHARDS_PER_DONOR * donors)
+    k = 1
+    while k < want and k < PLANNER_MAX_SHARDS and -(-total // (2 * k)) >= min_shard_bytes:
+        k *= 2
+    return k
 
 
 class Stage(StrEnum):
@@ -319,6 +338,8 @@ class PullNegotiation:
 
     def _plan(self, total: int, chain: list[int] | None = None) -> TransferPlan:
         donors = [Donor(id=d, bandwidth=self._rate(d)) for d in self.live]
+        if chain is None and self._usable():
+            chain = [_direct_shards(total, len(donors), self.min_shard_bytes)]
         return plan_transfer(total, donors, min_shard_bytes=self.min_shard_bytes, chain=chain)
 
     def _lose(self, donor: str, now: float | None = None) -> None:
@@ -475,7 +496,9 @@ class PullNegotiation:
         assert session is not None
         answered: set[int] = set()
         for index, chunk, at in shards:
-            self._pending.extend(session.on_shard(donor, index, chunk, at))
+            # new requests are planned once, after every holder's shards were taken (the
+            # caller polls): planning after each shard would cost a scan per shard
+            self._pending.extend(session.on_shard(donor, index, chunk, at, fill=False))
             if session.status(donor) == DonorStatus.BAD:
                 break  # a shard failed its hash: the donor's shards are re-planned
             answered.add(index)
@@ -501,6 +524,7 @@ class PullNegotiation:
                 self._pending.extend(session.on_donor_lost(donor, now))
             if session.status(donor) != DonorStatus.LIVE:
                 self._lose(donor)
+        self._pending.extend(session.poll(now))
         return self._advance(now)
 
     def _on_direct(self, results: Mapping[str, LinkResult], now: float) -> Decision:
@@ -522,6 +546,7 @@ class PullNegotiation:
             elif res.error:  # the link failed: what it still owes goes through the relay
                 self.direct_failed[donor] = res.error
                 self._pending.extend(r for r in owed.get(donor, ()) if r.index not in answered)
+        self._pending.extend(session.poll(now + elapsed))
         return self._advance(now + elapsed)
 
     def _usable(self) -> dict[str, str]:

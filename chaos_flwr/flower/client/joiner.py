@@ -41,6 +41,7 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
+    FLOWER_PROBE_WARM_BYTES,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.flower.client.endpoint import LinkedParty, link_access
@@ -206,13 +207,7 @@ class JoinerPull:
             if decision.manifest:
                 decision = self._fetch_manifest(decision, left)
             elif decision.probe:
-                results = self._fetch(
-                    {d: a for d, (a, _) in decision.probe.items()},
-                    {d: [(-1, 0, min(n, PULL_PROBE_BYTES))] for d, (_, n) in
-                     decision.probe.items()},
-                    left,
-                )  # fmt: skip
-                decision = self.negotiation.on_probes(results, self.clock())
+                decision = self.negotiation.on_probes(self._probe(decision, left), self.clock())
             else:
                 results = self._fetch(
                     {d: a for d, (a, _) in decision.direct.items()},
@@ -237,12 +232,41 @@ class JoinerPull:
         )  # fmt: skip
         return neg.on_manifest(donor, raw, why, self.clock())
 
+    def _probe(self, decision: Decision, timeout_s: float) -> dict[str, LinkResult]:
+        """Time each link on a range of the state, after a small first request that sets the
+        connection up (its handshake is not the link's rate): the rate sample is the second
+        request's bytes over the time between the two replies."""
+        warm = FLOWER_PROBE_WARM_BYTES
+        ranges = {
+            d: [(-1, 0, warm), (-1, warm, min(n, PULL_PROBE_BYTES))]
+            if min(n, PULL_PROBE_BYTES) > 2 * warm
+            else [(-1, 0, min(n, PULL_PROBE_BYTES))]
+            for d, (_, n) in decision.probe.items()
+        }
+        got = self._fetch(
+            {d: a for d, (a, _) in decision.probe.items()}, ranges, timeout_s, raw=True, batch=1
+        )
+        out: dict[str, LinkResult] = {}
+        for d, r in got.items():
+            pieces = [(len(c), at) for i, c, at in r.shards if i == -1]
+            if r.error or len(pieces) != 2:
+                out[d] = LinkResult(nbytes=r.nbytes, seconds=r.seconds, error=r.error)
+            else:
+                (_, t1), (n2, t2) = pieces
+                out[d] = LinkResult(nbytes=n2, seconds=max(t2 - t1, 1e-6))
+        return out
+
     def _fetch(
         self,
         addresses: Mapping[str, str],
         ranges: Mapping[str, list[tuple[int, int, int]]],
         timeout_s: float,
+        *,
+        raw: bool = False,
+        batch: int = 0,
     ) -> dict[str, LinkResult]:
+        """Fetch ``ranges`` over the links (``raw``: keep the probe's index -1 pieces;
+        ``batch``: bytes per request, default :attr:`direct_batch_bytes`)."""
         from chaos_flwr.flower.direct import fetch_ranges
 
         if self.link is None:  # a pull saved with addresses, taken up without credentials
@@ -254,12 +278,12 @@ class JoinerPull:
             server_round=neg.server_round,
             digest=neg.digest,
             timeout_s=timeout_s,
-            batch_bytes=self.direct_batch_bytes,
+            batch_bytes=batch or self.direct_batch_bytes,
             link=self.link,
         )
         return {
             d: LinkResult(
-                shards=tuple((i, c, at) for i, c, at in r.shards if i >= 0),
+                shards=tuple((i, c, at) for i, c, at in r.shards if raw or i >= 0),
                 nbytes=r.nbytes,
                 seconds=r.seconds,
                 error=r.error,
