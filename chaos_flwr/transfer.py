@@ -577,9 +577,8 @@ class PullSession:
         """Consume a shard reply.
 
         A shard that fails verification marks ``donor`` bad and re-plans its shards; replies
-        from unknown or bad donors and duplicates are ignored. With ``fill=False`` no new
-        request is planned (a carrier feeding many replies at once calls :meth:`poll` after
-        the last: planning after each would cost a scan of the shards in flight per reply).
+        from unknown or bad donors and duplicates are ignored. With ``fill=False`` no request
+        is planned (a carrier feeding many replies at once calls :meth:`poll` after the last).
 
         Returns
         -------
@@ -628,8 +627,7 @@ class PullSession:
         for other in sorted(self._holders.pop(index, set())):
             self._peers[other].inflight.pop(index, None)
             actions.append(CancelRequest(other, index))
-        if fill:
-            actions.extend(self._fill(now))
+        actions.extend(self._fill(now) if fill else [])
         return actions
 
     def knows(self, donor: str) -> bool:
@@ -766,10 +764,8 @@ class PullSession:
                 if self._shards[index] is None and index not in thief.inflight:
                     return index
             return None
-        # Endgame: duplicate the in-flight shard expected last, if we would beat it. A donor's
-        # in-flight shards are expected in the order sent, so its candidate is the last one
-        # sent that is neither duplicated nor the thief's own (one look per donor, not one
-        # per shard: a pull with thousands of shards in flight stays linear).
+        # Endgame: duplicate the in-flight shard expected last, if we would beat it (per donor
+        # the last one sent that is neither duplicated nor the thief's: one look per donor).
         best: tuple[float, int] | None = None
         for donor in self._order:
             p = self._peers[donor]
