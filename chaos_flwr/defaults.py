@@ -110,6 +110,9 @@ FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).
 FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
 FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
+#: Requests a joiner keeps in flight per donor link. 1: with two, a slow link held two
+#: batches nobody could take over, and the pull ended later (chaos-flwr bench direct-pull).
+FLOWER_DIRECT_INFLIGHT: int = 1
 #: First, untimed request of a link probe (it sets the connection up: a TLS handshake is not
 #: the link's rate); the rest of the probe range is timed.
 FLOWER_PROBE_WARM_BYTES: int = 4096

@@ -45,7 +45,8 @@ from chaos_flwr.errors import (
     RequestTooLargeError,
     StoreError,
 )
-from chaos_flwr.flower.direct import BytesSource, DirectServer, LinkLimits, fetch_ranges
+from chaos_flwr.flower.direct import BytesSource, DirectServer, LinkLimits
+from chaos_flwr.flower.fetch import fetch_ranges
 from chaos_flwr.membership import Record, RecordSet
 from chaos_flwr.transport import tls
 from chaos_flwr.transport.links import LinkDialer

@@ -23,11 +23,8 @@ from link_world import access, endpoint_record, ident, records
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.client.donor import serve_request
 from chaos_flwr.flower.client.joiner import JoinerPull
-from chaos_flwr.flower.direct import (
-    BytesSource,
-    DirectServer,
-    fetch_ranges,
-)
+from chaos_flwr.flower.direct import BytesSource, DirectServer
+from chaos_flwr.flower.fetch import fetch_ranges
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 from chaos_flwr.transport.shaping import Shaper, parse_profile
@@ -356,7 +353,7 @@ def test_a_direct_manifest_that_fails_falls_back_to_the_relay() -> None:
 
 
 def test_a_manifest_request_is_checked_and_refused_with_typed_errors(net: Net) -> None:
-    from chaos_flwr.flower.direct import fetch_manifest
+    from chaos_flwr.flower.fetch import fetch_manifest
     from chaos_flwr.state import Manifest
 
     server, pa = net.serve("a"), net.pid("a")
@@ -411,3 +408,30 @@ def test_a_probe_times_the_link_after_its_connection_is_up(net: Net) -> None:
     rates = dict(zip(pull.stats()["rate-donors"], pull.stats()["rate-bps"], strict=True))  # type: ignore[arg-type]
     assert 0.7e6 < rates[net.pid("a")] < 1.3e6  # within 30% of the paced 1 MB/s
     assert rates[net.pid("b")] > 3 * rates[net.pid("a")]
+
+
+def test_a_donor_done_early_takes_over_the_last_shards_of_a_slow_one(net: Net) -> None:
+    # the fetch is a pull queue: planned as equal halves, the fast link ends up carrying most
+    # of the slow one's half, every shard arrives once; without stealing each sends its own
+    profile = parse_profile({"parties": {"replica": {"up_mb_s": 0.2}}})
+    slow = net.serve("a", shaper=Shaper(profile, "replica", burst=4096))
+    fast = net.serve("b")
+    assert slow.address and fast.address
+    link = access("e", net.records)
+    size = 4000
+    shards = [(i, i * size, min(len(DATA), (i + 1) * size)) for i in range(len(DATA) // size)]
+    half = len(shards) // 2
+    plan = {net.pid("a"): shards[:half], net.pid("b"): shards[half:]}
+    for steal in (True, False):
+        got = fetch_ranges({}, plan, server_round=ROUND, digest=DIGEST, batch_bytes=size,
+                           steal=steal, link=link)  # fmt: skip
+        a, b = got[net.pid("a")], got[net.pid("b")]
+        assert not a.error and not b.error
+        indices = sorted(i for r in (a, b) for i, _, _ in r.shards)
+        assert indices == [i for i, _, _ in shards]  # each shard once
+        for r in (a, b):
+            assert all(c == DATA[i * size : i * size + len(c)] for i, c, _ in r.shards)
+        if steal:
+            assert len(b.shards) > half + half // 2  # it took over most of the slow half
+        else:
+            assert len(a.shards) == half and len(b.shards) == len(shards) - half

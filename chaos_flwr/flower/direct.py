@@ -1,4 +1,5 @@
-"""Direct links for joiner pulls: a donor's replica server and the joiner's fetcher.
+"""Direct links for joiner pulls: a donor's replica server (the fetching side is
+:mod:`chaos_flwr.flower.fetch`).
 
 Flower carries no node-to-node traffic, so without direct links a joiner pulls through the
 relay (:mod:`chaos_flwr.flower.client.joiner`). A signed party configured with a direct address
@@ -13,13 +14,17 @@ Links are authenticated and encrypted
 Given the party's :class:`LinkAccess` (its link credentials, policy and view), a
 :class:`DirectServer` serves over mutual TLS (:class:`~chaos_flwr.transport.links.LinkServer`):
 only to a peer whose certificate is bound to a charter key (:mod:`chaos_flwr.transport.tls`)
-and that is an active member of the donor's view, and :func:`fetch_ranges` dials a donor only
+and that is an active member of the donor's view, and the joiner's
+:func:`~chaos_flwr.flower.fetch.fetch_ranges` dials a donor only
 at the endpoint its verified endpoint record names (any host, IPv4, IPv6 or a name), pinning
 the certificate that record carries; an address the relay offered that no record signs is
 refused with :class:`~chaos_flwr.errors.EndpointError`. Limits (named defaults): requests
 served at once, request message size, reply bytes one request may ask for (no amplification)
 and reply bytes per peer per window; each refusal is a typed error the dialler raises as such
-(:attr:`DirectResult.exc`). There is no unauthenticated server.
+(:attr:`~chaos_flwr.flower.fetch.DirectResult.exc`). There is no unauthenticated server.
+
+Besides ranges and manifests, a party daemon's server answers gossip requests (``{gossip:
+digest, ..}``, :mod:`chaos_flwr.gossip`); other servers refuse them.
 
 Serving process
 ---------------
@@ -41,51 +46,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
-    FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_PROBE_CONNECT_S,
-    FLOWER_DIRECT_TIMEOUT_S,
     LINK_MANIFESTS_CACHED,
     LINK_MAX_MANIFEST_SHARDS,
     LINK_MAX_RANGES_PER_REQUEST,
-    LINK_MAX_REPLY_BYTES,
 )
 from chaos_flwr.errors import (
     ChaosError,
     ConfigError,
     DecodeError,
-    EndpointError,
     ReplyTooLargeError,
     RequestTooLargeError,
     StoreError,
     TransportError,
 )
 from chaos_flwr.gossip import GOSSIP_KEY
-from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.store import Replica, ReplicaStore
-from chaos_flwr.transport.links import LinkAccess, LinkDialer, LinkLimits, LinkServer, PeerQuota
+from chaos_flwr.transport.links import LinkAccess, LinkLimits, LinkServer, PeerQuota
 from chaos_flwr.transport.shaping import Shaper
 
 __all__ = [
     "BytesSource",
-    "DirectResult",
     "DirectServer",
     "LinkAccess",
     "LinkLimits",
     "RangeSource",
     "StoreSource",
     "ensure_server",
-    "fetch_manifest",
-    "fetch_ranges",
     "listening",
     "stop_servers",
 ]
@@ -439,244 +435,6 @@ def stop_servers() -> None:
         server.stop()
         if isinstance(server.source, StoreSource):
             server.source.close()
-
-
-@dataclass
-class DirectResult:
-    """What one donor sent over its direct link.
-
-    Attributes
-    ----------
-    shards:
-        ``(index, bytes, seconds since the fetch began)`` per shard received, in order.
-    error:
-        Why the link failed (empty if every range came back).
-    seconds:
-        Wall time of this donor's fetch.
-    nbytes:
-        Bytes received.
-    exc:
-        The typed error the link failed with (``None`` if it did not), e.g. the class a donor
-        refused with.
-    """
-
-    shards: list[tuple[int, bytes, float]] = field(default_factory=list)
-    error: str = ""
-    seconds: float = 0.0
-    nbytes: int = 0
-    exc: ChaosError | None = None
-
-    def fail(self, exc: ChaosError) -> None:
-        """Record ``exc`` as the reason this link stopped."""
-        self.exc = exc
-        self.error = f"{type(exc).__name__}: {exc}"
-
-
-Range = tuple[int, int, int]  # (index, start, end)
-#: Sends one request to a donor and returns its reply (``timeout`` in seconds).
-_Send = Callable[[bytes, float], Awaitable[bytes]]
-
-
-def _pieces(ranges: Sequence[Range], cap: int) -> list[tuple[int, int, int, bool]]:
-    """``ranges`` cut so no piece exceeds ``cap`` bytes: ``(index, start, end, last piece)``."""
-    out: list[tuple[int, int, int, bool]] = []
-    for i, s, e in ranges:
-        at = s
-        while True:
-            stop = min(e, at + cap)
-            out.append((i, at, stop, stop >= e))
-            if stop >= e:
-                break
-            at = stop
-    return out
-
-
-async def _fetch_one(
-    send: _Send,
-    ranges: Sequence[Range],
-    server_round: int,
-    digest: bytes,
-    deadline: float,
-    t0: float,
-    batch_bytes: int,
-) -> DirectResult:
-    result = DirectResult()
-    todo = _pieces(ranges, LINK_MAX_REPLY_BYTES)
-    partial: list[bytes] = []
-    while todo:
-        batch = [todo.pop(0)]
-        size = batch[0][2] - batch[0][1]
-        # ranges up to batch_bytes per request, never above what a donor serves per request
-        while (
-            todo
-            and size < batch_bytes
-            and len(batch) < LINK_MAX_RANGES_PER_REQUEST
-            and size + todo[0][2] - todo[0][1] <= LINK_MAX_REPLY_BYTES
-        ):
-            size += todo[0][2] - todo[0][1]
-            batch.append(todo.pop(0))
-        left = deadline - time.monotonic()
-        if left <= 0:
-            result.error = "deadline passed"
-            break
-        req = codec.encode(
-            {
-                "round": server_round,
-                "digest": digest,
-                "start": [s for _, s, _, _ in batch],
-                "end": [e for _, _, e, _ in batch],
-            }
-        )
-        try:
-            raw = await send(req, left)
-            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES + 65536)
-            data = value.get("data") if isinstance(value, dict) else None
-            if not isinstance(data, list) or len(data) != len(batch):
-                raise DecodeError("direct reply must carry one bytes item per range")
-            if not all(isinstance(c, bytes) for c in data):
-                raise DecodeError("a direct reply item is not bytes")
-        except ChaosError as exc:
-            result.fail(exc)
-            break
-        at = time.monotonic() - t0
-        for (i, _, _, last), chunk in zip(batch, data, strict=True):
-            partial.append(chunk)
-            result.nbytes += len(chunk)
-            if last:
-                result.shards.append((i, b"".join(partial), at))
-                partial = []
-    result.seconds = time.monotonic() - t0
-    return result
-
-
-def _senders(
-    addresses: Mapping[str, str], donors: Sequence[str], link: LinkAccess
-) -> tuple[dict[str, _Send], dict[str, DirectResult], Callable[[], Awaitable[None]]]:
-    """A send function per dialable donor, the donors refused before dialling, and a closer."""
-    refused: dict[str, DirectResult] = {}
-    sends: dict[str, _Send] = {}
-    dialer = LinkDialer(link.creds)
-    for d in donors:
-        try:
-            ep = link.endpoint(d, addresses.get(d))
-        except EndpointError as exc:
-            refused[d] = DirectResult()
-            refused[d].fail(exc)
-            continue
-        sends[d] = functools.partial(_link_send, dialer, ep)
-    return sends, refused, dialer.close
-
-
-async def _link_send(dialer: LinkDialer, ep: EndpointInfo, req: bytes, timeout: float) -> bytes:
-    return await dialer.request(ep.address, ep.cert, req, timeout=timeout)
-
-
-def fetch_ranges(
-    addresses: Mapping[str, str],
-    ranges: Mapping[str, Sequence[Range]],
-    *,
-    server_round: int,
-    digest: bytes,
-    timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
-    batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
-    link: LinkAccess,
-) -> dict[str, DirectResult]:
-    """Fetch ``ranges[donor]`` from every donor's direct address at once (bounded by
-    ``timeout_s`` overall). Runs its own event loop in a helper thread, so it may be called
-    from sync code inside or outside a running loop.
-
-    Parameters
-    ----------
-    addresses
-        Donor -> address as offered (by the relay): each must be the address the donor's
-        verified endpoint record signs (else that donor fails with
-        :class:`~chaos_flwr.errors.EndpointError`, never dialled); a donor with no offered
-        address is dialled at its signed endpoint.
-    link
-        This party's credentials and view: authenticated, encrypted links.
-
-    Returns
-    -------
-    dict
-        Donor -> :class:`DirectResult` (bytes are *not* verified here: the caller checks each
-        shard against its manifest).
-    """
-    fetched: dict[str, DirectResult] = {}
-
-    async def main() -> None:
-        sends, refused, close = _senders(addresses, list(ranges), link)
-        fetched.update(refused)
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        try:
-            got = await asyncio.gather(
-                *(
-                    _fetch_one(sends[d], ranges[d], server_round, digest, deadline, t0, batch_bytes)
-                    for d in sends
-                )
-            )
-        finally:
-            await close()
-        fetched.update(zip(sends, got, strict=True))
-
-    def run() -> None:
-        asyncio.run(main())
-
-    worker = threading.Thread(target=run, name="chaos-direct-fetch", daemon=True)
-    worker.start()
-    worker.join(timeout_s + 5.0)
-    # a worker still running past its bound may yet write: its results are not read at all
-    out = {} if worker.is_alive() else dict(fetched)
-    for d in ranges:
-        out.setdefault(d, DirectResult(error="hung"))
-    return out
-
-
-def fetch_manifest(
-    addresses: Mapping[str, str],
-    donor: str,
-    shape: tuple[int, int, int],
-    *,
-    server_round: int,
-    digest: bytes,
-    timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
-    link: LinkAccess,
-) -> tuple[bytes | None, str]:
-    """Ask ``donor`` over its direct link for the manifest of ``shape`` (total, shard bytes,
-    shard count) of the state ``(server_round, digest)``; bounded by ``timeout_s``.
-
-    Returns ``(manifest bytes, "")``, or ``(None, why)`` (not dialled, refused with a typed
-    error, no answer in time, a malformed reply). The manifest is *not* checked here.
-    """
-    got: list[tuple[bytes | None, str]] = []
-    total, shard_bytes, num_shards = shape
-    req = codec.encode({"round": server_round, "digest": digest, "total": total,
-                        "shard-bytes": shard_bytes, "num-shards": num_shards})  # fmt: skip
-
-    async def main() -> None:
-        sends, refused, close = _senders(addresses, [donor], link)
-        try:
-            if donor in refused:
-                got.append((None, refused[donor].error))
-                return
-            raw = await sends[donor](req, timeout_s)
-            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES)
-            manifest = value.get("manifest") if isinstance(value, dict) else None
-            if not isinstance(manifest, bytes):
-                raise DecodeError("a direct manifest reply must be {manifest: bytes}")
-            got.append((manifest, ""))
-        except ChaosError as exc:
-            got.append((None, f"{type(exc).__name__}: {exc}"))
-        finally:
-            await close()
-
-    worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-direct-manifest",
-                              daemon=True)  # fmt: skip
-    worker.start()
-    worker.join(timeout_s + 5.0)
-    if worker.is_alive() or not got:
-        return None, "hung"
-    return got[0]
 
 
 def on_signals(stop: threading.Event, signals: Sequence[int]) -> Callable[[], None]:

@@ -545,7 +545,9 @@ class PullNegotiation:
                 self._lose(donor)
             elif res.error:  # the link failed: what it still owes goes through the relay
                 self.direct_failed[donor] = res.error
-                self._pending.extend(r for r in owed.get(donor, ()) if r.index not in answered)
+                self._pending.extend(
+                    r for r in owed.get(donor, ()) if r.index not in answered | self.got
+                )  # (another donor may have taken over some of its shards)
         self._pending.extend(session.poll(now + elapsed))
         return self._advance(now + elapsed)
 

@@ -220,7 +220,7 @@ class JoinerPull:
         return decision.status.value, requests if decision.status == Status.WANT else {}
 
     def _fetch_manifest(self, decision: Decision, timeout_s: float) -> Decision:
-        from chaos_flwr.flower.direct import fetch_manifest
+        from chaos_flwr.flower.fetch import fetch_manifest
 
         neg = self.negotiation
         ((donor, (addr, ask)),) = decision.manifest.items()
@@ -244,7 +244,7 @@ class JoinerPull:
             for d, (_, n) in decision.probe.items()
         }
         got = self._fetch(
-            {d: a for d, (a, _) in decision.probe.items()}, ranges, timeout_s, raw=True, batch=1
+            {d: a for d, (a, _) in decision.probe.items()}, ranges, timeout_s, raw=True, probe=True
         )
         out: dict[str, LinkResult] = {}
         for d, r in got.items():
@@ -263,11 +263,11 @@ class JoinerPull:
         timeout_s: float,
         *,
         raw: bool = False,
-        batch: int = 0,
+        probe: bool = False,
     ) -> dict[str, LinkResult]:
         """Fetch ``ranges`` over the links (``raw``: keep the probe's index -1 pieces;
-        ``batch``: bytes per request, default :attr:`direct_batch_bytes`)."""
-        from chaos_flwr.flower.direct import fetch_ranges
+        ``probe``: one range per request, and no donor takes over another's ranges)."""
+        from chaos_flwr.flower.fetch import fetch_ranges
 
         if self.link is None:  # a pull saved with addresses, taken up without credentials
             return {d: LinkResult(error="no link credentials") for d in ranges}
@@ -278,7 +278,8 @@ class JoinerPull:
             server_round=neg.server_round,
             digest=neg.digest,
             timeout_s=timeout_s,
-            batch_bytes=batch or self.direct_batch_bytes,
+            batch_bytes=1 if probe else self.direct_batch_bytes,
+            steal=not probe,
             link=self.link,
         )
         return {
