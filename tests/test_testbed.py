@@ -39,8 +39,14 @@ needs_root = pytest.mark.skipif(
 
 
 def _namespaces() -> set[str]:
+    """Namespaces this test process may have made (a bench may run beside the suite)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
-    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    names = {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+    return {n for n in names if not re.fullmatch(r"t\d+h(ub|\d+)", n) or _own_lan(n)}
+
+
+def _own_lan(name: str) -> bool:
+    return name.startswith(f"t{os.getpid() % 1000}")
 
 
 def _root_links() -> set[str]:
@@ -49,6 +55,23 @@ def _root_links() -> set[str]:
 
 
 # --- without root ------------------------------------------------------------------------------
+
+
+def test_a_second_signal_does_not_abort_the_testbeds_cleanup() -> None:
+    from chaos_flwr.lab.testbed import _stop_on_signals
+
+    before = signal.getsignal(signal.SIGINT)
+    cleaned = []
+    with pytest.raises(KeyboardInterrupt, match="signal 15"), _stop_on_signals():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1.0)  # the handler raises here
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the cleanup: ignored
+            time.sleep(0.05)
+            cleaned.append(True)
+    assert cleaned == [True]
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_lan_names_addresses_and_rates() -> None:

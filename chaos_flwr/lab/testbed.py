@@ -196,12 +196,17 @@ class WanTestbed:
 @contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGTERM (and SIGINT, already) raise in the main thread while the testbed is up, so its
-    cleanup runs; the previous handlers come back on exit."""
+    cleanup runs; a second signal is ignored, so it cannot abort that cleanup (processes left
+    running in namespaces already gone); the previous handlers come back on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    fired: list[int] = []
 
     def _raise(signum: int, _frame: FrameType | None) -> None:
+        if fired:
+            return  # the cleanup the first one started runs to its end
+        fired.append(signum)
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

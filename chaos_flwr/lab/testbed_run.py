@@ -177,11 +177,11 @@ def run_on_testbed(
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     app = spec.app_dir or example_dir()
-    ns_before = namespaces()
     out: dict[str, Any] = {"mode": spec.mode, "rounds": spec.rounds, "hidden": spec.hidden}
     clientapps: dict[int, float] = {}
     with wan_testbed(profile, work / "bed", app_dir=app, server=spec.server,
                  institutions=spec.institutions) as bed:  # fmt: skip
+        made = {bed.net.hub, *bed.net.namespaces.values()}
         out["testbed"] = bed.describe()
         tell(f"testbed up: SuperLink at {out['testbed']['superlink']} (TLS, SuperNode auth), "
              f"SuperNodes at {', '.join(bed.institutions)}")  # fmt: skip
@@ -199,7 +199,7 @@ def run_on_testbed(
         logs = bed.cluster.logs
     pids = bed.cluster.close()
     out["pids_alive"] = [p for p in pids if alive(p)]
-    out["namespaces_left"] = sorted(namespaces() - ns_before)
+    out["namespaces_left"] = sorted(namespaces() & made)  # its own (another testbed may run)
     if proc.returncode != 0 or not results:
         with contextlib.suppress(OSError):
             tail = (logs / "run.log").read_text("utf-8", "replace")[-2000:]
