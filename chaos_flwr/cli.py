@@ -13,7 +13,13 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from .defaults import GOSSIP_INTERVAL_S, GOSSIP_SUSPECT_S
+from .defaults import (
+    DIRECT_BENCH_MODEL_MIB,
+    DIRECT_BENCH_RATES_MB_S,
+    DIRECT_BENCH_REPEATS,
+    GOSSIP_INTERVAL_S,
+    GOSSIP_SUSPECT_S,
+)
 
 app = typer.Typer(
     name="chaos-flwr",
@@ -1047,11 +1053,12 @@ def testbed_cmd(
 
 @bench_app.command("direct-pull")
 def bench_direct_pull(
-    model_mib: float = typer.Option(16.0, help="State size in MiB."),
+    model_mib: float = typer.Option(DIRECT_BENCH_MODEL_MIB, help="State size in MiB."),
     rates: str = typer.Option(
-        "20,10,2.5,1.25", help="Comma-separated donor uplinks in MB/s (testbed5's donors)."
+        ",".join(f"{r:g}" for r in DIRECT_BENCH_RATES_MB_S),
+        help="Comma-separated donor uplinks in MB/s (testbed5's donors).",
     ),
-    repeats: int = typer.Option(3, min=1, help="Pulls (medians)."),
+    repeats: int = typer.Option(DIRECT_BENCH_REPEATS, min=1, help="Pulls (medians)."),
     as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
 ) -> None:
     """A joiner's pull over authenticated direct links from donors with paced uplinks (on

@@ -120,6 +120,12 @@ FLOWER_PROBE_WARM_BYTES: int = 4096
 #: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"
 
+#: ``chaos-flwr bench direct-pull`` defaults: state size (MiB), donor uplinks (MB/s: testbed5's
+#: donors), pulls.
+DIRECT_BENCH_MODEL_MIB: float = 16.0
+DIRECT_BENCH_RATES_MB_S: tuple[float, ...] = (20.0, 10.0, 2.5, 1.25)
+DIRECT_BENCH_REPEATS: int = 3
+
 # --- gossip over direct links (chaos_flwr/gossip.py, the party daemon) ---------------------------
 #: Peers a party daemon asks per gossip round.
 GOSSIP_FANOUT: int = 3
@@ -130,6 +136,9 @@ GOSSIP_TIMEOUT_S: float = 5.0
 #: Seconds without a gossip exchange after which a peer heard before is suspected (many
 #: rounds: a slow or busy daemon is not a dead one).
 GOSSIP_SUSPECT_S: float = 30.0
+#: Asks in a row that got no answer at all a suspicion also needs (a peer that answers slowly,
+#: refuses, or is asked seldom in a large federation is not silent).
+GOSSIP_SUSPECT_MISSES: int = 3
 #: Most records one gossip reply carries or is accepted with (the frontier of a federation of
 #: n parties holds about 3 n records plus one per link).
 GOSSIP_MAX_RECORDS: int = 4096
@@ -145,6 +154,8 @@ LINK_MAX_CONCURRENT_REQUESTS: int = 4
 LINK_MAX_REQUEST_BYTES: int = 64 * 1024
 #: Most reply bytes one link request may ask for; more: ReplyTooLargeError (no amplification).
 LINK_MAX_REPLY_BYTES: int = 4 * 1024 * 1024
+#: Largest link reply a dialler reads: LINK_MAX_REPLY_BYTES plus room for the codec's framing.
+LINK_MAX_REPLY_FRAME_BYTES: int = LINK_MAX_REPLY_BYTES + 64 * 1024
 #: Most ranges one link request may name (a dialler sends at most this many; more:
 #: RequestTooLargeError); at about 20 encoded bytes a range, far below LINK_MAX_REQUEST_BYTES.
 LINK_MAX_RANGES_PER_REQUEST: int = 1024

@@ -9,12 +9,16 @@ So views converge while the ServerApp is down, and a relay that withholds record
 party is bypassed by its neighbours.
 
 Failure detection over the links: a peer counts as *heard* when a gossip exchange with it
-succeeds in either direction (an authenticated link whose far end is that party's key). A
-member this party has heard since it started, and has not heard for ``suspect_after_s``, is
-suspected: this party signs the fail body of its incarnation (the same bytes every suspecting
-party signs, so no vote can equivocate; no envelope, so the party's sequence numbers are not
-touched) and carries the vote; whoever holds ``failure_quorum`` votes holds the fail record
-and gossips it like any other. A party never heard (no daemon, or never reachable) is never
+succeeds in either direction (an authenticated link whose far end is that party's key; a
+typed refusal is an answer too). A member this party has heard (in its current incarnation)
+since it started, then has not heard for ``suspect_after_s`` *and* failed to reach
+``suspect_misses`` times in a row, is suspected: this party signs the fail body of its
+incarnation (the same bytes every suspecting party signs, so no vote can equivocate; no
+envelope, so the party's sequence numbers are not touched) and carries the vote. Votes are
+current suspicions, not history: a vote not renewed (by its signer's gossip, or by this
+party's own next round) within ``suspect_after_s`` is dropped, and hearing the suspect drops
+every vote about it; whoever holds ``failure_quorum`` current votes holds the fail record and
+gossips it like any other. A party never heard (no daemon, or never reachable) is never
 suspected here; the relay's failure detection still covers it.
 
 The class does no I/O and reads no clock: ``now`` comes in, values to send go out. The
@@ -31,7 +35,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .defaults import GOSSIP_FANOUT, GOSSIP_MAX_RECORDS, GOSSIP_MAX_VOTES, GOSSIP_SUSPECT_S
+from .defaults import (
+    GOSSIP_FANOUT,
+    GOSSIP_MAX_RECORDS,
+    GOSSIP_MAX_VOTES,
+    GOSSIP_SUSPECT_MISSES,
+    GOSSIP_SUSPECT_S,
+)
 from .errors import ChaosError, DecodeError, PolicyError, UnknownPartyError
 from .membership import (
     ACTIVE,
@@ -65,7 +75,10 @@ class Gossip:
     fanout
         Peers asked per gossip round.
     suspect_after_s
-        Silence (seconds without a gossip exchange) after which a heard peer is suspected.
+        Silence (seconds without a gossip exchange) after which a heard peer is suspected
+        (with ``suspect_misses`` failed asks in a row); also how long a vote stays current.
+    suspect_misses
+        Failed asks in a row (see :meth:`missed`) a suspicion needs.
 
     Attributes
     ----------
@@ -83,14 +96,18 @@ class Gossip:
         *,
         fanout: int = GOSSIP_FANOUT,
         suspect_after_s: float = GOSSIP_SUSPECT_S,
+        suspect_misses: int = GOSSIP_SUSPECT_MISSES,
     ) -> None:
         self.party_id, self._sign, self.policy = party_id, sign, policy
         self.fanout, self.suspect_after_s = fanout, suspect_after_s
+        self.suspect_misses = suspect_misses
         self.records = RecordSet(policy)
         self.refused: dict[str, int] = {}
-        self._heard: dict[str, float] = {}
-        # fail record id -> (its body, signer -> signature)
-        self._votes: dict[str, tuple[dict[str, Any], dict[str, bytes]]] = {}
+        # member -> (its incarnation when heard, when), and failed asks in a row since
+        self._heard: dict[str, tuple[int, float]] = {}
+        self._missed: dict[str, int] = {}
+        # fail record id -> (its body, signer -> (signature, when it was last renewed))
+        self._votes: dict[str, tuple[dict[str, Any], dict[str, tuple[bytes, float]]]] = {}
         self._turn = 0
 
     # -- what it holds ------------------------------------------------------------------------
@@ -111,7 +128,24 @@ class Gossip:
 
     def heard(self, party: str) -> float | None:
         """When ``party`` was last heard over a link (``None``: never since the start)."""
-        return self._heard.get(party)
+        got = self._heard.get(party)
+        return None if got is None else got[1]
+
+    def _hear(self, party: str, now: float) -> None:
+        """``party`` answered or asked: alive now; every vote about it is dropped."""
+        m = self.view().members.get(party)
+        if m is None or m.status != ACTIVE:
+            return  # not a member it could suspect (the link authorised it, though)
+        self._heard[party] = (m.incarnation, now)
+        self._missed.pop(party, None)
+        for rid, (body, _) in list(self._votes.items()):
+            if body["subject"] == party:
+                del self._votes[rid]
+
+    def missed(self, party: str) -> None:
+        """An ask of ``party`` got no answer at all (no typed refusal either)."""
+        if party in self._heard:
+            self._missed[party] = self._missed.get(party, 0) + 1
 
     def _refuse(self, exc: ChaosError) -> None:
         name = type(exc).__name__
@@ -154,6 +188,8 @@ class Gossip:
         ------
         DecodeError
             ``value`` is not a gossip request.
+        PolicyError
+            It carries an endpoint record that is not the asker's own.
         """
         if not isinstance(value, dict) or not isinstance(value.get(GOSSIP_KEY), bytes):
             raise DecodeError("gossip request must be a map with 'gossip' (bytes)")
@@ -162,11 +198,12 @@ class Gossip:
             if own.kind != "endpoint" or own.subject != src:
                 raise PolicyError("a gossip request carries only the asker's own endpoint")
             self.take([own])
-        self._heard[src] = now
+        self._hear(src, now)
         digest = self.records.digest()
         reply: dict[str, Any] = {"digest": digest, "votes": self._vote_values()}
         if value[GOSSIP_KEY] != digest:
-            reply["records"] = [r.to_wire() for r in list(self.records)[:GOSSIP_MAX_RECORDS]]
+            # the newest (a superseding record is held last), should the set pass the bound
+            reply["records"] = [r.to_wire() for r in list(self.records)[-GOSSIP_MAX_RECORDS:]]
         return reply
 
     def on_reply(self, src: str, value: Any, now: float) -> int:
@@ -188,7 +225,7 @@ class Gossip:
                 f"gossip reply with {len(records)} records / {len(votes)} votes, above "
                 f"{GOSSIP_MAX_RECORDS} / {GOSSIP_MAX_VOTES}"
             )
-        self._heard[src] = now
+        self._hear(src, now)
         parsed: list[Record] = []
         for raw in records:
             try:
@@ -198,36 +235,44 @@ class Gossip:
         new = self.take(parsed)
         for raw in votes:
             try:
-                new += self._take_vote(raw)
+                new += self._take_vote(raw, now)
             except ChaosError as exc:
                 self._refuse(exc)
         return new
 
     # -- failure votes -------------------------------------------------------------------------
     def tick(self, now: float) -> int:
-        """Vote against every heard member silent for ``suspect_after_s``; drop the votes of
-        incarnations that are over. Returns how many votes this party cast now."""
+        """Renew this party's votes on members it still cannot reach, cast new ones, drop the
+        votes that are not current. Returns how many votes this party cast now."""
         view = self.view()
-        for rid, (body, _sigs) in list(self._votes.items()):
+        for rid, (body, sigs) in list(self._votes.items()):
             m = view.members.get(body["subject"])
-            if m is None or m.status != ACTIVE or m.incarnation != body["incarnation"]:
+            for signer, (_sig, at) in list(sigs.items()):
+                if now - at >= self.suspect_after_s:
+                    del sigs[signer]
+            if not sigs or m is None or m.status != ACTIVE or m.incarnation != body["incarnation"]:
                 del self._votes[rid]
         if not view.is_active(self.party_id):
             return 0
         cast = 0
-        for party, at in list(self._heard.items()):
+        for party, (inc, at) in list(self._heard.items()):
             m = view.members.get(party)
-            if m is None or m.status != ACTIVE:
-                del self._heard[party]  # over: a later incarnation is heard afresh
+            if m is None or m.status != ACTIVE or m.incarnation != inc:
+                self._heard.pop(party)  # over: a later incarnation is heard afresh
+                self._missed.pop(party, None)
                 continue
-            if now - at < self.suspect_after_s or party == self.party_id:
+            silent = now - at >= self.suspect_after_s
+            if not silent or self._missed.get(party, 0) < self.suspect_misses:
                 continue
-            body = fail_body(self.policy.federation, party, m.incarnation)
+            body = fail_body(self.policy.federation, party, inc)
             rid = record_id_of(body)
             sigs = self._votes.setdefault(rid, (body, {}))[1]
             if self.party_id not in sigs:
-                sigs[self.party_id] = self._sign(signing_bytes(body))
                 cast += 1
+                sig = self._sign(signing_bytes(body))
+            else:
+                sig = sigs[self.party_id][0]
+            sigs[self.party_id] = (sig, now)
             self._assemble(rid)
         return cast
 
@@ -238,12 +283,12 @@ class Gossip:
     def _vote_values(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for body, sigs in self._votes.values():
-            out.extend({"body": body, "signer": s, "sig": sig} for s, sig in sigs.items())
+            out.extend({"body": body, "signer": s, "sig": sig} for s, (sig, _) in sigs.items())
         return out[:GOSSIP_MAX_VOTES]
 
-    def _take_vote(self, raw: Any) -> int:
-        """Check one vote (a fail body of an active member, signed by another charter party)
-        and hold it; returns 1 if that completed a fail record."""
+    def _take_vote(self, raw: Any, now: float) -> int:
+        """Check one vote (a fail body of an active member, signed by another active member)
+        and hold it as renewed ``now``; returns 1 if that completed a fail record."""
         if not isinstance(raw, dict) or set(raw) != {"body", "signer", "sig"}:
             raise DecodeError("gossip vote must be a map of 'body', 'signer', 'sig'")
         signer, sig = raw["signer"], raw["sig"]
@@ -253,21 +298,21 @@ class Gossip:
         if body["kind"] != "fail" or body["federation"] != self.policy.federation:
             raise PolicyError("a gossip vote must be a fail body of this federation")
         key = self.policy.keyring.get(signer)
-        if key is None or signer == body["subject"]:
+        if key is None or signer == body["subject"] or not self.view().is_active(signer):
             raise UnknownPartyError(f"gossip vote signer {signer!r} may not vote on it")
         m = self.view().members.get(body["subject"])
         if m is None or m.status != ACTIVE or m.incarnation != body["incarnation"]:
             return 0  # about nothing current: dropped
         self.records.cache.verify(key, sig, signing_bytes(body))
         rid = record_id_of(body)
-        self._votes.setdefault(rid, (body, {}))[1][signer] = sig
+        self._votes.setdefault(rid, (body, {}))[1][signer] = (sig, now)
         return self._assemble(rid)
 
     def _assemble(self, rid: str) -> int:
         body, sigs = self._votes[rid]
         if len(set(sigs) - {body["subject"]}) < self.policy.failure_quorum:
             return 0
-        if self.take([Record(body=body, signatures=dict(sigs))]):
+        if self.take([Record(body=body, signatures={s: sig for s, (sig, _) in sigs.items()})]):
             del self._votes[rid]
             return 1
         return 0

@@ -443,7 +443,7 @@ def _check_body(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise DecodeError("record field 'body' must be a map")
     kind = body.get("kind")
-    if kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in _FIELDS:
         raise DecodeError(f"record field 'kind' must be one of {', '.join(KINDS)}, got {kind!r}")
     fields = _FIELDS[kind]
     keys = set(body)

@@ -109,11 +109,18 @@ def test_a_silent_daemon_is_voted_failed_at_quorum_and_the_record_spreads(fed: P
     a, b, c = _peers(fed)
     ga, gb = _gossip(a, suspect_after_s=30.0), _gossip(b, suspect_after_s=30.0)
     ga.on_request(c.party_id, {"gossip": b""}, 10.0)  # C's daemon was heard by A ...
-    assert ga.tick(39.0) == 0  # ... and is not suspected within the silence allowed
+    for _ in range(3):
+        ga.missed(c.party_id)  # ... then three asks in a row got no answer
+    assert ga.tick(39.0) == 0  # not suspected within the silence allowed
+    gb.missed(c.party_id)
     assert gb.tick(100.0) == 0  # B never heard C's daemon: it never suspects it
     assert ga.tick(41.0) == 1 and ga.suspects() == [c.party_id]
     assert ga.view().is_active(c.party_id)  # one vote is below the quorum of 2
     gb.on_request(c.party_id, {"gossip": b""}, 10.0)
+    gb.missed(c.party_id)
+    gb.missed(c.party_id)
+    assert gb.tick(41.0) == 0  # silent, but only two asks missed: a slow peer is not a dead one
+    gb.missed(c.party_id)
     assert gb.tick(41.0) == 1
     # B's vote reaches A by gossip: A holds the quorum and the fail record
     assert _exchange(ga, gb, 42.0) >= 1
@@ -148,10 +155,18 @@ def test_forged_and_malformed_votes_and_records_are_refused(fed: Path) -> None:
     with pytest.raises(DecodeError, match="records"):
         ga.on_reply(b.party_id, {"digest": b"", "records": [{}] * (GOSSIP_MAX_RECORDS + 1)}, 5.0)
     with pytest.raises(DecodeError):
-        ga.on_reply(b.party_id, {"digest": "not bytes"}, 5.0)
+        ga.on_reply(b.party_id, {"digest": "not bytes"}, 6.0)
     with pytest.raises(DecodeError):
-        ga.on_request(b.party_id, {"gossip": 3}, 5.0)
+        ga.on_request(b.party_id, {"gossip": 3}, 6.0)
     assert ga.heard(b.party_id) == 5.0  # only well-formed exchanges count as heard
+    # a record or vote whose kind is not even a string is a typed refusal, not a crash
+    odd = {"body": {**body, "kind": ["fail"]}, "sigs": {b.party_id: good}}
+    vote = {"body": {**body, "kind": {}}, "signer": b.party_id, "sig": good}
+    before = sum(ga.refused.values())
+    assert ga.on_reply(b.party_id, {"digest": b"", "records": [odd], "votes": [vote]}, 6.0) == 0
+    assert sum(ga.refused.values()) == before + 2
+    with pytest.raises(DecodeError):
+        ga.on_request(c.party_id, {"gossip": b"", "endpoint": odd}, 6.0)
 
 
 def test_the_gossip_file_round_trips_and_refuses_what_is_not_one(fed: Path, tmp_path: Path) -> None:
@@ -166,3 +181,30 @@ def test_the_gossip_file_round_trips_and_refuses_what_is_not_one(fed: Path, tmp_
     (tmp_path / GOSSIP_FILE).write_bytes(b"\xff" * 10)
     with pytest.raises(StoreError):
         read_heard(tmp_path)
+
+
+def test_votes_are_current_suspicions_not_history(fed: Path) -> None:
+    # a vote not renewed within the suspicion time is dropped, and hearing the suspect drops
+    # every vote about it: two short silences weeks apart never add up to a fail record
+    a, b, c = _peers(fed)
+    ga, gb = _gossip(a, suspect_after_s=30.0), _gossip(b, suspect_after_s=30.0)
+    body = fail_body(a.policy.federation, c.party_id, c.incarnation)
+    vote_b = {"body": body, "signer": b.party_id, "sig": b.identity.sign(signing_bytes(body))}
+    assert ga.on_reply(b.party_id, {"digest": b"", "votes": [vote_b]}, 0.0) == 0
+    assert ga.suspects() == [c.party_id]
+    ga.tick(31.0)  # B's vote was not renewed: gone
+    assert ga.suspects() == []
+    assert ga.on_reply(b.party_id, {"digest": b"", "votes": [vote_b]}, 100.0) == 0
+    ga.on_request(c.party_id, {"gossip": b""}, 101.0)  # C answers A: alive
+    assert ga.suspects() == []
+    # A's own vote goes too once it hears C again, and a new incarnation is heard afresh
+    for _ in range(3):
+        ga.missed(c.party_id)
+    assert ga.tick(140.0) == 1 and ga.suspects() == [c.party_id]
+    ga.on_request(c.party_id, {"gossip": b""}, 141.0)
+    assert ga.suspects() == [] and ga.tick(150.0) == 0
+    # a vote signed by a charter party that is not an active member is refused
+    d_body = {**body}
+    assert gb.on_reply(a.party_id, {"digest": b"", "votes": [
+        {"body": d_body, "signer": "nobody-active", "sig": bytes(64)}]}, 1.0) == 0  # fmt: skip
+    assert "UnknownPartyError" in gb.refused

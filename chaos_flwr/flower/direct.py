@@ -262,7 +262,8 @@ class DirectServer:
             if GOSSIP_KEY in value:
                 if self.gossip is None:
                     raise DecodeError("this link server does not gossip (no party daemon)")
-                reply = self.gossip(src, value)
+                loop = asyncio.get_running_loop()  # off the loop: it takes the view's lock
+                reply = await loop.run_in_executor(None, self.gossip, src, value)
                 self._quota.charge(src, len(reply))
                 return reply
             rnd, digest = value.get("round"), value.get("digest")

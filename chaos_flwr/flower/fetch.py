@@ -32,8 +32,9 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_TIMEOUT_S,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
+    LINK_MAX_REPLY_FRAME_BYTES,
 )
-from chaos_flwr.errors import ChaosError, DecodeError, EndpointError
+from chaos_flwr.errors import ChaosError, DecodeError, EndpointError, TransportError
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
@@ -120,8 +121,8 @@ class _Queues:
     def _rate(self, d: str) -> float | None:
         """Bytes/s ``d`` delivered from its first request to its last delivery (``None``
         before it delivered anything, or once it failed)."""
-        busy = self.last.get(d, 0.0) - self.began.get(d, 0.0)
-        return self.delivered[d] / busy if busy > 0 and d not in self.stopped else None
+        busy, got = self.last.get(d, 0.0) - self.began.get(d, 0.0), self.delivered[d]
+        return got / busy if busy > 0 and got > 0 and d not in self.stopped else None
 
     def _left(self, d: str) -> int:
         return sum(e - s for _, s, e in self.todo[d])
@@ -212,7 +213,7 @@ async def _worker(
                 req = codec.encode({"round": rnd, "digest": digest,
                                     "start": [s for _, s, _, _ in pieces],
                                     "end": [e for _, _, e, _ in pieces]})  # fmt: skip
-                value = codec.decode(await send(req, left), max_bytes=LINK_MAX_REPLY_BYTES + 65536)
+                value = codec.decode(await send(req, left), max_bytes=LINK_MAX_REPLY_FRAME_BYTES)
                 data = value.get("data") if isinstance(value, dict) else None
                 if not isinstance(data, list) or len(data) != len(pieces):
                     raise DecodeError("direct reply must carry one bytes item per range")
@@ -230,6 +231,9 @@ async def _worker(
         except ChaosError as exc:
             if not result.error:
                 result.fail(exc)
+        except Exception as exc:  # one bad link never loses the bytes of the others
+            if not result.error:
+                result.fail(TransportError(f"direct fetch from {me}: {exc!r}"))
         if result.error:
             queues.stop(me, batch[whole:])
         else:

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from chaos_flwr import codec
-from chaos_flwr.defaults import GOSSIP_INTERVAL_S, GOSSIP_TIMEOUT_S, LINK_MAX_REPLY_BYTES
-from chaos_flwr.errors import ChaosError, StoreError
+from chaos_flwr.defaults import GOSSIP_INTERVAL_S, GOSSIP_TIMEOUT_S, LINK_MAX_REPLY_FRAME_BYTES
+from chaos_flwr.errors import StoreError, TransportError
 from chaos_flwr.flower.gossipfile import read_heard, write_heard
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
@@ -123,10 +123,13 @@ class Gossiper:
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        dialer = LinkDialer(self.link.creds, max_reply_bytes=LINK_MAX_REPLY_BYTES + 65536)
+        dialer = LinkDialer(self.link.creds, max_reply_bytes=LINK_MAX_REPLY_FRAME_BYTES)
         try:
             while not self._stop.is_set():
-                await self.round(dialer)
+                try:
+                    await self.round(dialer)
+                except Exception:  # a bug must not end gossip for good: said, then retried
+                    LOG.exception("chaos-flwr party: a gossip round failed")
                 await asyncio.to_thread(self._stop.wait, self.interval_s)
         finally:
             await dialer.close()
@@ -153,12 +156,15 @@ class Gossiper:
         self.asked += 1
         try:
             raw = await dialer.request(ep.address, ep.cert, req, timeout=self.timeout_s)
-            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_BYTES + 65536)
+            value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_FRAME_BYTES)
             with self.saved.lock:
                 new = int(self.saved.gossip.on_reply(party, value, self.clock()))
-        except ChaosError as exc:
+        except Exception as exc:  # a peer never stops this party's gossip
             name = type(exc).__name__
             self.failed[name] = self.failed.get(name, 0) + 1
+            if type(exc) is TransportError:  # no answer at all (a typed refusal is one)
+                with self.saved.lock:
+                    self.saved.gossip.missed(party)
             if party not in self._down:  # said once per outage
                 self._down.add(party)
                 LOG.warning("chaos-flwr party: gossip with %s failed (%s: %s)", party, name, exc)

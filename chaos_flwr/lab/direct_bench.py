@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from chaos_flwr.defaults import DIRECT_BENCH_REPEATS
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.flower.client.donor import serve_request
 from chaos_flwr.flower.client.joiner import JoinerPull
@@ -93,7 +94,7 @@ def measure_direct_pull(
     model_mib: float,
     rates_mb_s: Sequence[float],
     *,
-    repeats: int = 3,
+    repeats: int = DIRECT_BENCH_REPEATS,
     burst_bytes: int = DIRECT_BENCH_BURST_BYTES,
     say: Callable[[str], None] = lambda _m: None,
 ) -> dict[str, Any]:

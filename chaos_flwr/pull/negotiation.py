@@ -536,7 +536,7 @@ class PullNegotiation:
         for donor, res in results.items():
             elapsed = max(elapsed, res.seconds)
             before = self.received.get(donor, 0)
-            answered = self._take(donor, ((i, d, now + at) for i, d, at in res.shards))
+            self._take(donor, ((i, d, now + at) for i, d, at in res.shards))
             got = self.received.get(donor, 0) - before
             if got:
                 self.direct_bytes[donor] = self.direct_bytes.get(donor, 0) + got
@@ -545,9 +545,11 @@ class PullNegotiation:
                 self._lose(donor)
             elif res.error:  # the link failed: what it still owes goes through the relay
                 self.direct_failed[donor] = res.error
-                self._pending.extend(
-                    r for r in owed.get(donor, ()) if r.index not in answered | self.got
-                )  # (another donor may have taken over some of its shards)
+        for donor in results:
+            if session.status(donor) == DonorStatus.LIVE:
+                # what a live donor owes and nobody sent (its link failed, or a donor that
+                # took those shards over failed) goes through the relay
+                self._pending.extend(r for r in owed.get(donor, ()) if r.index not in self.got)
         self._pending.extend(session.poll(now + elapsed))
         return self._advance(now + elapsed)
 

@@ -28,6 +28,7 @@ import grpc.aio
 from ..defaults import (
     LINK_MAX_CONCURRENT_REQUESTS,
     LINK_MAX_REPLY_BYTES,
+    LINK_MAX_REPLY_FRAME_BYTES,
     LINK_MAX_REQUEST_BYTES,
     LINK_MAX_TRACKED_PEERS,
     LINK_PEER_WINDOW_BYTES,
@@ -296,7 +297,7 @@ class LinkDialer:
     """
 
     def __init__(
-        self, creds: LinkCredentials, *, max_reply_bytes: int = LINK_MAX_REPLY_BYTES + 65536
+        self, creds: LinkCredentials, *, max_reply_bytes: int = LINK_MAX_REPLY_FRAME_BYTES
     ) -> None:
         self.creds = creds
         self._max = max_reply_bytes
