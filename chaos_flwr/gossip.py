@@ -235,7 +235,7 @@ class Gossip:
         new = self.take(parsed)
         for raw in votes:
             try:
-                new += self._take_vote(raw, now)
+                new += self._take_vote(raw, src, now)
             except ChaosError as exc:
                 self._refuse(exc)
         return new
@@ -286,9 +286,11 @@ class Gossip:
             out.extend({"body": body, "signer": s, "sig": sig} for s, (sig, _) in sigs.items())
         return out[:GOSSIP_MAX_VOTES]
 
-    def _take_vote(self, raw: Any, now: float) -> int:
+    def _take_vote(self, raw: Any, src: str, now: float) -> int:
         """Check one vote (a fail body of an active member, signed by another active member)
-        and hold it as renewed ``now``; returns 1 if that completed a fail record."""
+        and hold it; returns 1 if that completed a fail record. Only its signer renews it
+        (``src`` is the signer): a copy another party passes on keeps the time it was first
+        held, so parties cannot keep a vote its signer dropped alive between them."""
         if not isinstance(raw, dict) or set(raw) != {"body", "signer", "sig"}:
             raise DecodeError("gossip vote must be a map of 'body', 'signer', 'sig'")
         signer, sig = raw["signer"], raw["sig"]
@@ -305,7 +307,9 @@ class Gossip:
             return 0  # about nothing current: dropped
         self.records.cache.verify(key, sig, signing_bytes(body))
         rid = record_id_of(body)
-        self._votes.setdefault(rid, (body, {}))[1][signer] = (sig, now)
+        sigs = self._votes.setdefault(rid, (body, {}))[1]
+        held = sigs.get(signer)
+        sigs[signer] = (sig, now if src == signer or held is None else held[1])
         return self._assemble(rid)
 
     def _assemble(self, rid: str) -> int:

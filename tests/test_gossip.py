@@ -203,6 +203,12 @@ def test_votes_are_current_suspicions_not_history(fed: Path) -> None:
     assert ga.tick(140.0) == 1 and ga.suspects() == [c.party_id]
     ga.on_request(c.party_id, {"gossip": b""}, 141.0)
     assert ga.suspects() == [] and ga.tick(150.0) == 0
+    # a copy of B's vote that another party passes on does not renew it: only B does
+    assert ga.on_reply(b.party_id, {"digest": b"", "votes": [vote_b]}, 200.0) == 0
+    assert ga.on_reply("p-another", {"digest": b"", "votes": [vote_b]}, 220.0) == 0
+    assert ga.suspects() == [c.party_id]
+    ga.tick(231.0)
+    assert ga.suspects() == []  # 31 s after B itself last sent it
     # a vote signed by a charter party that is not an active member is refused
     d_body = {**body}
     assert gb.on_reply(a.party_id, {"digest": b"", "votes": [
