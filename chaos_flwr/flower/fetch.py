@@ -180,8 +180,8 @@ class _Queues:
 async def _fetch_one(
     me: str, send: _Send, queues: _Queues, rnd: int, digest: bytes, deadline: float, t0: float
 ) -> DirectResult:
-    """One donor's fetch: FLOWER_DIRECT_INFLIGHT requests in flight on its link, so its link
-    never idles for a request's round trip."""
+    """One donor's fetch: FLOWER_DIRECT_INFLIGHT workers (requests in flight on its link)
+    taking batches from the queues until none is left for it."""
     result = DirectResult()
     await asyncio.gather(
         *(_worker(me, send, queues, result, rnd, digest, deadline, t0)
