@@ -100,11 +100,13 @@ class Gossiper:
         ------
         DecodeError
             ``value`` is not a gossip request.
+        PolicyError
+            It carries an endpoint record that is not the asker's own.
         """
-        with self.saved.lock:
+        with self.saved.lock:  # (answers run in the link server's executor threads)
             self.saved()
             reply = self.saved.gossip.on_request(src, value, self.clock())
-        self.answered += 1
+            self.answered += 1
         return codec.encode(reply)
 
     # -- rounds ------------------------------------------------------------------------------
