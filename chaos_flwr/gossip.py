@@ -174,9 +174,7 @@ class Gossip:
         """The request value sent to each target: the digest, and this party's own endpoint
         record (so a peer the relay never told where this party is can ask it back)."""
         value: dict[str, Any] = {GOSSIP_KEY: self.records.digest()}
-        own = next(
-            (r for r in self.records if r.kind == "endpoint" and r.subject == self.party_id), None
-        )
+        own = self.records.endpoint_record(self.party_id)
         if own is not None:
             value["endpoint"] = own.to_wire()
         return value
