@@ -1062,7 +1062,7 @@ def bench_direct_pull(
     as_json: bool = typer.Option(False, "--json", help="Print all figures as JSON."),
 ) -> None:
     """A joiner's pull over authenticated direct links from donors with paced uplinks (on
-    127.0.0.1): wall time against the planner's lower bound, shares, probe estimates."""
+    127.0.0.1): wall time against the planner's lower bound, shares, measured link rates."""
     from chaos_flwr.errors import ChaosError
     from chaos_flwr.lab.direct_bench import measure_direct_pull
 

@@ -104,18 +104,21 @@ FLOWER_CHAOS_TTL_PHASES: float = 2.0
 #: Direct joiner pulls (chaos_flwr.flower.direct, over authenticated links to signed
 #: endpoints): bound of the manifest, the probes and all direct fetches of one joiner step
 #: (below FLOWER_DEADLINE_FLOOR_S, so the step's reply is in time), bytes per grpc request
-#: (the largest request/reply: LINK_* below; the probe's size is chaos_flwr.pull.negotiation's).
+#: (the largest request/reply: LINK_* below).
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: How long a ClientApp waits to connect to its own ``chaos-direct-addr`` to see whether the
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).
 FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
-FLOWER_DIRECT_BATCH_BYTES: int = 256 * 1024
-#: Requests a joiner keeps in flight per donor link. 1: with two, a slow link held two
-#: batches nobody could take over, and the pull ended later (chaos-flwr bench direct-pull).
-FLOWER_DIRECT_INFLIGHT: int = 1
-#: First, untimed request of a link probe (it sets the connection up: a TLS handshake is not
-#: the link's rate); the rest of the probe range is timed.
-FLOWER_PROBE_WARM_BYTES: int = 4096
+#: Bytes of a link's first request in a direct fetch, before its rate is known (whole
+#: shards, at least one): small, so every link is timed early and a slow one holds little
+#: that the others must wait for or copy.
+FLOWER_DIRECT_BATCH_BYTES: int = 64 * 1024
+#: Once timed, a link is asked for about this many seconds of its rate per request (whole
+#: shards, at least one): one request is in flight per link, so each request's fixed cost (a
+#: round trip, the donor's read) is idle link time that a fast link's larger batch spreads
+#: thinner (chaos-flwr bench direct-pull: a 20 MB/s donor gave about 15 MB/s with 256 KiB
+#: requests), while a slow link's batch stays small for the end game.
+FLOWER_DIRECT_BATCH_S: float = 0.05
 #: node_config key of the address a signed party serves direct links at (optional,
 #: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"

@@ -634,10 +634,11 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     # links in its first step, and only the relay-only donor's share took a second one
     assert join.steps == 2
     direct = {w.pid(0), w.pid(1)}
-    # the direct donors' bytes came over their links, measured rates planned with; the relay-only
-    # donor's share came through the relay
-    assert set(join.direct_bytes) == direct and join.direct_failed == []
-    assert all(join.direct_bytes[d] == join.bytes_per_donor[d] > 0 for d in direct)
+    # the direct donors' bytes came over their links (one's first batch may be beaten by the
+    # other's end-game copy); the relay-only donor's share came through the relay
+    assert set(join.direct_bytes) <= direct and join.direct_failed == []
+    assert sum(join.direct_bytes.values()) > 0
+    assert all(join.direct_bytes.get(d, 0) == join.bytes_per_donor.get(d, 0) for d in direct)
     assert w.pid(2) not in join.direct_bytes and join.bytes_per_donor.get(w.pid(2), 0) > 0
     assert set(join.rate_bps) == set(join.donors) and all(r > 0 for r in join.rate_bps.values())
     assert sum(join.bytes_per_donor.values()) == join.total_bytes
@@ -694,8 +695,11 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         ((rlog, join),) = _joins(strategy, w.pid(3))
         assert join.ok and join.digest == rlog.digest
         donors = {w.pid(0), w.pid(1), w.pid(2)}
-        assert set(join.direct_bytes) == donors and join.direct_failed == []
-        assert join.steps == 1  # manifest, probes and shards over the links in one step
+        # every byte over the links (a donor's first batch may be beaten by an end-game copy,
+        # so not every donor need deliver one: each was asked, see the daemons' counts below)
+        assert set(join.direct_bytes) <= donors and join.direct_failed == []
+        assert sum(join.direct_bytes.values()) == join.total_bytes > 0
+        assert join.steps == 1  # manifest and shards over the links in one step
         view = strategy.courier.view
         assert view is not None
         for p, addr in addrs.items():  # the endpoint pins the daemon's own certificate
@@ -736,11 +740,11 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
             assert proc.returncode == 0
     for p, out in outs.items():
         served = int(out.split("requests, ")[1].split(" bytes")[0])
-        assert served >= join.direct_bytes[w.pid(p)] > 0  # its shards, and the link probe
+        assert served >= join.direct_bytes.get(w.pid(p), 0)  # its shards (and any copy)
     assert "NotMemberError 1" in outs[0] and "StoreError 1" in outs[0]
     # one daemon answered the manifest request (counted as a request; it served no bytes)
     requests = sorted(int(o.split("stopped: ")[1].split(" requests")[0]) for o in outs.values())
-    assert requests[-1] >= 3 and requests[0] >= 2  # a probe and shards each, plus the manifest
+    assert requests[-1] >= 2 and requests[0] >= 1  # shards each, plus the manifest
 
 
 def _train_contents(w: World) -> list[set[str]]:

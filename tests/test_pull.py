@@ -50,7 +50,7 @@ def run(
     pull: PullNegotiation,
     holders: Mapping[str, Holder],
     *,
-    links: Mapping[str, Callable[[ShardsRequest | None, int], LinkResult]] | None = None,
+    links: Mapping[str, Callable[[ShardsRequest], LinkResult]] | None = None,
     max_steps: int = 20,
     on_step: Callable[[PullNegotiation, int], PullNegotiation] | None = None,
 ) -> tuple[Decision, list[dict[str, Request]]]:
@@ -63,21 +63,17 @@ def run(
     decision = pull.start(0.0)
     now = 0.0
     for step in range(max_steps):
-        while decision.probe or decision.direct:
+        while decision.direct:
             assert links is not None
-            if decision.probe:
-                probes = {d: links[d](None, n) for d, (_a, n) in decision.probe.items()}
-                decision = pull.on_probes(probes, now)
-            else:
-                got = {}
-                for d, (_a, reqs) in decision.direct.items():
-                    req = ShardsRequest(
-                        tuple(r.index for r in reqs),
-                        tuple(r.start for r in reqs),
-                        tuple(r.end for r in reqs),
-                    )
-                    got[d] = links[d](req, 0)
-                decision = pull.on_direct(got, now)
+            got = {}
+            for d, (_a, reqs) in decision.direct.items():
+                req = ShardsRequest(
+                    tuple(r.index for r in reqs),
+                    tuple(r.start for r in reqs),
+                    tuple(r.end for r in reqs),
+                )
+                got[d] = links[d](req)
+            decision = pull.on_direct(got, now)
         if decision.status != Status.WANT:
             LAST[:] = [pull]
             return decision, batches
@@ -207,14 +203,10 @@ def test_no_holder_answers_fails_with_a_reason() -> None:
     assert pull.on_replies({}, set(), 9.0).status == Status.FAILED  # ended stays ended
 
 
-def _link(
-    data: bytes = DATA, *, fail: bool = False
-) -> Callable[[ShardsRequest | None, int], LinkResult]:
-    def fetch(req: ShardsRequest | None, probe: int) -> LinkResult:
+def _link(data: bytes = DATA, *, fail: bool = False) -> Callable[[ShardsRequest], LinkResult]:
+    def fetch(req: ShardsRequest) -> LinkResult:
         if fail:
             return LinkResult(error="TransportError: refused")
-        if req is None:
-            return LinkResult(nbytes=probe, seconds=probe / 50e6)
         shards = tuple(
             (i, data[s:e], 0.001) for i, s, e in zip(req.index, req.start, req.end, strict=True)
         )
@@ -224,14 +216,16 @@ def _link(
     return fetch
 
 
-def test_direct_holders_are_probed_and_send_their_shares_over_their_links() -> None:
+def test_direct_holders_send_their_shares_over_their_links_and_are_timed() -> None:
     holders = {"a": honest(direct="127.0.0.1:1"), "b": honest(direct="127.0.0.1:2"), "c": honest()}
     pull = PullNegotiation(ROUND, DIGEST, ["a", "b", "c"], min_shard_bytes=1024)
     decision, batches = run(pull, holders, links={"a": _link(), "b": _link()})
     _done(pull, decision)
     assert pull.direct_bytes.get("a", 0) > 0 and pull.direct_bytes.get("b", 0) > 0
-    # the measured links are 5x the assumed rate: the direct holders get the larger shares
-    assert pull.plan_rates["a"] > pull.plan_rates["c"]
+    # no probe before the plan: the shares start from the assumed rates, and the fetch's
+    # own timing (5x the assumed rate) is what the monitor holds afterwards
+    assert pull.plan_rates["a"] == pull.plan_rates["c"]
+    assert pull.rates()["a"] == pytest.approx(50e6) and pull.rates()["c"] < 50e6
     relayed = {d for b in batches for d, r in b.items() if isinstance(r, ShardsRequest)}
     assert relayed <= {"c"}
 

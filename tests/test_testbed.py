@@ -194,6 +194,17 @@ def test_round_overhead_compares_rounds_churn_free_in_both_runs_of_a_pair() -> N
     assert none["ratio"] is None
 
 
+def test_keys_no_join_mode_gives_are_named_not_measured() -> None:
+    from chaos_flwr.lab.wan_bench import _unmeasured_join_keys
+
+    # with daemons and no relay runs, the round ratio is measured against the direct runs
+    assert set(_unmeasured_join_keys(["fedavg", "direct"])) == {"relay_join_s"}
+    alone = _unmeasured_join_keys(["direct"])  # no FedAvg: no ratio, no plain join
+    assert {"plain_join_s", "plain_round_s", "round_overhead_ratio", "chaos_round_s"} <= set(alone)
+    assert "direct_join_s" not in alone
+    assert _unmeasured_join_keys(["fedavg", "chaos", "direct"]) == {}
+
+
 # --- with root: real links ---------------------------------------------------------------------
 
 

@@ -1,12 +1,22 @@
 """The joiner's side of direct links: fetch byte ranges and manifests from donors' servers.
 
 :func:`fetch_ranges` fetches every donor's planned shards at once over authenticated links
-(:mod:`chaos_flwr.flower.direct` is the serving side), a batch of whole shards per request.
-It executes the plan as a *pull queue*: a donor that has delivered its own shards takes the
-last shards of the donor expected to finish last, when at the rates measured so far it would
-deliver them sooner; a donor whose link fails leaves its undelivered shards to the others. So
-the fetch ends close to when the links' total rate allows even where the probes' estimates
-were off. :func:`fetch_manifest` asks one donor for the manifest of a shard shape.
+(:mod:`chaos_flwr.flower.direct` is the serving side), one request in flight per link. It
+executes the plan as a *pull queue* that times every link as it goes (the plan's shares are
+where each donor starts, from rates assumed or measured earlier):
+
+- a donor that has delivered its own shards takes the last shards of the donor expected to
+  finish last, when at the rates measured so far it would deliver them sooner;
+- with nothing left to take (the end game), it asks for the shards of the batch in flight
+  expected to arrive last, if it would deliver them sooner; the first copy counts, a shard is
+  asked of at most two donors, and the fetch returns as soon as every shard is in (a copy
+  still on its way is dropped, its request left to end on its own in the fetch's thread);
+- a measured fast link is asked for more per request (FLOWER_DIRECT_BATCH_S of its rate), so a
+  request's fixed cost is a smaller part of its time;
+- a donor whose link fails leaves its undelivered shards to the others.
+
+So the fetch ends close to when the links' total rate allows, whatever rates the plan assumed.
+:func:`fetch_manifest` asks one donor for the manifest of a shard shape.
 
 Both dial a donor only at the endpoint its verified record signs (an address offered some
 other way must be that one; else :class:`~chaos_flwr.errors.EndpointError`, never dialled),
@@ -18,17 +28,19 @@ checks each shard against the manifest, and the manifest against the certified d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
-    FLOWER_DIRECT_INFLIGHT,
+    FLOWER_DIRECT_BATCH_S,
     FLOWER_DIRECT_TIMEOUT_S,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
@@ -110,13 +122,27 @@ def _requests(batch: Sequence[Range]) -> list[list[tuple[int, int, int, bool]]]:
 class _Queues:
     """The shards each donor still owes in one fetch, and what each delivered how fast."""
 
-    def __init__(self, ranges: Mapping[str, Sequence[Range]], batch_bytes: int, steal: bool):
+    def __init__(self, ranges: Mapping[str, Sequence[Range]], batch_bytes: int):
         self.todo = {d: deque(rs) for d, rs in ranges.items()}
-        self.batch_bytes, self.steal = batch_bytes, steal
+        self.batch_bytes = batch_bytes
         self.delivered = dict.fromkeys(ranges, 0)
         self.began: dict[str, float] = {}
         self.last: dict[str, float] = {}
         self.stopped: set[str] = set()
+        #: The batch each donor has in flight, and when it was asked for.
+        self.flying: dict[str, tuple[list[Range], float]] = {}
+        #: Shards nobody delivered yet, and those asked of a second donor.
+        self.missing: set[int] = {i for rs in ranges.values() for i, _, _ in rs}
+        self.copied: set[int] = set()
+        #: Set once every shard was delivered: the fetch ends there.
+        self.complete = asyncio.Event()
+        #: Set (and replaced) on each delivery or failure: a donor waiting for work looks again.
+        self.moved = asyncio.Event()
+        #: When a donor waiting in the end game looks again at a batch in flight, if nothing
+        #: moved before then.
+        self.look_again: dict[str, float] = {}
+        #: How long each donor's first request took (its connection set-up included).
+        self.first_took: dict[str, float] = {}
 
     def _rate(self, d: str) -> float | None:
         """Bytes/s ``d`` delivered from its first request to its last delivery (``None``
@@ -129,12 +155,14 @@ class _Queues:
 
     def take(self, me: str) -> list[Range]:
         """The next batch of ``me``: its own first shards, else the last shards of the donor
-        expected to finish last, if ``me`` would deliver them sooner (else nothing)."""
+        expected to finish last, if ``me`` would deliver them sooner, else a copy of a batch
+        in flight (:meth:`_copy`), else nothing."""
+        self.look_again.pop(me, None)
         own = self.todo[me]
         if own:
-            return self._cut(own, front=True)
+            return self._cut(own, front=True, limit=self._batch(me))
         mine = self._rate(me)
-        if not self.steal or mine is None:
+        if mine is None:
             return []
         victim, worst = None, 0.0
         for d, q in self.todo.items():
@@ -145,18 +173,53 @@ class _Queues:
             if victim is None or finish > worst:
                 victim, worst = d, finish
         if victim is None:
-            return []
+            return self._copy(me, mine)
         q = self.todo[victim]
         if q[-1][2] - q[-1][1] >= worst * mine:
             return []  # the victim gets to its last shard before this donor could deliver it
-        return list(reversed(self._cut(q, front=False)))
+        return list(reversed(self._cut(q, front=False, limit=self._batch(me))))
 
-    def _cut(self, q: deque[Range], *, front: bool) -> list[Range]:
-        """Whole shards from one end of ``q``: up to ``batch_bytes`` (at least one)."""
+    def _copy(self, me: str, mine: float) -> list[Range]:
+        """The end game: nothing is left to take, so ``me`` asks for the undelivered shards of
+        the batch in flight expected to arrive last, if it would deliver them sooner and the
+        batch has been in flight for as long as ``me`` would take for it, and for twice as
+        long as ``me``'s own first request took (that one set its connection up, as the
+        other's first request does: a link is not slow for its handshake). Else ``me`` looks
+        again then. The first copy to arrive counts; the fetch ends as soon as every shard is
+        in. A shard is asked of at most two donors."""
+        best: list[Range] = []
+        due = since = 0.0
+        for d, (batch, sent) in self.flying.items():
+            left = [r for r in batch if r[0] in self.missing and r[0] not in self.copied]
+            if d == me or not left:
+                continue
+            rate = self._rate(d)
+            at = float("inf") if rate is None else sent + sum(e - s for _, s, e in batch) / rate
+            if not best or at > due:
+                best, due, since = left, at, sent
+        now = time.monotonic()
+        need = sum(e - s for _, s, e in best) / mine
+        if not best or now + need >= due:
+            return []
+        overdue = since + max(need, 2 * self.first_took.get(me, 0.0))
+        if now < overdue:
+            self.look_again[me] = overdue
+            return []
+        self.copied.update(i for i, _, _ in best)
+        return best
+
+    def _batch(self, me: str) -> int:
+        """Bytes ``me`` is asked for at once: FLOWER_DIRECT_BATCH_S of its measured rate, or
+        ``batch_bytes`` before it has one (at least one shard either way)."""
+        rate = self._rate(me)
+        return int(rate * FLOWER_DIRECT_BATCH_S) if rate else self.batch_bytes
+
+    def _cut(self, q: deque[Range], *, front: bool, limit: int) -> list[Range]:
+        """Whole shards from one end of ``q``: up to ``limit`` bytes (at least one shard)."""
         pop = q.popleft if front else q.pop
         batch = [pop()]
         size = batch[0][2] - batch[0][1]
-        while q and size < self.batch_bytes and len(batch) < LINK_MAX_RANGES_PER_REQUEST:
+        while q and size < limit:
             nxt = q[0] if front else q[-1]
             if size + nxt[2] - nxt[1] > LINK_MAX_REPLY_BYTES:
                 break
@@ -164,80 +227,123 @@ class _Queues:
             batch.append(pop())
         return batch
 
-    def begin(self, me: str) -> None:
-        self.began.setdefault(me, time.monotonic())
-
     def done(self, me: str, nbytes: int) -> None:
+        """``me`` delivered its batch in flight (``nbytes``)."""
+        _, sent = self.flying.pop(me, ([], time.monotonic()))
+        self.first_took.setdefault(me, time.monotonic() - sent)
         self.delivered[me] += nbytes
         self.last[me] = time.monotonic()
+        self._move()
+
+    def send(self, me: str, batch: list[Range]) -> None:
+        """``me`` asked for ``batch``."""
+        self.began.setdefault(me, time.monotonic())
+        self.flying[me] = (batch, time.monotonic())
+
+    def busy(self, me: str) -> bool:
+        """Whether another donor still has shards queued or in flight (work ``me`` might yet
+        take over or copy)."""
+        return any(d != me and (self.todo[d] or d in self.flying) for d in self.todo)
+
+    def _move(self) -> None:
+        self.moved.set()
+        self.moved = asyncio.Event()
+
+    def deliver(self, index: int) -> bool:
+        """Shard ``index`` arrived; ``False`` if another donor's copy came first."""
+        if index not in self.missing:
+            return False
+        self.missing.discard(index)
+        if not self.missing:
+            self.complete.set()
+            self._move()  # donors waiting for work stop
+        return True
 
     def stop(self, me: str, undelivered: Sequence[Range]) -> None:
         """``me`` failed: what it did not deliver stays for the others."""
         self.stopped.add(me)
-        self.todo[me].extendleft(reversed(undelivered))
+        self.flying.pop(me, None)
+        left = [r for r in undelivered if r[0] in self.missing]
+        self.copied.difference_update(i for i, _, _ in left)  # one more copy may be asked
+        self.todo[me].extendleft(reversed(left))
+        self._move()
 
 
 async def _fetch_one(
-    me: str, send: _Send, queues: _Queues, rnd: int, digest: bytes, deadline: float, t0: float
-) -> DirectResult:
-    """One donor's fetch: FLOWER_DIRECT_INFLIGHT workers (requests in flight on its link)
-    taking batches from the queues until none is left for it."""
-    result = DirectResult()
-    await asyncio.gather(
-        *(_worker(me, send, queues, result, rnd, digest, deadline, t0)
-          for _ in range(FLOWER_DIRECT_INFLIGHT))
-    )  # fmt: skip
-    result.seconds = time.monotonic() - t0
-    return result
-
-
-async def _worker(
     me: str,
     send: _Send,
     queues: _Queues,
     result: DirectResult,
-    rnd: int,
-    digest: bytes,
-    deadline: float,
-    t0: float,
+    ask: tuple[int, bytes, float, float],
 ) -> None:
-    while not result.error and (batch := queues.take(me)):
-        queues.begin(me)
-        before, whole = result.nbytes, 0
-        partial: list[bytes] = []
-        try:
-            for pieces in _requests(batch):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                req = codec.encode({"round": rnd, "digest": digest,
-                                    "start": [s for _, s, _, _ in pieces],
-                                    "end": [e for _, _, e, _ in pieces]})  # fmt: skip
-                value = codec.decode(await send(req, left), max_bytes=LINK_MAX_REPLY_FRAME_BYTES)
-                data = value.get("data") if isinstance(value, dict) else None
-                if not isinstance(data, list) or len(data) != len(pieces):
-                    raise DecodeError("direct reply must carry one bytes item per range")
-                if not all(isinstance(c, bytes) for c in data):
-                    raise DecodeError("a direct reply item is not bytes")
-                at = time.monotonic() - t0
-                for (i, _, _, last), chunk in zip(pieces, data, strict=True):
-                    partial.append(chunk)
-                    result.nbytes += len(chunk)
-                    if last:
-                        result.shards.append((i, b"".join(partial), at))
-                        partial, whole = [], whole + 1
-        except TimeoutError:
-            result.error = result.error or "deadline passed"
-        except ChaosError as exc:
-            if not result.error:
-                result.fail(exc)
-        except Exception as exc:  # one bad link never loses the bytes of the others
-            if not result.error:
-                result.fail(TransportError(f"direct fetch from {me}: {exc!r}"))
+    """One donor's fetch, one request in flight on its link: batches from the queues until
+    every shard is in, none is left that it could take, or its link fails (``ask``: round,
+    digest, deadline, the fetch's start)."""
+    deadline = ask[2]
+    while not result.error and not queues.complete.is_set():
+        batch = queues.take(me)
+        if not batch:
+            now = time.monotonic()
+            if not queues.busy(me) or now >= deadline:
+                return
+            wake = min(deadline, queues.look_again.get(me, deadline))
+            # a delivery or a failure elsewhere may leave it something to take
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(queues.moved.wait(), timeout=max(wake - now, 0.001))
+            continue
+        queues.send(me, batch)
+        before = result.nbytes
+        whole = await _ask(me, send, batch, queues, result, ask)
         if result.error:
             queues.stop(me, batch[whole:])
         else:
             queues.done(me, result.nbytes - before)
+
+
+async def _ask(
+    me: str,
+    send: _Send,
+    batch: list[Range],
+    queues: _Queues,
+    result: DirectResult,
+    ask: tuple[int, bytes, float, float],
+) -> int:
+    """Ask ``me`` for ``batch`` (in requests within the per-request limits); keep what arrives
+    in ``result``; return how many of its shards arrived whole."""
+    rnd, digest, deadline, t0 = ask
+    whole = 0
+    partial: list[bytes] = []
+    try:
+        for pieces in _requests(batch):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            req = codec.encode({"round": rnd, "digest": digest,
+                                "start": [s for _, s, _, _ in pieces],
+                                "end": [e for _, _, e, _ in pieces]})  # fmt: skip
+            value = codec.decode(await send(req, left), max_bytes=LINK_MAX_REPLY_FRAME_BYTES)
+            data = value.get("data") if isinstance(value, dict) else None
+            if not isinstance(data, list) or len(data) != len(pieces):
+                raise DecodeError("direct reply must carry one bytes item per range")
+            if not all(isinstance(c, bytes) for c in data):
+                raise DecodeError("a direct reply item is not bytes")
+            at = result.seconds = time.monotonic() - t0
+            for (i, _, _, last), chunk in zip(pieces, data, strict=True):
+                partial.append(chunk)
+                result.nbytes += len(chunk)
+                if last:
+                    if queues.deliver(i):  # a copy that came second is not kept
+                        result.shards.append((i, b"".join(partial), at))
+                    partial, whole = [], whole + 1
+    except TimeoutError:
+        result.error = "deadline passed"
+    except ChaosError as exc:
+        result.fail(exc)
+    except Exception as exc:  # one bad link never loses the bytes of the others
+        result.fail(TransportError(f"direct fetch from {me}: {exc!r}"))
+    if result.error:
+        result.seconds = time.monotonic() - t0
+    return whole
 
 
 def _senders(
@@ -270,7 +376,6 @@ def fetch_ranges(
     digest: bytes,
     timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
     batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
-    steal: bool = True,
     link: LinkAccess,
 ) -> dict[str, DirectResult]:
     """Fetch ``ranges[donor]`` from every donor's direct address at once (bounded by
@@ -284,10 +389,8 @@ def fetch_ranges(
         :class:`~chaos_flwr.errors.EndpointError`, never dialled); a donor with no offered
         address is dialled at its signed endpoint.
     batch_bytes
-        Bytes of whole shards per request (at least one shard).
-    steal
-        Let a donor that is done take over another's last shards (``False``: each donor
-        sends exactly its ranges, e.g. link probes).
+        Bytes of whole shards of a link's first request, before its rate is measured (then
+        FLOWER_DIRECT_BATCH_S of its rate); at least one shard.
     link
         This party's credentials and view: authenticated, encrypted links.
 
@@ -297,27 +400,38 @@ def fetch_ranges(
         Donor -> :class:`DirectResult`.
     """
     fetched: dict[str, DirectResult] = {}
+    ready = threading.Event()
 
     async def main() -> None:
         sends, refused, close = _senders(addresses, list(ranges), link)
-        fetched.update(refused)
-        queues = _Queues({d: ranges[d] for d in sends}, batch_bytes, steal)
+        queues = _Queues({d: ranges[d] for d in sends}, batch_bytes)
         t0 = time.monotonic()
+        ask = (server_round, digest, t0 + timeout_s, t0)
+        results = {d: DirectResult() for d in sends}
+        tasks = [asyncio.ensure_future(_fetch_one(d, sends[d], queues, results[d], ask))
+                 for d in sends]  # fmt: skip
         try:
-            got = await asyncio.gather(
-                *(_fetch_one(d, sends[d], queues, server_round, digest, t0 + timeout_s, t0)
-                  for d in sends)
-            )  # fmt: skip
+            ended: asyncio.Future[Any] = asyncio.ensure_future(queues.complete.wait())
+            pending: set[asyncio.Future[Any]] = set(tasks)
+            while pending and not ended.done():
+                _, pending = await asyncio.wait(pending | {ended}, return_when="FIRST_COMPLETED")
+                pending.discard(ended)
+            ended.cancel()
+            # every shard is in: the caller goes on now; a copy still on its way arrives here
+            # (its request is not cancelled mid-stream) and is dropped
+            fetched.update(refused)
+            fetched.update({d: replace(r, shards=list(r.shards)) for d, r in results.items()})
+            ready.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             await close()
-        fetched.update(zip(sends, got, strict=True))
 
     worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-direct-fetch",
                               daemon=True)  # fmt: skip
     worker.start()
-    worker.join(timeout_s + 5.0)
-    # a worker still running past its bound may yet write: its results are not read at all
-    out = {} if worker.is_alive() else dict(fetched)
+    ready.wait(timeout_s + 5.0)
+    # a fetch still running past its bound may yet write: its results are not read at all
+    out = dict(fetched) if ready.is_set() else {}
     for d in ranges:
         out.setdefault(d, DirectResult(error="hung"))
     return out

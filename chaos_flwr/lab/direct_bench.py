@@ -5,11 +5,11 @@ Each donor is a :class:`~chaos_flwr.flower.direct.DirectServer` on 127.0.0.1 (mu
 signed endpoint record) whose replies are paced by a token bucket at its uplink rate (the
 transport's :class:`~chaos_flwr.transport.shaping.Shaper`, with a tbf-like burst); the joiner
 is the Flower party's own :class:`~chaos_flwr.flower.client.joiner.JoinerPull` (manifest,
-probes, planned shares, fetches), told the state's size and the donors' endpoints, as a joiner
-that holds the view is. The bound is the water-filling bound of the donors' rates (the
-joiner's downlink is not capped here). What it measures is the pull itself: the planner's
-shares, the probes' estimates and the links' per-request costs; not Flower's messages (the
-``flower-wan`` bench measures whole joins on the testbed).
+planned shares, a fetch that times the links as it goes), told the state's size and the
+donors' endpoints, as a joiner that holds the view is. The bound is the water-filling bound
+of the donors' rates (the joiner's downlink is not capped here). What it measures is the pull
+itself: the planner's shares, the pull queue's rates and the links' per-request costs; not
+Flower's messages (the ``flower-wan`` bench measures whole joins on the testbed).
 """
 
 from __future__ import annotations
@@ -78,15 +78,16 @@ def _one_pull(
 def _run_figures(pull: JoinerPull, elapsed: float, steps: int, bound: float) -> dict[str, Any]:
     stats = dict(pull.stats().items())
     names = {d: i for i, d in enumerate(pull.negotiation.donors)}
-    rates = dict(zip(stats["rate-donors"], stats["rate-bps"], strict=True))  # type: ignore[arg-type]
+    rates = pull.negotiation.rates()  # measured on this pull's links
     return {
         "pull_s": elapsed,
         "ratio_to_bound": elapsed / bound if bound > 0 else None,
         "relay_steps": steps,
         "num_shards": stats.get("num-shards"),
         "received_mb": [round(pull.received.get(d, 0) / 1e6, 3) for d in names],
-        "probe_rate_mb_s": [round(float(rates.get(d, 0.0)) / 1e6, 3) for d in names],  # type: ignore[arg-type]
+        "link_rate_mb_s": [round(rates.get(d, 0.0) / 1e6, 3) for d in names],
         "direct_failed": sorted(pull.negotiation.direct_failed),
+        "phase_s": {k: stats.get(f"direct-{k}-s") for k in ("manifest", "fetch")},
     }
 
 

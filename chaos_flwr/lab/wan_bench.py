@@ -264,7 +264,8 @@ def _join_figures(results: Mapping[str, Any], joiner_id: str | None) -> dict[str
         for join in rnd.get("joins") or []:
             if join.get("party") == joiner_id:
                 keys = ("source", "ok", "error", "pull_s", "lower_bound_s", "total_bytes",
-                        "bytes_per_donor", "direct_bytes", "direct_failed", "rate_bps")  # fmt: skip
+                        "bytes_per_donor", "direct_bytes", "direct_failed", "rate_bps",
+                        "phase_s")  # fmt: skip
                 return {k: join.get(k) for k in keys} | {"round": rnd.get("round")}
     return None
 
@@ -299,8 +300,23 @@ _JOIN_KEYS = ("plain_join_s", "relay_join_s", "direct_join_s", "join_lower_bound
 _MODE_KEYS = {
     "fedavg": ("plain_join_s", "plain_round_s", "round_overhead_ratio"),
     "chaos": ("relay_join_s", "chaos_round_s", "round_overhead_ratio"),
-    "direct": ("direct_join_s", "direct_pull_s"),
+    "direct": ("direct_join_s", "direct_pull_s", "chaos_round_s", "round_overhead_ratio"),
 }
+
+
+def _unmeasured_join_keys(modes: Sequence[str]) -> dict[str, str]:
+    """The join keys no asked-for mode gives (a round ratio needs FedAvg and a Chaos mode)."""
+    given = {k for m in modes for k in _MODE_KEYS[m]}
+    pair = "fedavg" in modes and ("chaos" in modes or "direct" in modes)
+    return {
+        k: f"the {mode} join runs were not asked for (--join-modes)"
+        for mode, keys in _MODE_KEYS.items()
+        if mode not in modes
+        for k in keys
+        if k not in given or (k in ("chaos_round_s", "round_overhead_ratio") and not pair)
+    }
+
+
 _LOSS_KEYS = ("chaos_resume_s", "plain_checkpoint_resume_s", "plain_rounds_lost")
 
 
@@ -322,7 +338,11 @@ def _join_part(
             runs[mode].append(fig)
     model = next(r[-1]["model_bytes"] for r in runs.values() if r)
     bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
-    overhead = overhead_ratio(runs["fedavg"], runs["chaos"])
+    # the round ratio against Chaos through the relay; with no relay runs, against Chaos with
+    # party daemons (the deployment a user with daemons runs), named in round_overhead_mode
+    direct = overhead_ratio(runs["fedavg"], runs["direct"])
+    mode = "chaos" if runs["chaos"] else "direct"
+    overhead = overhead_ratio(runs["fedavg"], runs[mode]) if mode == "chaos" else direct
     return {
         "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
         "relay_join_s": _median([r["join_s"] for r in runs["chaos"]]),
@@ -334,7 +354,9 @@ def _join_part(
         "plain_round_s": _median([p.get("plain_s") for p in overhead["pairs"]]),
         "chaos_round_s": _median([p.get("chaos_s") for p in overhead["pairs"]]),
         "round_overhead_ratio": overhead["ratio"],
+        "round_overhead_mode": mode,
         "round_overhead_pairs": overhead["pairs"],
+        "direct_round_overhead_ratio": direct["ratio"],
         "clientapp_per_round": {
             m: _median([statistics.median(r["clientapp_per_round"]) for r in runs[m]])
             for m in runs
@@ -423,12 +445,7 @@ def measure_flower_wan(
                 if part not in spec.parts
                 for k in keys
             },
-            **{
-                k: f"the {mode} join runs were not asked for (--join-modes)"
-                for mode, keys in _MODE_KEYS.items()
-                if "join" in spec.parts and mode not in spec.join_modes
-                for k in keys
-            },
+            **(_unmeasured_join_keys(spec.join_modes) if "join" in spec.parts else {}),
         },
         "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
     }

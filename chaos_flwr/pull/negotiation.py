@@ -8,9 +8,8 @@ the outcome back.
 Stages (:class:`Stage`), and the events that move them::
 
     SIZE      --replies-->  MANIFEST            (sizes known: plan the shard shape, once)
-    MANIFEST  --replies-->  PROBE | SHARDS      (a manifest of the told shape names the digest)
-    MANIFEST  --manifest->  PROBE | MANIFEST    (one fetched over a direct link, or the relay)
-    PROBE     --probes--->  SHARDS              (direct links timed: plan shares with the rates)
+    MANIFEST  --replies-->  SHARDS              (a manifest of the told shape names the digest)
+    MANIFEST  --manifest->  SHARDS | MANIFEST   (one fetched over a direct link, or the relay)
     SHARDS    --replies/direct--> SHARDS | DONE (every shard verified, state hashes to digest)
     any       --error---->  FAILED
 
@@ -21,14 +20,19 @@ hint answers with its size instead, and the shape is planned again for it.
 
 With a size hint *and* holders' direct addresses known before the pull (a joiner's view holds
 their signed endpoints), nothing goes through the relay at first: the manifest is fetched over
-the first such holder's direct link (``Decision.manifest``), then the links are probed and the
-shards fetched, all in the carrier's first step. A direct manifest that does not come (no
-answer, a refusal) is asked through the relay instead (the link is still probed for shards);
-one that comes but does not name the digest drops its holder, as a relayed one does.
+the first such holder's direct link (``Decision.manifest``), then the shards are fetched over
+the links, all in the carrier's first step. A direct manifest that does not come (no answer, a
+refusal) is asked through the relay instead (the links still carry the shards); one that comes
+but does not name the digest drops its holder, as a relayed one does.
 
 A plan is made at most once per event: the shard *shape* when the size is known, the *shares*
-per holder when the shards start (over the shape already fixed, with measured rates when direct
-links were probed). Holders are told the shape; they never plan.
+per holder when the shards start (over the shape already fixed, with the rates the monitor
+holds: measured on earlier transfers, else assumed). Over direct links the shares are where the
+fetch starts, not where it must end: the carrier runs them as a pull queue that times every
+link as it goes and moves shards from slow links to fast ones (:mod:`chaos_flwr.flower.fetch`),
+and its per-link rates come back to the monitor with the results. No separate probe is taken
+first: a probe's time (its slowest link's range) was idle time for every faster link.
+Holders are told the shape; they never plan.
 """
 
 from __future__ import annotations
@@ -58,7 +62,6 @@ __all__ = [
     "PULL_ASSUMED_BANDWIDTH_BPS",
     "PULL_DIRECT_ROUNDS_PER_DONOR",
     "PULL_MAX_STATE_BYTES",
-    "PULL_PROBE_BYTES",
     "PULL_REQUEST_TIMEOUT_S",
     "Decision",
     "LinkResult",
@@ -71,12 +74,9 @@ __all__ = [
 PULL_MAX_STATE_BYTES: int = 16 << 30
 #: Rate assumed for a holder before anything was measured on its link (bytes/s).
 PULL_ASSUMED_BANDWIDTH_BPS: float = 10e6
-#: Bytes of the range that probes a direct link before the shares are planned (well above a
-#: shaper's burst, so a slow link shows its rate).
-PULL_PROBE_BYTES: int = 256 * 1024
 #: A pull over direct links cuts the state into shards of at most about this size, and at
-#: least PULL_DIRECT_SHARDS_PER_DONOR per holder (shard bytes permitting), so the shares
-#: planned with the measured rates can follow them (the shape is fixed before the probes).
+#: least PULL_DIRECT_SHARDS_PER_DONOR per holder (shard bytes permitting): shards fine enough
+#: for the fetch's pull queue to move work between links of very different rates.
 PULL_DIRECT_SHARD_BYTES: int = 256 * 1024
 PULL_DIRECT_SHARDS_PER_DONOR: int = 8
 #: Direct fetch rounds per holder within one event (re-plans and steals between direct holders).
@@ -103,7 +103,6 @@ class Stage(StrEnum):
 
     SIZE = "size"
     MANIFEST = "manifest"
-    PROBE = "probe"
     SHARDS = "shards"
     DONE = "done"
     FAILED = "failed"
@@ -149,9 +148,6 @@ class Decision:
     relay:
         Holder -> request, sent through the relay; the replies come back to
         :meth:`PullNegotiation.on_replies` in one batch.
-    probe:
-        Holder -> ``(address, nbytes)``: time one range over its direct link and hand the
-        results to :meth:`PullNegotiation.on_probes`.
     direct:
         Holder -> ``(address, requests)``: fetch these shards over its direct link and hand the
         results to :meth:`PullNegotiation.on_direct`.
@@ -159,12 +155,11 @@ class Decision:
         Holder -> ``(address, request)`` (one holder): fetch the manifest over its direct link
         and hand it (or why not) to :meth:`PullNegotiation.on_manifest`.
 
-    At most one of ``relay``, ``probe``, ``direct`` and ``manifest`` is non-empty.
+    At most one of ``relay``, ``direct`` and ``manifest`` is non-empty.
     """
 
     status: Status
     relay: Mapping[str, Request] = field(default_factory=dict)
-    probe: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     direct: Mapping[str, tuple[str, tuple[ShardRequest, ...]]] = field(default_factory=dict)
     manifest: Mapping[str, tuple[str, ManifestRequest]] = field(default_factory=dict)
 
@@ -273,10 +268,6 @@ class PullNegotiation:
         (``error``: its link is then not used again, and the relay is asked)."""
         return self._guard(lambda: self._on_direct_manifest(donor, raw, error, now))
 
-    def on_probes(self, results: Mapping[str, LinkResult], now: float) -> Decision:
-        """The timed probe ranges of the direct links (rates for the shares' plan)."""
-        return self._guard(lambda: self._on_probes(results, now))
-
     def on_direct(self, results: Mapping[str, LinkResult], now: float) -> Decision:
         """Shards fetched over direct links; a failed link's shards go through the relay."""
         return self._guard(lambda: self._on_direct(results, now))
@@ -382,7 +373,7 @@ class PullNegotiation:
     ) -> Decision:
         if self.stage != Stage.MANIFEST or donor != self.asked or self.total is None:
             raise DecodeError(f"a direct manifest from {donor} at stage {self.stage}")
-        if raw is None:  # the relay is asked; the link is still probed for the shards
+        if raw is None:  # the relay is asked; the links still carry the shards
             self.manifest_failed = error or "no manifest over the direct link"
             return self._ask_manifest(self.total, others=True)
         reply = ManifestReply(self.total, raw, self.addresses.get(donor, ""))
@@ -453,28 +444,13 @@ class PullNegotiation:
             self._lose(asked)
             return self._ask_manifest(total)
         self.manifest = manifest
-        usable = self._usable()
-        if usable:
-            self.stage = Stage.PROBE
-            size = min(PULL_PROBE_BYTES, total)
-            return Decision(Status.WANT, probe={d: (a, size) for d, a in usable.items()})
-        return self._start_shards(now)
-
-    def _on_probes(self, results: Mapping[str, LinkResult], now: float) -> Decision:
-        if self.stage != Stage.PROBE:
-            raise DecodeError(f"probe results at stage {self.stage}")
-        for donor, res in results.items():
-            if res.error:
-                self.direct_failed[donor] = res.error  # the relay carries its shards
-            else:
-                self.monitor.observe_transfer(donor, res.nbytes, res.seconds)
         return self._start_shards(now)
 
     def _start_shards(self, now: float) -> Decision:
         manifest, total = self.manifest, self.total
         assert manifest is not None and total is not None and self.plan is not None
         if self.addresses or set(self.plan.assignment) - set(self.live):
-            # the shares, planned with the measured rates over the shape already fixed
+            # the shares, planned with the rates known now over the shape already fixed
             chain = [manifest.num_shards] if manifest.num_shards else None
             self.plan = self._plan(total, chain=chain)
         self.plan_rates = {d: self._rate(d) for d in self.live}

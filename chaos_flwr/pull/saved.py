@@ -36,7 +36,7 @@ def save_negotiation(pull: PullNegotiation) -> dict[str, Any]:
     Raises
     ------
     DecodeError
-        The pull is not at a stage that can be saved (done, failed, or mid-probe).
+        The pull is not at a stage that can be saved (done or failed).
     """
     if pull.stage not in _SAVED_STAGES:
         raise DecodeError(f"a pull at stage {pull.stage} is not saved; save it between steps")

@@ -41,7 +41,6 @@ from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
-    FLOWER_PROBE_WARM_BYTES,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.flower.client.endpoint import LinkedParty, link_access
@@ -49,7 +48,6 @@ from chaos_flwr.flower.schema import JOIN_TAKE_OP
 from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import (
     PULL_ASSUMED_BANDWIDTH_BPS,
-    PULL_PROBE_BYTES,
     Decision,
     LinkResult,
     PullNegotiation,
@@ -62,6 +60,9 @@ if TYPE_CHECKING:
     from chaos_flwr.flower.direct import LinkAccess
 
 __all__ = ["JoinerPull", "JoiningParty", "join_step", "take_state"]
+
+#: The kinds of direct-link work a pull's carrier times (:meth:`JoinerPull.stats`).
+_PHASES = ("manifest", "fetch")
 
 
 def _any_address(value: str) -> str:
@@ -133,6 +134,9 @@ class JoinerPull:
         self.link = link
         self.direct_batch_bytes = direct_batch_bytes
         self.clock = clock
+        #: Seconds spent on each kind of direct-link work (manifest, fetch) in this
+        #: process: where a pull's time goes, beside its bytes (reported by :meth:`stats`).
+        self.phase_s: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
 
     # -- what the party reads -----------------------------------------------------------------
     @property
@@ -171,8 +175,12 @@ class JoinerPull:
         return self.negotiation.lost
 
     def stats(self) -> ConfigRecord:
-        """The figures the joiner reports with ``done`` (:meth:`PullNegotiation.stats`)."""
-        return ConfigRecord(self.negotiation.stats())  # type: ignore[arg-type]
+        """The figures the joiner reports with ``done`` (:meth:`PullNegotiation.stats`), and
+        the seconds its direct links spent on the manifest and the fetch
+        (``direct-manifest-s``, ``direct-fetch-s``)."""
+        figures = self.negotiation.stats()
+        figures.update({f"direct-{k}-s": round(v, 4) for k, v in self.phase_s.items()})
+        return ConfigRecord(figures)  # type: ignore[arg-type]
 
     # -- the relay steps ----------------------------------------------------------------------
     def start(self, now: float) -> tuple[str, dict[str, ConfigRecord]]:
@@ -199,15 +207,15 @@ class JoinerPull:
         return self._carry(self.negotiation.on_replies(read, lost, now))
 
     def _carry(self, decision: Decision) -> tuple[str, dict[str, ConfigRecord]]:
-        """Carry out the probes and direct fetches the machine decides, within one budget;
-        return what goes through the relay."""
+        """Carry out the direct fetches the machine decides, within one budget; return what
+        goes through the relay."""
         until = self.clock() + FLOWER_DIRECT_TIMEOUT_S
-        while decision.manifest or decision.probe or decision.direct:
-            left = max(until - self.clock(), 0.001)
+        while decision.manifest or decision.direct:
+            began = self.clock()
+            left = max(until - began, 0.001)
+            phase = "manifest" if decision.manifest else "fetch"
             if decision.manifest:
                 decision = self._fetch_manifest(decision, left)
-            elif decision.probe:
-                decision = self.negotiation.on_probes(self._probe(decision, left), self.clock())
             else:
                 results = self._fetch(
                     {d: a for d, (a, _) in decision.direct.items()},
@@ -216,6 +224,7 @@ class JoinerPull:
                     left,
                 )  # fmt: skip
                 decision = self.negotiation.on_direct(results, self.clock())
+            self.phase_s[phase] += self.clock() - began
         requests = {d: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
         return decision.status.value, requests if decision.status == Status.WANT else {}
 
@@ -232,41 +241,13 @@ class JoinerPull:
         )  # fmt: skip
         return neg.on_manifest(donor, raw, why, self.clock())
 
-    def _probe(self, decision: Decision, timeout_s: float) -> dict[str, LinkResult]:
-        """Time each link on a range of the state, after a small first request that sets the
-        connection up (its handshake is not the link's rate): the rate sample is the second
-        request's bytes over the time between the two replies."""
-        warm = FLOWER_PROBE_WARM_BYTES
-        ranges = {
-            d: [(-1, 0, warm), (-1, warm, min(n, PULL_PROBE_BYTES))]
-            if min(n, PULL_PROBE_BYTES) > 2 * warm
-            else [(-1, 0, min(n, PULL_PROBE_BYTES))]
-            for d, (_, n) in decision.probe.items()
-        }
-        got = self._fetch(
-            {d: a for d, (a, _) in decision.probe.items()}, ranges, timeout_s, raw=True, probe=True
-        )
-        out: dict[str, LinkResult] = {}
-        for d, r in got.items():
-            pieces = [(len(c), at) for i, c, at in r.shards if i == -1]
-            if r.error or len(pieces) != 2:
-                out[d] = LinkResult(nbytes=r.nbytes, seconds=r.seconds, error=r.error)
-            else:
-                (_, t1), (n2, t2) = pieces
-                out[d] = LinkResult(nbytes=n2, seconds=max(t2 - t1, 1e-6))
-        return out
-
     def _fetch(
         self,
         addresses: Mapping[str, str],
         ranges: Mapping[str, list[tuple[int, int, int]]],
         timeout_s: float,
-        *,
-        raw: bool = False,
-        probe: bool = False,
     ) -> dict[str, LinkResult]:
-        """Fetch ``ranges`` over the links (``raw``: keep the probe's index -1 pieces;
-        ``probe``: one range per request, and no donor takes over another's ranges)."""
+        """Fetch ``ranges`` over the links, as a pull queue (:func:`fetch_ranges`)."""
         from chaos_flwr.flower.fetch import fetch_ranges
 
         if self.link is None:  # a pull saved with addresses, taken up without credentials
@@ -278,13 +259,12 @@ class JoinerPull:
             server_round=neg.server_round,
             digest=neg.digest,
             timeout_s=timeout_s,
-            batch_bytes=1 if probe else self.direct_batch_bytes,
-            steal=not probe,
+            batch_bytes=self.direct_batch_bytes,
             link=self.link,
         )
         return {
             d: LinkResult(
-                shards=tuple((i, c, at) for i, c, at in r.shards if raw or i >= 0),
+                shards=tuple(r.shards),
                 nbytes=r.nbytes,
                 seconds=r.seconds,
                 error=r.error,

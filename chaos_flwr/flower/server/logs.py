@@ -72,8 +72,12 @@ class JoinLog:
     direct_failed:
         Donors whose direct link failed (their remaining shards went through the relay).
     rate_bps:
-        The per-donor rate estimates (bytes/s) the joiner planned with: measured on direct
-        links, the assumed rate for relay-only donors.
+        The per-donor rate estimates (bytes/s) the joiner planned the shares with (assumed,
+        or measured by an earlier fetch of the pull).
+    phase_s:
+        Seconds the joiner's direct links spent on the manifest and on the fetch (``manifest``,
+        ``fetch``; as its process timed them): where a pull's time went, beside
+        :attr:`pull_s`, which also holds the relay's steps and process starts.
     source:
         ``server``: the joiner took the state the ServerApp sent in one message (checked
         against the holders' receipts; :attr:`donors` is then empty, :attr:`steps` 1);
@@ -103,6 +107,7 @@ class JoinLog:
     direct_bytes: dict[str, int] = field(default_factory=dict)
     direct_failed: list[str] = field(default_factory=list)
     rate_bps: dict[str, float] = field(default_factory=dict)
+    phase_s: dict[str, float] = field(default_factory=dict)
     source: str = "pull"
     server_refused: str = ""
 
@@ -271,5 +276,9 @@ def read_join_stats(jl: JoinLog, rec: ConfigRecord) -> None:
             for d, r in zip(strs("rate-donors"), rates, strict=False)
             if isinstance(r, (int, float)) and not isinstance(r, bool)
         }
+    for phase in ("manifest", "fetch"):
+        v = rec.get(f"direct-{phase}-s")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6:
+            jl.phase_s[phase] = float(v)
     err = rec.get("error", "")
     jl.error = err if isinstance(err, str) else ""
