@@ -28,7 +28,13 @@ from chaos_flwr.lab.testbed import host_rates_bit_s, load_testbed_profile, wan_t
 from chaos_flwr.lab.testbed_run import WanRunSpec, run_on_testbed
 from chaos_flwr.lab.tls import make_auth_key, make_tls
 from chaos_flwr.lab.wan_bench import WanBenchSpec, _joiner_trained, join_bounds, overhead_ratio
-from chaos_flwr.transport.netns import _lan_topology, lan, measure_tcp_rate, wire_rate_bit_s
+from chaos_flwr.transport.netns import (
+    _lan_topology,
+    lan,
+    lan_prefix,
+    measure_tcp_rate,
+    wire_rate_bit_s,
+)
 from chaos_flwr.transport.shaping import parse_profile
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
@@ -46,7 +52,7 @@ def _namespaces() -> set[str]:
 
 
 def _own_lan(name: str) -> bool:
-    return name.startswith(f"t{os.getpid() % 1000}")
+    return name.startswith(lan_prefix())
 
 
 def _root_links() -> set[str]:
@@ -83,6 +89,9 @@ def test_lan_names_addresses_and_rates() -> None:
     assert topo.up_bit_s == {"srv": 8_000_000, "a": None}
     assert topo.down_bit_s == {"srv": None, "a": 4_000_000}
     assert all(len(d) <= 15 for d in [*topo.devices.values(), *topo.ports.values()])
+    # unnamed: this process's fixed-width prefix (t + 3 digits), never a prefix of another's
+    mine = _lan_topology({"a": (None, None)}, "10.77.0.0/24", None, 1500)
+    assert re.fullmatch(r"t\d{3}\d{2}hub", mine.hub) and mine.hub.startswith(lan_prefix())
 
 
 @pytest.mark.parametrize(

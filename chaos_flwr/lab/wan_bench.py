@@ -61,7 +61,7 @@ from chaos_flwr.lab.settings import (
 from chaos_flwr.lab.testbed import WanTestbed, wan_testbed
 from chaos_flwr.lab.testbed_run import WanRunSpec, run_config
 from chaos_flwr.lab.wan_loss import LOSS_VARIANTS, LossRunSpec, loss_figures, server_loss_run
-from chaos_flwr.transport.netns import namespaces
+from chaos_flwr.transport.netns import lan_prefix, namespaces
 from chaos_flwr.transport.shaping import WanProfile
 
 __all__ = [
@@ -453,7 +453,8 @@ def measure_flower_wan(
         out["placements"][name] = _placement(profile, spec, name, server, work_dir, tell)
     out["loadavg"]["after"] = os.getloadavg()[0]
     out["model_bytes"] = model_bytes_for_hidden(hidden_for_mib(spec.model_mib))
-    out["namespaces_left"] = sorted(namespaces() - before)
+    # its own only: another testbed (a test run beside it) may have namespaces up right now
+    out["namespaces_left"] = sorted(n for n in namespaces() - before if n.startswith(lan_prefix()))
     return out
 
 

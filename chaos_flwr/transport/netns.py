@@ -48,6 +48,7 @@ __all__ = [
     "NetnsStar",
     "check_netns_available",
     "lan",
+    "lan_prefix",
     "link_counters",
     "measure_tcp_rate",
     "namespaces",
@@ -499,6 +500,12 @@ def _remove_netns(namespaces: Iterable[str], root_devs: Iterable[str]) -> None:
         raise NetnsError("cleanup failed: " + "; ".join(errors))
 
 
+def lan_prefix() -> str:
+    """The prefix of the names of the LANs this process builds (:func:`lan` without ``name``):
+    fixed width, so another process's prefix is never a prefix of it (``t12`` of ``t123``)."""
+    return f"t{os.getpid() % 1000:03d}"
+
+
 def namespaces() -> set[str]:
     """Names of the network namespaces that exist now (``ip netns list``)."""
     return _namespaces()
@@ -664,7 +671,7 @@ def _lan_topology(
             if rate is not None and rate <= 0:
                 raise NetnsError(f"hosts.{h}: {what} rate must be > 0 bit/s, got {rate}")
     k = next(_counter)
-    base = name or f"t{os.getpid() % 1000}{k % 100}"
+    base = name or f"{lan_prefix()}{k % 100:02d}"
     if len(base) > 8:
         raise NetnsError(f"name: at most 8 characters (device names are short), got {base!r}")
     addrs = list(itertools.islice(net.hosts(), len(hosts)))
