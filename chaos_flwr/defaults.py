@@ -101,10 +101,10 @@ FLOWER_MAX_ENVELOPES_PER_SENDER_PER_MESSAGE: int = 64
 FLOWER_RESUME_MIN_RECEIPTS: int = 1
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
-#: Direct joiner pulls (chaos_flwr.flower.direct, over authenticated links to signed
-#: endpoints): bound of the manifest, the probes and all direct fetches of one joiner step
-#: (below FLOWER_DEADLINE_FLOOR_S, so the step's reply is in time), bytes per grpc request
-#: (the largest request/reply: LINK_* below).
+#: Direct pulls (chaos_flwr.flower.fetch, over authenticated links to signed endpoints):
+#: bound of the manifest and all direct fetches of one pull step (below
+#: FLOWER_DEADLINE_FLOOR_S, so a joiner step's reply is in time; the largest request/reply:
+#: LINK_* below).
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: How long a ClientApp waits to connect to its own ``chaos-direct-addr`` to see whether the
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).

@@ -1,4 +1,5 @@
-"""Reading a party's own files: regular files only, bounded in size, private keys kept private.
+"""Reading and writing a party's own files: regular files only, bounded in size, private keys
+kept private, small files replaced atomically.
 
 Everything a party reads from its disk (keys, the charter, its saved state, replicas, profiles)
 is checked here before a byte is parsed: it must be a regular file (a FIFO would hang the
@@ -10,15 +11,17 @@ warning, since shared test or container set-ups often relax them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import stat
+import uuid
 from pathlib import Path
 
 from chaos_flwr.errors import ChaosError
 
-__all__ = ["LOOSE_KEY_MODE_BITS", "check_local_file", "read_local_file"]
+__all__ = ["LOOSE_KEY_MODE_BITS", "check_local_file", "read_local_file", "write_local_file"]
 
 LOG = logging.getLogger(__name__)
 
@@ -116,3 +119,30 @@ def read_local_file(path: Path, *, what: str, error: type[ChaosError], max_bytes
     if size > max_bytes:
         raise error(f"{path} grew past {max_bytes} bytes while it was read ({what})")
     return b"".join(chunks)
+
+
+def write_local_file(path: Path, data: bytes, *, what: str, error: type[ChaosError]) -> Path:
+    """Replace ``path`` with ``data`` atomically (a temporary file beside it, mode 0600, then
+    a rename: a reader sees the old file or the new one, never a part). Not synced to disk:
+    for files a crash may lose (a newer one is written again), not for a party's state.
+
+    Raises
+    ------
+    ChaosError
+        ``error``: the file cannot be written.
+    """
+    tmp = path.parent / f".{path.name}-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise error(f"{path}: cannot write the {what} ({exc})") from exc
+    return path

@@ -637,7 +637,8 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     # the direct donors' bytes came over their links (one's first batch may be beaten by the
     # other's end-game copy); the relay-only donor's share came through the relay
     assert set(join.direct_bytes) <= direct and join.direct_failed == []
-    assert sum(join.direct_bytes.values()) > 0
+    relayed = join.bytes_per_donor.get(w.pid(2), 0)
+    assert sum(join.direct_bytes.values()) == join.total_bytes - relayed > 0
     assert all(join.direct_bytes.get(d, 0) == join.bytes_per_donor.get(d, 0) for d in direct)
     assert w.pid(2) not in join.direct_bytes and join.bytes_per_donor.get(w.pid(2), 0) > 0
     assert set(join.rate_bps) == set(join.donors) and all(r > 0 for r in join.rate_bps.values())

@@ -21,7 +21,7 @@ from chaos_flwr.errors import CharterError, DecodeError, KeyFileError, ProfileEr
 from chaos_flwr.flower import durable
 from chaos_flwr.flower.profiles import load_profile
 from chaos_flwr.identity import Identity, load_public_key
-from chaos_flwr.localfile import read_local_file
+from chaos_flwr.localfile import read_local_file, write_local_file
 from chaos_flwr.state import from_array_record
 
 
@@ -150,3 +150,13 @@ def test_a_pull_too_large_to_save_is_dropped_and_the_rest_is_saved(
     loaded = durable.load(tmp_path, "p")
     assert loaded is not None and loaded.joining is None and loaded.receipts == [b"r"]
     assert (loaded.incarnation, loaded.seq) == (5, 17)
+
+
+def test_a_local_file_is_replaced_whole_and_private(tmp_path: Path) -> None:
+    path = tmp_path / "small.file"
+    path.write_bytes(b"old")
+    assert write_local_file(path, b"new" * 1000, what="test file", error=StoreError) == path
+    assert path.read_bytes() == b"new" * 1000 and path.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["small.file"]  # no temporary left
+    with pytest.raises(StoreError, match="cannot write the test file"):
+        write_local_file(tmp_path / "no-such-dir" / "f", b"x", what="test file", error=StoreError)

@@ -48,9 +48,10 @@ from chaos_flwr.defaults import (
 )
 from chaos_flwr.errors import ChaosError, DecodeError, EndpointError, TransportError
 from chaos_flwr.membership import EndpointInfo
+from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
-__all__ = ["DirectResult", "Range", "fetch_manifest", "fetch_ranges"]
+__all__ = ["DirectResult", "Range", "carry_direct", "fetch_manifest", "fetch_ranges"]
 
 
 @dataclass
@@ -65,7 +66,8 @@ class DirectResult:
     error:
         Why the link failed (empty if every range came back).
     seconds:
-        Wall time of this donor's fetch.
+        Time this donor's requests were in flight (the time of its rate sample,
+        ``nbytes / seconds``; waits between requests do not count).
     nbytes:
         Bytes received.
     exc:
@@ -120,14 +122,23 @@ def _requests(batch: Sequence[Range]) -> list[list[tuple[int, int, int, bool]]]:
 
 
 class _Queues:
-    """The shards each donor still owes in one fetch, and what each delivered how fast."""
+    """The shards each donor still owes in one fetch, and what each delivered how fast.
 
-    def __init__(self, ranges: Mapping[str, Sequence[Range]], batch_bytes: int):
+    Shard indices are unique across ``ranges`` (a pull's shards): an index delivered once is
+    done, whoever sent it. ``clock`` is monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        ranges: Mapping[str, Sequence[Range]],
+        batch_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.todo = {d: deque(rs) for d, rs in ranges.items()}
-        self.batch_bytes = batch_bytes
+        self.batch_bytes, self.clock = batch_bytes, clock
         self.delivered = dict.fromkeys(ranges, 0)
-        self.began: dict[str, float] = {}
-        self.last: dict[str, float] = {}
+        #: Seconds each donor had a request in flight that it answered (its rate's time).
+        self.busy_s = dict.fromkeys(ranges, 0.0)
         self.stopped: set[str] = set()
         #: The batch each donor has in flight, and when it was asked for.
         self.flying: dict[str, tuple[list[Range], float]] = {}
@@ -145,9 +156,10 @@ class _Queues:
         self.first_took: dict[str, float] = {}
 
     def _rate(self, d: str) -> float | None:
-        """Bytes/s ``d`` delivered from its first request to its last delivery (``None``
-        before it delivered anything, or once it failed)."""
-        busy, got = self.last.get(d, 0.0) - self.began.get(d, 0.0), self.delivered[d]
+        """Bytes/s ``d`` delivered over the time its answered requests were in flight (idle
+        waits between them do not count; ``None`` before it delivered anything, or once it
+        failed)."""
+        busy, got = self.busy_s[d], self.delivered[d]
         return got / busy if busy > 0 and got > 0 and d not in self.stopped else None
 
     def _left(self, d: str) -> int:
@@ -195,9 +207,11 @@ class _Queues:
                 continue
             rate = self._rate(d)
             at = float("inf") if rate is None else sent + sum(e - s for _, s, e in batch) / rate
+            if at < self.clock():
+                at = float("inf")  # later than its own rate allows: the link may have stalled
             if not best or at > due:
                 best, due, since = left, at, sent
-        now = time.monotonic()
+        now = self.clock()
         need = sum(e - s for _, s, e in best) / mine
         if not best or now + need >= due:
             return []
@@ -215,13 +229,17 @@ class _Queues:
         return int(rate * FLOWER_DIRECT_BATCH_S) if rate else self.batch_bytes
 
     def _cut(self, q: deque[Range], *, front: bool, limit: int) -> list[Range]:
-        """Whole shards from one end of ``q``: up to ``limit`` bytes (at least one shard)."""
+        """Whole shards from one end of ``q``: up to ``limit`` bytes (at least one shard, if
+        any is still missing; shards a copy already delivered are dropped)."""
         pop = q.popleft if front else q.pop
-        batch = [pop()]
-        size = batch[0][2] - batch[0][1]
-        while q and size < limit:
+        batch: list[Range] = []
+        size = 0
+        while q and (not batch or size < limit):
             nxt = q[0] if front else q[-1]
-            if size + nxt[2] - nxt[1] > LINK_MAX_REPLY_BYTES:
+            if nxt[0] not in self.missing:
+                pop()
+                continue
+            if batch and size + nxt[2] - nxt[1] > LINK_MAX_REPLY_BYTES:
                 break
             size += nxt[2] - nxt[1]
             batch.append(pop())
@@ -229,16 +247,16 @@ class _Queues:
 
     def done(self, me: str, nbytes: int) -> None:
         """``me`` delivered its batch in flight (``nbytes``)."""
-        _, sent = self.flying.pop(me, ([], time.monotonic()))
-        self.first_took.setdefault(me, time.monotonic() - sent)
+        now = self.clock()
+        _, sent = self.flying.pop(me, ([], now))
+        self.first_took.setdefault(me, now - sent)
+        self.busy_s[me] += now - sent
         self.delivered[me] += nbytes
-        self.last[me] = time.monotonic()
         self._move()
 
     def send(self, me: str, batch: list[Range]) -> None:
         """``me`` asked for ``batch``."""
-        self.began.setdefault(me, time.monotonic())
-        self.flying[me] = (batch, time.monotonic())
+        self.flying[me] = (batch, self.clock())
 
     def busy(self, me: str) -> bool:
         """Whether another donor still has shards queued or in flight (work ``me`` might yet
@@ -292,8 +310,9 @@ async def _fetch_one(
                 await asyncio.wait_for(queues.moved.wait(), timeout=max(wake - now, 0.001))
             continue
         queues.send(me, batch)
-        before = result.nbytes
+        before, sent = result.nbytes, time.monotonic()
         whole = await _ask(me, send, batch, queues, result, ask)
+        result.seconds += time.monotonic() - sent
         if result.error:
             queues.stop(me, batch[whole:])
         else:
@@ -327,7 +346,7 @@ async def _ask(
                 raise DecodeError("direct reply must carry one bytes item per range")
             if not all(isinstance(c, bytes) for c in data):
                 raise DecodeError("a direct reply item is not bytes")
-            at = result.seconds = time.monotonic() - t0
+            at = time.monotonic() - t0
             for (i, _, _, last), chunk in zip(pieces, data, strict=True):
                 partial.append(chunk)
                 result.nbytes += len(chunk)
@@ -341,8 +360,6 @@ async def _ask(
         result.fail(exc)
     except Exception as exc:  # one bad link never loses the bytes of the others
         result.fail(TransportError(f"direct fetch from {me}: {exc!r}"))
-    if result.error:
-        result.seconds = time.monotonic() - t0
     return whole
 
 
@@ -426,14 +443,26 @@ def fetch_ranges(
         finally:
             await close()
 
-    worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-direct-fetch",
-                              daemon=True)  # fmt: skip
+    failed: list[str] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except Exception as exc:  # the fetch itself broke (not one link): every donor fails
+            if not ready.is_set():
+                failed.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            ready.set()  # the caller never waits on a thread that is gone
+
+    worker = threading.Thread(target=run, name="chaos-direct-fetch", daemon=True)
     worker.start()
     ready.wait(timeout_s + 5.0)
     # a fetch still running past its bound may yet write: its results are not read at all
-    out = dict(fetched) if ready.is_set() else {}
+    out = dict(fetched) if ready.is_set() and not failed else {}
     for d in ranges:
-        out.setdefault(d, DirectResult(error="hung"))
+        out.setdefault(
+            d, DirectResult(error=f"the fetch failed: {failed[0]}" if failed else "hung")
+        )
     return out
 
 
@@ -482,3 +511,54 @@ def fetch_manifest(
     if worker.is_alive() or not got:
         return None, "hung"
     return got[0]
+
+
+def carry_direct(
+    pull: PullNegotiation,
+    decision: Decision,
+    link: LinkAccess | None,
+    *,
+    clock: Callable[[], float],
+    batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
+    timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
+    phase_s: dict[str, float] | None = None,
+) -> Decision:
+    """Carry out ``pull``'s direct-link decisions (a manifest, shard fetches) until it asks
+    for relay requests or ends, all within ``timeout_s``; the decision it ends at.
+
+    The one executor of a pull's direct links, for a joiner and for a restarted ServerApp's
+    resume alike. ``link`` ``None`` (a pull saved with addresses, taken up without
+    credentials) fails every link, so the relay carries everything. Seconds spent per phase
+    (``manifest``, ``fetch``) are added to ``phase_s``.
+    """
+    until = clock() + timeout_s
+    while decision.manifest or decision.direct:
+        began = clock()
+        left = max(until - began, 0.001)
+        if decision.manifest:
+            phase = "manifest"
+            ((donor, (addr, ask)),) = decision.manifest.items()
+            raw, why = (None, "no link credentials") if link is None else fetch_manifest(
+                {donor: addr}, donor, (ask.total, ask.shard_bytes, ask.num_shards),
+                server_round=pull.server_round, digest=pull.digest, timeout_s=left, link=link,
+            )  # fmt: skip
+            decision = pull.on_manifest(donor, raw, why, clock())
+        else:
+            phase = "fetch"
+            ranges = {d: [(r.index, r.start, r.end) for r in rs]
+                      for d, (_, rs) in decision.direct.items()}  # fmt: skip
+            got = {d: DirectResult(error="no link credentials") for d in ranges}
+            if link is not None:
+                got = fetch_ranges(
+                    {d: a for d, (a, _) in decision.direct.items()}, ranges,
+                    server_round=pull.server_round, digest=pull.digest, timeout_s=left,
+                    batch_bytes=batch_bytes, link=link,
+                )  # fmt: skip
+            results = {
+                d: LinkResult(tuple(r.shards), nbytes=r.nbytes, seconds=r.seconds, error=r.error)
+                for d, r in got.items()
+            }
+            decision = pull.on_direct(results, clock())
+        if phase_s is not None:
+            phase_s[phase] = phase_s.get(phase, 0.0) + clock() - began
+    return decision

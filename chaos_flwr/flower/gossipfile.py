@@ -15,9 +15,6 @@ Format: a codec map ``{"version": 1, "records": [record, ..]}``, written atomica
 
 from __future__ import annotations
 
-import contextlib
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +22,7 @@ from typing import TYPE_CHECKING
 from chaos_flwr import codec
 from chaos_flwr.defaults import GOSSIP_FILE_MAX_BYTES, GOSSIP_MAX_RECORDS
 from chaos_flwr.errors import ChaosError, StoreError
-from chaos_flwr.localfile import read_local_file
+from chaos_flwr.localfile import read_local_file, write_local_file
 from chaos_flwr.membership import Record
 
 if TYPE_CHECKING:
@@ -51,22 +48,9 @@ def write_heard(state_dir: Path, records: Sequence[Record]) -> Path:
     )
     if len(data) > GOSSIP_FILE_MAX_BYTES:
         raise StoreError(f"gossip records of {len(data)} bytes, over GOSSIP_FILE_MAX_BYTES")
-    final = Path(state_dir) / GOSSIP_FILE
-    tmp = Path(state_dir) / f".gossip-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise StoreError(f"{final}: cannot write the gossip records ({exc})") from exc
-    return final
+    return write_local_file(
+        Path(state_dir) / GOSSIP_FILE, data, what="gossip records", error=StoreError
+    )
 
 
 def read_heard(state_dir: Path) -> list[Record]:

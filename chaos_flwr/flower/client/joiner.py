@@ -39,7 +39,6 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
-    FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
@@ -49,7 +48,6 @@ from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import (
     PULL_ASSUMED_BANDWIDTH_BPS,
     Decision,
-    LinkResult,
     PullNegotiation,
     Status,
 )
@@ -209,68 +207,14 @@ class JoinerPull:
     def _carry(self, decision: Decision) -> tuple[str, dict[str, ConfigRecord]]:
         """Carry out the direct fetches the machine decides, within one budget; return what
         goes through the relay."""
-        until = self.clock() + FLOWER_DIRECT_TIMEOUT_S
-        while decision.manifest or decision.direct:
-            began = self.clock()
-            left = max(until - began, 0.001)
-            phase = "manifest" if decision.manifest else "fetch"
-            if decision.manifest:
-                decision = self._fetch_manifest(decision, left)
-            else:
-                results = self._fetch(
-                    {d: a for d, (a, _) in decision.direct.items()},
-                    {d: [(r.index, r.start, r.end) for r in rs] for d, (_, rs) in
-                     decision.direct.items()},
-                    left,
-                )  # fmt: skip
-                decision = self.negotiation.on_direct(results, self.clock())
-            self.phase_s[phase] += self.clock() - began
+        from chaos_flwr.flower.fetch import carry_direct
+
+        decision = carry_direct(
+            self.negotiation, decision, self.link, clock=self.clock,
+            batch_bytes=self.direct_batch_bytes, phase_s=self.phase_s,
+        )  # fmt: skip
         requests = {d: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
         return decision.status.value, requests if decision.status == Status.WANT else {}
-
-    def _fetch_manifest(self, decision: Decision, timeout_s: float) -> Decision:
-        from chaos_flwr.flower.fetch import fetch_manifest
-
-        neg = self.negotiation
-        ((donor, (addr, ask)),) = decision.manifest.items()
-        if self.link is None:  # a pull saved with addresses, taken up without credentials
-            return neg.on_manifest(donor, None, "no link credentials", self.clock())
-        raw, why = fetch_manifest(
-            {donor: addr}, donor, (ask.total, ask.shard_bytes, ask.num_shards),
-            server_round=neg.server_round, digest=neg.digest, timeout_s=timeout_s, link=self.link,
-        )  # fmt: skip
-        return neg.on_manifest(donor, raw, why, self.clock())
-
-    def _fetch(
-        self,
-        addresses: Mapping[str, str],
-        ranges: Mapping[str, list[tuple[int, int, int]]],
-        timeout_s: float,
-    ) -> dict[str, LinkResult]:
-        """Fetch ``ranges`` over the links, as a pull queue (:func:`fetch_ranges`)."""
-        from chaos_flwr.flower.fetch import fetch_ranges
-
-        if self.link is None:  # a pull saved with addresses, taken up without credentials
-            return {d: LinkResult(error="no link credentials") for d in ranges}
-        neg = self.negotiation
-        got = fetch_ranges(
-            addresses,
-            ranges,
-            server_round=neg.server_round,
-            digest=neg.digest,
-            timeout_s=timeout_s,
-            batch_bytes=self.direct_batch_bytes,
-            link=self.link,
-        )
-        return {
-            d: LinkResult(
-                shards=tuple(r.shards),
-                nbytes=r.nbytes,
-                seconds=r.seconds,
-                error=r.error,
-            )
-            for d, r in got.items()
-        }
 
     def use_link(self, link: LinkAccess | None) -> None:
         """Dial over authenticated links with ``link`` from now on (a pull taken up from a
