@@ -1110,6 +1110,11 @@ def bench_flower_wan(
         "fedavg,chaos,direct",
         help="Join runs: plain FedAvg, Chaos through the relay, Chaos with party daemons.",
     ),
+    loss_variants: str = typer.Option(
+        "chaos,chaos_direct,plain_checkpoint,plain",
+        help="Server-loss runs: Chaos (resume through the relay), Chaos with party daemons "
+        "(resume over direct links), plain FedAvg with a checkpoint, plain FedAvg.",
+    ),
     json_file: str = typer.Option("", "--json-file", help="Also write the JSON figures here."),
     plot: str = typer.Option(
         "",
@@ -1121,12 +1126,10 @@ def bench_flower_wan(
 ) -> None:
     """Plain FedAvg vs Chaos on the multi-site testbed (needs root, ip, tc), per placement of
     the SuperLink: a joiner's time from its SuperNode's start to its first training round
-    (with lower bounds from the link rates), churn-free round wall time and its ratio,
-    ClientApp processes per round; the time from a ServerApp SIGKILL, then from the loss of
-    the SuperLink host's disk, to the next finished round, for Chaos and plain FedAvg with and
-    without a checkpoint (and rounds lost); a timeline plot. A direct join: every institution
-    runs its party daemon, and the joiner pulls over authenticated links between the hosts.
-    """
+    (lower bounds from the link rates), churn-free round time and its ratio, ClientApps per
+    round; from a ServerApp SIGKILL, then the SuperLink host's disk loss, to the next finished
+    round for Chaos (relay; party daemons) and plain FedAvg with and without a checkpoint
+    (rounds lost); a timeline plot. With daemons, pulls go over links between the hosts."""
     import tempfile
 
     from chaos_flwr.errors import ChaosError
@@ -1139,8 +1142,8 @@ def bench_flower_wan(
         where = dict(p.split("=", 1) for p in _split_names(placement) or [] if "=" in p)
         spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
                             placements=where or None, parts=tuple(_split_names(parts) or []),
-                            disk_loss=disk_loss,
-                            join_modes=tuple(_split_names(join_modes) or []))  # fmt: skip
+                            disk_loss=disk_loss, join_modes=tuple(_split_names(join_modes) or []),
+                            loss_variants=tuple(_split_names(loss_variants) or []))  # fmt: skip
     except ChaosError as exc:
         raise typer.BadParameter(str(exc)) from None
     say = (lambda _m: None) if as_json else typer.echo

@@ -119,6 +119,10 @@ FLOWER_DIRECT_BATCH_BYTES: int = 64 * 1024
 #: thinner (chaos-flwr bench direct-pull: a 20 MB/s donor gave about 15 MB/s with 256 KiB
 #: requests), while a slow link's batch stays small for the end game.
 FLOWER_DIRECT_BATCH_S: float = 0.05
+#: How long a party's link server serves a restarted ServerApp the certified states it holds
+#: (the relay's read grant, written when the hello names the ServerApp's link key; a resume
+#: pull takes seconds, a newer hello renews it).
+FLOWER_RELAY_GRANT_S: float = 900.0
 #: node_config key of the address a signed party serves direct links at (optional,
 #: ``host:port``, any host; it signs it in its endpoint record).
 FLOWER_DIRECT_NODE_KEY: str = "chaos-direct-addr"

@@ -733,6 +733,14 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         member = Identity.load(key_path(w.keys, 3))
         got = asyncio.run(dial(LinkCredentials.create(member, w.charter.federation), req))
         assert isinstance(got, StoreError)  # a member, but that digest is not held there
+        # a restarted ServerApp's key, once the party granted it (its hello): read, no more
+        from chaos_flwr.flower.grant import write_grant
+        from chaos_flwr.flower.server.pull import relay_link
+
+        relay = relay_link(view.policy, view.records.view)
+        assert isinstance(asyncio.run(dial(relay.creds, req)), NotMemberError)  # no grant yet
+        write_grant(w.state_root / "party-0", w.charter.federation, relay.creds.spki)
+        assert isinstance(asyncio.run(dial(relay.creds, req)), StoreError)  # served: not held
     finally:
         outs = {}
         for p, proc in daemons.items():
@@ -742,7 +750,7 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
     for p, out in outs.items():
         served = int(out.split("requests, ")[1].split(" bytes")[0])
         assert served >= join.direct_bytes.get(w.pid(p), 0)  # its shards (and any copy)
-    assert "NotMemberError 1" in outs[0] and "StoreError 1" in outs[0]
+    assert "NotMemberError 2" in outs[0] and "StoreError 2" in outs[0]
     # one daemon answered the manifest request (counted as a request; it served no bytes)
     requests = sorted(int(o.split("stopped: ")[1].split(" requests")[0]) for o in outs.values())
     assert requests[-1] >= 2 and requests[0] >= 1  # shards each, plus the manifest

@@ -83,10 +83,19 @@ def _initial() -> ArrayRecord:
     )
 
 
-class World:
-    """A signed federation of ``N`` founders on the killing Grid."""
+def _loopback() -> str:
+    import socket
 
-    def __init__(self, tmp: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+class World:
+    """A signed federation of ``N`` founders on the killing Grid (``direct``: each party
+    serves its replicas over authenticated links at a loopback ``chaos-direct-addr``)."""
+
+    def __init__(self, tmp: Path, *, direct: bool = False) -> None:
         self.keys = make_federation(tmp / "fed", N, founders=N, seed="resume")
         self.fed = load_federation(self.keys)
         self.charter = load_charter(charter_path(self.keys))
@@ -98,7 +107,10 @@ class World:
         for p in range(N):
             self.nodes[p] = self.grid.add_node(
                 self.app,
-                node_config={"partition-id": p},
+                node_config={
+                    "partition-id": p,
+                    **({"chaos-direct-addr": _loopback()} if direct else {}),
+                },
                 run_config={
                     "chaos-keys-dir": str(self.keys),
                     "chaos-state-root": str(self.state_root),
@@ -291,3 +303,29 @@ def test_when_no_replica_can_be_pulled_a_verified_federation_takes_no_new_initia
         assert (party.held_round, party.held_digest) == held[p]
         assert any(e.startswith("ProofError: certify of round 0") for e in party.errors)
     assert all(len(d) == 1 for d in _rounds_signed(w).values())
+
+
+def test_a_restarted_server_pulls_over_the_parties_direct_links(tmp_path: Path) -> None:
+    # the parties serve their replicas over authenticated links; the restarted ServerApp is no
+    # member, so its hello names a fresh link key that each party grants reads: the resume
+    # pull then dials the holders' signed endpoints and needs no exchange of Flower messages
+    from chaos_flwr.flower.direct import stop_servers
+    from chaos_flwr.flower.grant import read_grant
+
+    w = World(tmp_path, direct=True)
+    try:
+        killed_digest = w.kill_mid_certify(N - 1)
+        second = w.strategy()
+        second.start(w.grid, _initial(), num_rounds=KILL_ROUND + 3, timeout=10)
+    finally:
+        stop_servers()
+    hello = second.rounds[0]
+    assert hello.server_round == KILL_ROUND and hello.digest == killed_digest
+    report = second.last_pull
+    assert report is not None and report.direct_failed == []
+    holders = {w.fed.party_ids[p] for p in range(N - 1)}
+    assert set(report.direct) == holders and report.direct == report.shares  # all direct
+    assert report.exchanges == 0  # manifest and shards over the links: no relay exchange
+    grants = {read_grant(w.state_root / f"party-{p}", w.charter.federation) for p in range(N)}
+    assert len(grants) == 1 and None not in grants  # every party granted the one run key
+    _check_goes_on(w, second, hello, KILL_ROUND + 1)

@@ -64,6 +64,7 @@ def test_loss_figures_take_medians_and_keep_disk_loss_apart() -> None:
         "plain": [run(4.0, 1, 2, None)],
     })  # fmt: skip
     assert figs["chaos_resume_s"] == 20.0 and figs["chaos_rounds_lost"] == 0
+    assert figs["chaos_direct_resume_s"] is None  # not run
     assert figs["plain_checkpoint_resume_s"] == 5.0 and figs["plain_checkpoint_rounds_lost"] == 0
     assert figs["plain_rounds_lost"] == 2 and figs["plain_resume_s"] == 4.0
     disk = figs["server_disk_loss"]
@@ -146,9 +147,9 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
     }})  # fmt: skip
     before_pids = set(descendants(os.getpid()))
     ns_before, links_before = namespaces(), _root_links()
-    spec = LossRunSpec(
-        variant="chaos", model_mib=2.0, server="superlink", institutions=("inst1", "inst2"),
-        timeout_s=1700, app_dir=EXAMPLE,
+    spec = LossRunSpec(  # with party daemons: the resumes pull over direct links
+        variant="chaos_direct", model_mib=2.0, server="superlink",
+        institutions=("inst1", "inst2"), timeout_s=1700, app_dir=EXAMPLE,
     )  # fmt: skip
     t0 = time.monotonic()
     fig = server_loss_run(profile, spec, tmp_path)
@@ -159,6 +160,10 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
     # the SuperLink's state gone: still resumed from the parties, after the last round
     disk = fig["disk_loss"]
     assert disk["resumed_round"] == disk["finished_before"] + 1 and disk["rounds_lost"] == 0
+    for part in (fig["kill"], disk):  # each new ServerApp read the state from the daemons
+        pull = part["pull"]
+        assert pull["exchanges"] == 0 and pull["direct_failed"] == []
+        assert pull["direct_bytes"] == pull["bytes"] > 1 << 20
     kinds = [e["kind"] for e in fig["events"]]
     assert kinds[-4:] == ["kill", "resume", "disk_loss", "resume"]
     assert fig["pids_alive"] == [] and sorted(namespaces() - ns_before) == []

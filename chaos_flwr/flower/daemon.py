@@ -16,7 +16,8 @@ Both processes share the party's link credentials through the state directory
 
 What the daemon serves, and to whom: byte ranges and manifests of the replicas in
 ``<state-dir>/replicas`` (only a ``(round, digest)`` it holds), over mutual TLS, to a peer
-whose certificate is bound to a charter key and that is an active member of the party's view.
+whose certificate is bound to a charter key and that is an active member of the party's view,
+and to a restarted ServerApp while the party's grant holds (:mod:`chaos_flwr.flower.grant`).
 The view is the one the party's ClientApps saved last (``<state-dir>/party.state``, checked
 against the party's own seal), read again whenever that file changes (:class:`SavedView`);
 until one exists it serves nobody. Limits (concurrent requests, request size, reply bytes per
@@ -54,6 +55,7 @@ from typing import Any
 from chaos_flwr.defaults import GOSSIP_INTERVAL_S, GOSSIP_SUSPECT_S
 from chaos_flwr.errors import ChaosError
 from chaos_flwr.flower.direct import DirectServer, StoreSource
+from chaos_flwr.flower.grant import RelayGrants
 from chaos_flwr.flower.linkfile import link_credentials
 from chaos_flwr.gossip import Gossip
 from chaos_flwr.membership import Policy, Record, View
@@ -190,8 +192,9 @@ def serve_party(
         gossiper = Gossiper(saved, link, Path(state_dir), interval_s=gossip_interval_s)
     source = StoreSource(Path(state_dir) / "replicas")
     server = DirectServer(
-        source, listen, link=link, gossip=gossiper.answer if gossiper is not None else None
-    )
+        source, listen, link=link, gossip=gossiper.answer if gossiper is not None else None,
+        readers=RelayGrants(Path(state_dir), link.creds.federation),
+    )  # fmt: skip
     address = server.start()
     fingerprint = hashlib.sha256(link.creds.serve_cert_der).hexdigest()[:16]
     say(f"serving {address} as {identity.party_id} (link certificate {fingerprint})")

@@ -64,12 +64,14 @@ from chaos_flwr.errors import (
     ChaosError,
     ConfigError,
     DecodeError,
+    NotMemberError,
     ReplyTooLargeError,
     RequestTooLargeError,
     StoreError,
     TransportError,
 )
 from chaos_flwr.gossip import GOSSIP_KEY
+from chaos_flwr.identity import is_party_id
 from chaos_flwr.store import Replica, ReplicaStore
 from chaos_flwr.transport.links import LinkAccess, LinkLimits, LinkServer, PeerQuota
 from chaos_flwr.transport.shaping import Shaper
@@ -208,6 +210,10 @@ class DirectServer:
     gossip:
         Answers gossip requests (the party daemon's :meth:`Gossiper.answer`); without it they
         are refused.
+    readers:
+        The non-member link keys also served (the relay's read grant,
+        :class:`~chaos_flwr.flower.grant.RelayGrants`): ranges and manifests only, never
+        gossip (:class:`~chaos_flwr.errors.NotMemberError`).
 
     Attributes
     ----------
@@ -225,13 +231,14 @@ class DirectServer:
         limits: LinkLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         gossip: Callable[[str, dict[str, Any]], bytes] | None = None,
+        readers: Callable[[], Mapping[bytes, str]] | None = None,
     ) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"listen address must be 'host:port', got {listen!r}")
         self.source = source
         self._host, self._port, self._shaper = host, int(port), shaper
-        self.link, self.gossip = link, gossip
+        self.link, self.gossip, self.readers = link, gossip, readers
         self.limits = limits if limits is not None else LinkLimits()
         self._quota = PeerQuota(self.limits, clock)
         self.address: str | None = None
@@ -260,6 +267,8 @@ class DirectServer:
             if not isinstance(value, dict):
                 raise DecodeError("direct request must be a map")
             if GOSSIP_KEY in value:
+                if not is_party_id(src):
+                    raise NotMemberError(f"{src[:40]} reads certified states only, no gossip")
                 if self.gossip is None:
                     raise DecodeError("this link server does not gossip (no party daemon)")
                 loop = asyncio.get_running_loop()  # off the loop: it takes the view's lock
@@ -328,6 +337,7 @@ class DirectServer:
             max_concurrent=self.limits.max_concurrent,
             max_request_bytes=self.limits.max_request_bytes,
             shaper=self._shaper,
+            readers=self.readers,
         )
 
     def start(self) -> str:
@@ -401,12 +411,17 @@ def ensure_server(state_dir: str | Path, listen: str, *, link: LinkAccess) -> Di
     """The in-process replica server for ``listen`` (started once per process and address).
 
     For the simulation engine, whose worker processes outlive one message. It serves
-    ``<state_dir>/replicas`` over the party's authenticated links.
+    ``<state_dir>/replicas`` over the party's authenticated links (and to the relay while the
+    party's grant holds, :mod:`chaos_flwr.flower.grant`).
     """
+    from chaos_flwr.flower.grant import RelayGrants
+
     with _SERVERS_LOCK:
         server = _SERVERS.get(listen)
         if server is None:
-            server = DirectServer(StoreSource(Path(state_dir) / "replicas"), listen, link=link)
+            source = StoreSource(Path(state_dir) / "replicas")
+            readers = RelayGrants(Path(state_dir), link.creds.federation)
+            server = DirectServer(source, listen, link=link, readers=readers)
             server.start()
             _SERVERS[listen] = server
         return server

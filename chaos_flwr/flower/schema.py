@@ -36,6 +36,7 @@ __all__ = [
     "JOIN_TAKE_OP",
     "PULL_DATA_KEY",
     "RECORD_VERSION",
+    "RELAY_SPKI_KEY",
     "OutgoingLike",
     "PartyReply",
     "Phase",
@@ -59,6 +60,9 @@ CHAOS_RECORD_KEY: str = "chaos"
 AUDIT_RECORD_PREFIX: str = "chaos-upd."
 #: Key of the ConfigRecord that carries pull requests and shard replies in a RecordDict.
 PULL_DATA_KEY: str = "chaos-pull"
+#: Chaos record field of a hello: the SHA-256 of the ServerApp's link key (SubjectPublicKeyInfo),
+#: which parties grant reads of their certified states (:mod:`chaos_flwr.flower.grant`).
+RELAY_SPKI_KEY: str = "relay-spki"
 #: ``op`` of a join control record that carries the certified state (:func:`take_record`).
 JOIN_TAKE_OP: str = "take"
 #: Version of the record layouts below.

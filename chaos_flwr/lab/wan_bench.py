@@ -106,12 +106,17 @@ class WanBenchSpec:
     parts: tuple[str, ...] = PARTS
     disk_loss: bool = True
     join_modes: tuple[str, ...] = JOIN_MODES
+    loss_variants: tuple[str, ...] = LOSS_VARIANTS
 
     def __post_init__(self) -> None:
         if not self.parts or any(p not in PARTS for p in self.parts):
             raise ConfigError(f"parts: give some of {PARTS}, got {self.parts}")
         if not self.join_modes or any(m not in JOIN_MODES for m in self.join_modes):
             raise ConfigError(f"join modes: give some of {JOIN_MODES}, got {self.join_modes}")
+        if not self.loss_variants or any(v not in LOSS_VARIANTS for v in self.loss_variants):
+            raise ConfigError(
+                f"loss variants: give some of {LOSS_VARIANTS}, got {self.loss_variants}"
+            )
         if self.rounds < JOIN_AFTER_ROUND + 2:
             raise ConfigError(f"rounds: give at least {JOIN_AFTER_ROUND + 2} (join, then more)")
         if self.repeats < 1 or not self.model_mib > 0:
@@ -317,7 +322,15 @@ def _unmeasured_join_keys(modes: Sequence[str]) -> dict[str, str]:
     }
 
 
-_LOSS_KEYS = ("chaos_resume_s", "plain_checkpoint_resume_s", "plain_rounds_lost")
+_LOSS_KEYS = ("chaos_resume_s", "chaos_direct_resume_s", "plain_checkpoint_resume_s",
+              "plain_rounds_lost")  # fmt: skip
+#: The server-loss key each variant gives.
+_VARIANT_KEYS = {
+    "chaos": "chaos_resume_s",
+    "chaos_direct": "chaos_direct_resume_s",
+    "plain_checkpoint": "plain_checkpoint_resume_s",
+    "plain": "plain_rounds_lost",
+}
 
 
 def _join_part(
@@ -374,7 +387,7 @@ def _loss_part(
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in LOSS_VARIANTS}
     insts = tuple(_institutions(profile))
     for rep in range(spec.repeats):
-        for variant in LOSS_VARIANTS:
+        for variant in spec.loss_variants:
             say(f"{name} (SuperLink at {server}), server loss, {variant}, "
                 f"repeat {rep + 1}/{spec.repeats}")  # fmt: skip
             run_dir = work / f"{name}-loss-{variant}-{rep}"
@@ -420,7 +433,8 @@ def measure_flower_wan(
         ``model_bytes``, ``placements`` (name -> ``plain_join_s``, ``relay_join_s``,
         ``direct_join_s`` (null), ``join_lower_bound_s``, ``plain_join_lower_bound_s``,
         ``round_overhead_ratio``, the round medians, ClientApp processes per round, every
-        join run (``runs``); ``chaos_resume_s``, ``plain_checkpoint_resume_s``,
+        join run (``runs``); ``chaos_resume_s``, ``chaos_direct_resume_s`` (party daemons:
+        the resume pull over direct links), ``plain_checkpoint_resume_s``,
         ``plain_resume_s``, ``plain_rounds_lost`` and the other rounds lost after a ServerApp
         SIGKILL, the same under ``server_disk_loss`` after the SuperLink host's disk was lost,
         every server-loss run (``loss_runs``); a part not asked for leaves its keys null),
@@ -446,6 +460,11 @@ def measure_flower_wan(
                 for k in keys
             },
             **(_unmeasured_join_keys(spec.join_modes) if "join" in spec.parts else {}),
+            **{
+                key: f"the {variant} server-loss runs were not asked for (--loss-variants)"
+                for variant, key in _VARIANT_KEYS.items()
+                if "server_loss" in spec.parts and variant not in spec.loss_variants
+            },
         },
         "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
     }
@@ -499,8 +518,8 @@ def wan_table(fig: Mapping[str, Any]) -> str:
     )
     for name, p in fig["placements"].items():
         disk = p.get("server_disk_loss") or {}
-        kill = [_loss_cell(p, v) for v in ("chaos", "plain_checkpoint", "plain")]
-        lost = [_loss_cell(disk, v) for v in ("chaos", "plain_checkpoint")]
+        kill = [_loss_cell(p, v) for v in ("chaos", "chaos_direct", "plain_checkpoint", "plain")]
+        lost = [_loss_cell(disk, v) for v in ("chaos", "chaos_direct", "plain_checkpoint")]
         rows.append(f"{name:<24} {', '.join(kill)} | {', '.join(lost)}")
     rows.append("not measured: " + ", ".join(fig["not_measured"]))
     rows.append(fig["latency"])

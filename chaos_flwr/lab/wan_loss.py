@@ -17,7 +17,9 @@ with every institution's SuperNode started:
    manager restarting it would do), and the figure includes that.
 
 Variants: ``chaos`` (ChaosStrategy(FedAvg), signed parties: a new run resumes from the parties'
-replicas), ``plain_checkpoint`` (the example's plain FedAvg with ``checkpoint-path`` on the
+replicas, through the relay), ``chaos_direct`` (the same with a party daemon beside every
+SuperNode: the new run's ServerApp pulls the state over direct links, on the grant its hello
+asks for), ``plain_checkpoint`` (the example's plain FedAvg with ``checkpoint-path`` on the
 server's disk: a new run resumes from that file) and ``plain`` (plain FedAvg as it ships: a new
 run starts again at round 1 from a fresh model; its disk loss is the same as its kill, so it is
 not run).
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos_flwr.defaults import FLOWER_DIRECT_NODE_KEY
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deploy_churn import trained_parties
 from chaos_flwr.lab.example import example_dir
@@ -41,6 +44,7 @@ from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.settings import (
     FLOWER_CLIENTAPP_SAMPLE_S,
     FLOWER_DEPLOY_RESUME_PHASES,
+    WAN_BENCH_DIRECT_PORT,
     WAN_LOSS_DEADLINE_FLOOR_S,
     WAN_LOSS_KILL_AFTER_ROUND,
     WAN_LOSS_ROUNDS,
@@ -61,7 +65,7 @@ __all__ = [
 #: Rounds finished before the ServerApp is killed.
 KILL_AFTER_ROUND = WAN_LOSS_KILL_AFTER_ROUND
 #: The runs of the server-loss figures (see the module's docstring).
-LOSS_VARIANTS = ("chaos", "plain_checkpoint", "plain")
+LOSS_VARIANTS = ("chaos", "chaos_direct", "plain_checkpoint", "plain")
 #: The file, in the SuperLink host's ``FLWR_HOME``, where plain FedAvg keeps its checkpoint.
 CHECKPOINT_NAME = "global-model.pt"
 
@@ -95,7 +99,7 @@ def next_round(lines: list[dict[str, Any]], variant: str) -> dict[str, Any] | No
     """
     for line in lines:
         rnd = int(line.get("round", 0))
-        if variant == "chaos":
+        if variant.startswith("chaos"):
             if rnd >= 1 and trained_parties(line):
                 return line
         elif rnd >= 1 and rnd > int(line.get("resumed_from") or 0):
@@ -183,6 +187,22 @@ def _recover(
         "resumed_round": rnd,
         "resume_s": float(line["time"]) - t_loss,
         "rounds_lost": max(0, before - (rnd - 1)),
+        "pull": _resume_pull(lines),
+    }
+
+
+def _resume_pull(lines: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The resumed ServerApp's pull of the state, as its progress lines report it (Chaos):
+    seconds, relay exchanges, bytes and the part that came over direct links."""
+    pull = next((x["last_pull"] for x in reversed(lines) if x.get("last_pull")), None)
+    if not isinstance(pull, dict):
+        return None
+    return {
+        "seconds": pull.get("seconds"),
+        "exchanges": pull.get("exchanges"),
+        "bytes": sum((pull.get("shares") or {}).values()),
+        "direct_bytes": sum((pull.get("direct") or {}).values()),
+        "direct_failed": pull.get("direct_failed") or [],
     }
 
 
@@ -203,7 +223,7 @@ def server_loss_run(
     tell = say or (lambda _msg: None)
     insts = list(spec.institutions)
     n = len(insts)
-    mode = "chaos" if spec.variant == "chaos" else "fedavg"
+    mode = "chaos" if spec.variant.startswith("chaos") else "fedavg"
     keys = None
     if mode == "chaos":
         from chaos_flwr.flower.keys import make_federation
@@ -222,6 +242,11 @@ def server_loss_run(
         run = _Loss(bed, cfg, work, time.time() + spec.timeout_s, time.time(), [], tell)
         proc, progress = run.start(1, resumed=False)
         nodes = dict(zip(insts, node_configs(n, keys, work / "state"), strict=True))
+        if spec.variant == "chaos_direct":  # a party daemon beside every SuperNode
+            for host, node in nodes.items():
+                addr = f"{bed.net.addresses[host]}:{WAN_BENCH_DIRECT_PORT}"
+                nodes[host] = {**node, FLOWER_DIRECT_NODE_KEY: addr}
+                bed.start_party_daemon(host, nodes[host], WAN_BENCH_DIRECT_PORT)
         for host, node in nodes.items():
             bed.start_supernode(host, node)
         lines = run.wait(proc, progress, lambda ls: any(x["round"] >= KILL_AFTER_ROUND for x in ls))
@@ -261,6 +286,8 @@ def loss_figures(runs: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return {
         "chaos_resume_s": med("chaos", "kill", "resume_s"),
         "chaos_rounds_lost": med("chaos", "kill", "rounds_lost"),
+        "chaos_direct_resume_s": med("chaos_direct", "kill", "resume_s"),
+        "chaos_direct_rounds_lost": med("chaos_direct", "kill", "rounds_lost"),
         "plain_checkpoint_resume_s": med("plain_checkpoint", "kill", "resume_s"),
         "plain_checkpoint_rounds_lost": med("plain_checkpoint", "kill", "rounds_lost"),
         "plain_rounds_lost": med("plain", "kill", "rounds_lost"),
@@ -268,6 +295,8 @@ def loss_figures(runs: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "server_disk_loss": {
             "chaos_resume_s": med("chaos", "disk_loss", "resume_s"),
             "chaos_rounds_lost": med("chaos", "disk_loss", "rounds_lost"),
+            "chaos_direct_resume_s": med("chaos_direct", "disk_loss", "resume_s"),
+            "chaos_direct_rounds_lost": med("chaos_direct", "disk_loss", "rounds_lost"),
             "plain_checkpoint_resume_s": med("plain_checkpoint", "disk_loss", "resume_s"),
             "plain_checkpoint_rounds_lost": med("plain_checkpoint", "disk_loss", "rounds_lost"),
         },

@@ -57,6 +57,7 @@ from .tls import (
     LINK_SERVER_NAME,
     LinkCredentials,
     link_root_pem,
+    peer_spki,
     serve_cert_pem_of,
     verify_dial_cert,
 )
@@ -154,6 +155,10 @@ class LinkServer:
     authorize
         Raises a :class:`~chaos_flwr.errors.ChaosError` (e.g.
         :class:`~chaos_flwr.errors.NotMemberError`) if an authenticated party may not be served.
+    readers
+        Returns ``{SPKI digest: name}`` of the non-member link keys this server also serves
+        (the relay's read grant, :mod:`chaos_flwr.flower.grant`): a dialler whose certificate
+        holds such a key is served under that name, unbound to any party (read per request).
     listen
         ``host:port`` (port 0 picks a free one; see :attr:`address`).
     max_concurrent, max_request_bytes, chunk_bytes
@@ -179,9 +184,11 @@ class LinkServer:
         max_request_bytes: int = LINK_MAX_REQUEST_BYTES,
         chunk_bytes: int = TRANSPORT_CHUNK_BYTES,
         shaper: Shaper | None = None,
+        readers: Callable[[], Mapping[bytes, str]] | None = None,
     ) -> None:
         self.creds = creds
         self._shaper = shaper
+        self._readers = readers
         self._keyring = keyring
         self._authorize = authorize
         self._listen = listen
@@ -242,6 +249,10 @@ class LinkServer:
     def _peer(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> str:
         auth = context.auth_context() or {}
         certs = auth.get("x509_pem_cert") or [b""]
+        if self._readers is not None and (granted := self._readers()):
+            reader = granted.get(peer_spki(certs[0]) or b"")
+            if reader is not None:
+                return reader  # a pinned non-member key (the relay's grant): no party
         party = verify_dial_cert(certs[0], self.creds.federation, dict(self._keyring()))
         self._authorize(party)
         return party

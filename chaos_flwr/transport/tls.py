@@ -52,6 +52,7 @@ __all__ = [
     "LinkCredentials",
     "binding_bytes",
     "link_root_pem",
+    "peer_spki",
     "spki_digest",
     "verify_dial_cert",
 ]
@@ -72,6 +73,18 @@ def spki_digest(cert: x509.Certificate) -> bytes:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return hashlib.sha256(spki).digest()
+
+
+def peer_spki(pem: bytes) -> bytes | None:
+    """:func:`spki_digest` of a (handshake-proven) peer certificate in PEM; ``None`` if there is
+    none or it does not parse (a pinned reader is matched on it: TLS proved the peer holds the
+    key)."""
+    if not pem or len(pem) > 4 * LINK_CERT_MAX_BYTES:
+        return None
+    try:
+        return spki_digest(x509.load_pem_x509_certificate(pem))
+    except ValueError:
+        return None
 
 
 def binding_bytes(federation: str, party_id: str, spki: bytes) -> bytes:
@@ -197,6 +210,11 @@ class LinkCredentials:
             serve_cert_pem=serve.public_bytes(pem),
             dial_cert_pem=dial.public_bytes(pem),
         )
+
+    @property
+    def spki(self) -> bytes:
+        """:func:`spki_digest` of this link key (what a relay grant pins)."""
+        return spki_digest(x509.load_pem_x509_certificate(self.dial_cert_pem))
 
     @property
     def serve_cert_der(self) -> bytes:

@@ -21,13 +21,13 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
-from chaos_flwr.flower import gossipfile
+from chaos_flwr.flower import gossipfile, grant
 from chaos_flwr.flower.client import donor, endpoint, joiner, proofs, witness
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
 from chaos_flwr.flower.client.verified import VerifiedRounds
 from chaos_flwr.flower.relay import PeerProtocol
-from chaos_flwr.flower.schema import OutgoingLike, party_record
+from chaos_flwr.flower.schema import RELAY_SPKI_KEY, OutgoingLike, party_record
 from chaos_flwr.receipts import receipt_signing_bytes, receipt_verifies
 from chaos_flwr.state import TrainingState, from_array_record, to_array_record
 from chaos_flwr.store import ReplicaStore
@@ -465,6 +465,12 @@ class Party(VerifiedRounds):
             outgoing.extend(self.peer.tick(now))
         if record is not None and record.get("phase") in ("relay", "hello"):
             proofs.take_refutations(self, record)
+        if record is not None and record.get("phase") == "hello":
+            policy = getattr(self.peer, "policy", None)
+            fed = getattr(policy, "federation", None)
+            why = grant.take_hello(self.state_dir, fed, record.get(RELAY_SPKI_KEY))
+            if why:
+                self.errors.append(why)
         if record is not None and record.get("phase") == "certify" and arrays is not None:
             self._certify(record, arrays)
         if record is not None and content is not None and record.get("phase") in AUDITED:

@@ -1,11 +1,13 @@
 """Resume: a restarted ServerApp rebuilds the newest certified state from the parties' replicas.
 
 It keeps no checkpoint of its own. It says hello to every party (their replies carry their
-signed receipts and the size of the state each holds), picks the newest ``(round, digest)``
-enough *verified* receipts name, and pulls that state in planner-sized shares from all its
-holders at once (:func:`chaos_flwr.flower.server.pull.pull_state`; the told size spares the
-pull its size step). Whatever it resumes from, it goes on above the
-newest round any party signed, so no round number is ever certified twice.
+signed receipts and the size of the state each holds; in a signed federation the hello also
+names a link key made for this run, which the parties grant reads of their certified states),
+picks the newest ``(round, digest)`` enough *verified* receipts name, and pulls that state in
+planner-sized shares from all its holders at once
+(:func:`chaos_flwr.flower.server.pull.pull_state`; the told size spares the pull its size
+step; holders with party daemons are dialled directly). Whatever it resumes from, it goes on
+above the newest round any party signed, so no round number is ever certified twice.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from chaos_flwr.errors import ChaosError
+from chaos_flwr.flower.schema import RELAY_SPKI_KEY
 from chaos_flwr.flower.server.courier import Courier, PhaseSpec
 from chaos_flwr.flower.server.logs import RoundLog
-from chaos_flwr.flower.server.pull import PullReport, RelayAsker, pull_state
+from chaos_flwr.flower.server.pull import PullReport, RelayAsker, pull_state, relay_link
 from chaos_flwr.flower.server.settings import ResumeSettings
+from chaos_flwr.transport.links import LinkAccess
 
 __all__ = ["Resumed", "Resumer", "size_hint"]
 
@@ -119,7 +123,11 @@ class Resumer:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
             return Resumed(why="no receipt verifier (no charter): unsigned receipts are no proof")
         hello = RoundLog(-1)
-        courier.phase(grid, [], known, PhaseSpec("hello", -1, b""), timeout=timeout, log_=hello)
+        view = courier.view
+        link = relay_link(view.policy, view.records.view) if view is not None and pull else None
+        fields = ((RELAY_SPKI_KEY, link.creds.spki),) if link is not None else ()
+        spec = PhaseSpec("hello", -1, b"", fields=fields)
+        courier.phase(grid, [], known, spec, timeout=timeout, log_=hello)
         out = Resumed(hello=hello)
         tally: dict[tuple[int, bytes], list[int]] = {}
         digests: dict[int, set[bytes]] = {}
@@ -145,14 +153,21 @@ class Resumer:
         for (rnd, dig), nodes in sorted(tally.items(), key=lambda kv: -kv[0][0]):
             if rnd in conflicted or len(nodes) < self.settings.min_receipts:
                 continue
-            if self._pull(grid, (rnd, dig), sorted(nodes), timeout, out):
+            if self._pull(grid, (rnd, dig), sorted(nodes), timeout, out, link):
                 break
         return out
 
     def _pull(
-        self, grid: Grid, cert: tuple[int, bytes], nodes: list[int], timeout: float, out: Resumed
+        self,
+        grid: Grid,
+        cert: tuple[int, bytes],
+        nodes: list[int],
+        timeout: float,
+        out: Resumed,
+        link: LinkAccess | None,
     ) -> bool:
-        """Pull the certified state ``cert`` from the ``nodes`` holding it; fill ``out``."""
+        """Pull the certified state ``cert`` from the ``nodes`` holding it (over ``link`` from
+        those with a signed endpoint); fill ``out``."""
         rnd, dig = cert
         courier = self.courier
         hello = out.hello
@@ -165,7 +180,7 @@ class Resumer:
             )  # fmt: skip
             arrays, report = pull_state(
                 ask, holders, min_shard_bytes=self.settings.min_shard_bytes,
-                total_hint=size_hint(courier.relay.held_bytes, nodes),
+                total_hint=size_hint(courier.relay.held_bytes, nodes), link=link,
             )  # fmt: skip
         except ChaosError as exc:
             log(WARNING, "Chaos: pulling round %d from its holders failed: %s", rnd, exc)
@@ -176,7 +191,10 @@ class Resumer:
         out.report = report
         out.state = (rnd, arrays, dig, report.strategy_state)
         out.why = f"{len(holders)} verified holder(s) of round {rnd}"
-        log(INFO, "Chaos: resumed at round %d, shares per holder: %s", rnd, report.shares)
+        log(
+            INFO, "Chaos: resumed at round %d, shares per holder: %s (over direct links: %s)",
+            rnd, report.shares, report.direct or "none",
+        )  # fmt: skip
         if out.round_floor > rnd:
             log(
                 INFO, "Chaos: rounds up to %d were signed by some party: going on at %d",
