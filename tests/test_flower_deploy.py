@@ -59,6 +59,7 @@ def test_join_crash_and_server_restart_on_the_deployment_engine(tmp_path: Path) 
     assert fig["resumed_at_round"] == fig["certified_before_kill"] + 1
     pull = fig["resume_pull"]
     assert pull and len(pull["shares"]) >= 2 and sum(pull["shares"].values()) > 0
+    assert pull["exchanges"] >= 1 and pull["direct"] == {}  # no daemons: through the relay
     assert fig["resumed_trained"] and victim not in fig["resumed_trained"]
     assert joiner in fig["resumed_trained"]  # its durable state survived the server restart too
     assert 0 < fig["restart_to_first_round_s"] < 660

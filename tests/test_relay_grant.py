@@ -58,7 +58,7 @@ def test_a_grant_file_that_is_not_one_is_refused(tmp_path: Path, content: bytes)
     assert RelayGrants(tmp_path, FED)() == {}  # the link server grants nothing
 
 
-def test_a_hello_grants_only_a_well_formed_key(tmp_path: Path) -> None:
+def test_a_hello_grants_only_a_well_formed_key_and_takes_a_grant_back(tmp_path: Path) -> None:
     assert take_hello(tmp_path, FED, None) == ""  # the hello names no key: nothing written
     assert not (tmp_path / RELAY_GRANT_FILE).exists()
     assert take_hello(None, FED, SPKI) == "" and take_hello(tmp_path, None, SPKI) == ""
@@ -67,6 +67,11 @@ def test_a_hello_grants_only_a_well_formed_key(tmp_path: Path) -> None:
     assert not (tmp_path / RELAY_GRANT_FILE).exists()
     assert take_hello(tmp_path, FED, SPKI) == ""
     assert read_grant(tmp_path, FED) == SPKI
+    assert take_hello(tmp_path, FED, None) == ""  # a later hello without a key revokes it
+    assert read_grant(tmp_path, FED) is None
+    take_hello(tmp_path, FED, SPKI)
+    assert take_hello(tmp_path, FED, SPKI, left=True) == ""  # a party that left grants none
+    assert not (tmp_path / RELAY_GRANT_FILE).exists()
 
 
 def test_the_link_server_s_readers_follow_the_file_and_the_clock(tmp_path: Path) -> None:
@@ -131,3 +136,33 @@ def test_a_granted_relay_key_reads_states_and_nothing_else(tmp_path: Path) -> No
     finally:
         server.stop()
     assert server.refused.get("NotMemberError", 0) >= 1
+
+
+def test_a_grant_of_a_member_s_key_leaves_that_member_itself(tmp_path: Path) -> None:
+    # the relay knows every member's link key (endpoint records carry it): granting it must not
+    # turn the member into a reader (no gossip, no standing); its binding decides
+    rs = records()
+    creds = LinkCredentials.create(ident("a"), FED)
+    heard: list[str] = []
+
+    def gossip(src: str, _value: dict[str, object]) -> bytes:
+        heard.append(src)
+        return codec.encode({"ok": True})
+
+    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), link=access("a", rs, creds),
+                          gossip=gossip, readers=RelayGrants(tmp_path, FED))  # fmt: skip
+    address = server.start()
+    try:
+        rs.add(endpoint_record(ident("a"), address, creds))
+        member = LinkCredentials.create(ident("b"), FED)
+        write_grant(tmp_path, FED, member.spki, ttl_s=60.0)
+        assert _gossip(member, address, creds.serve_cert_der) == codec.encode({"ok": True})
+        assert heard == [ident("b").party_id]  # served as b, not as the relay
+        outsider = LinkCredentials.create(ident("d"), FED)  # a charter party, never joined
+        write_grant(tmp_path, FED, outsider.spki, ttl_s=60.0)
+        pa = ident("a").party_id
+        got = fetch_ranges({}, {pa: [(0, 0, 10)]}, server_round=ROUND, digest=DIGEST,
+                           timeout_s=10.0, link=access("d", rs, outsider))[pa]  # fmt: skip
+        assert isinstance(got.exc, NotMemberError)  # the grant is no way in
+    finally:
+        server.stop()

@@ -72,6 +72,29 @@ def test_loss_figures_take_medians_and_keep_disk_loss_apart() -> None:
     assert loss_figures({})["chaos_resume_s"] is None
 
 
+def test_the_resume_pull_is_read_from_the_resumed_run_s_progress() -> None:
+    from chaos_flwr.lab.wan_loss import _resume_pull
+
+    assert _resume_pull([{"round": 3}]) is None  # plain FedAvg: no pull
+    pull = {"seconds": 1.5, "exchanges": 0, "shares": {"pa": 600, "pb": 400},
+            "direct": {"pa": 600, "pb": 400}, "direct_failed": []}  # fmt: skip
+    lines = [{"round": -1, "last_pull": None}, {"round": 3, "last_pull": pull}]
+    assert _resume_pull(lines) == {"seconds": 1.5, "exchanges": 0, "bytes": 1000,
+                                   "direct_bytes": 1000, "direct_failed": []}  # fmt: skip
+
+
+def test_server_loss_variants_are_checked_and_the_unasked_named() -> None:
+    from chaos_flwr.lab.wan_bench import WanBenchSpec, _unmeasured_loss_keys
+
+    with pytest.raises(ConfigError, match="loss variants"):
+        WanBenchSpec(loss_variants=("chaos", "hopeful"))
+    with pytest.raises(ConfigError, match="loss variants"):
+        WanBenchSpec(loss_variants=())
+    unasked = _unmeasured_loss_keys(("chaos_direct",))
+    assert set(unasked) == {"chaos_resume_s", "plain_checkpoint_resume_s", "plain_rounds_lost"}
+    assert _unmeasured_loss_keys(("chaos", "chaos_direct", "plain_checkpoint", "plain")) == {}
+
+
 def test_loss_spec_refuses_unknown_variants_and_too_few_rounds() -> None:
     with pytest.raises(ConfigError, match="variant"):
         LossRunSpec(variant="hopeful", model_mib=1.0, server="s", institutions=("a",))

@@ -6,9 +6,11 @@ so a link server serves it only on a grant its own party wrote: the SHA-256 of t
 SubjectPublicKeyInfo of the ServerApp's link certificate (a fresh key per run), named in the
 hello it sends, for :data:`~chaos_flwr.defaults.FLOWER_RELAY_GRANT_S` seconds. A granted
 dialler is served under the name :data:`RELAY_READER`: byte ranges and manifests of the
-certified states the party holds, within the same per-peer limits; never gossip, never a
-member's standing (:class:`~chaos_flwr.flower.direct.DirectServer`). It gains nothing it could
-not take already: a relayed pull request asks the party's ClientApp for the same bytes.
+certified states the party keeps, within the same per-peer limits; never gossip, never a
+member's standing (a key a charter party's binding names is always served as that party,
+granted or not: :class:`~chaos_flwr.transport.links.LinkServer`). It reads nothing the
+ServerApp did not relay or aggregate itself: every state a party keeps was certified through
+it. A hello that names no key, or one to a party that left, removes the grant.
 
 Format: a codec map ``{"version": 1, "federation": str, "spki": 32 bytes, "expires": unix
 seconds}``, written atomically (mode 0600), read bounded; a newer hello replaces it.
@@ -70,17 +72,24 @@ def write_grant(
     )
 
 
-def take_hello(state_dir: Path | None, federation: str | None, spki: object) -> str:
+def take_hello(
+    state_dir: Path | None, federation: str | None, spki: object, *, left: bool = False
+) -> str:
     """Grant the key a hello names (``spki``, its :data:`~chaos_flwr.flower.schema.RELAY_SPKI_KEY`
-    field; ``None``: the hello names none); returns ``""``, or why no grant was written (the
-    party notes it). A party without a state directory or a federation (unsigned) serves no
-    links and writes nothing."""
-    if spki is None or state_dir is None or federation is None:
+    field), or remove the grant when the hello names none (``None``) or the party ``left``;
+    returns ``""``, or why not (the party notes it). A party without a state directory or a
+    federation (unsigned) serves no links and writes nothing."""
+    if state_dir is None or federation is None:
         return ""
-    if not isinstance(spki, bytes):
-        return "StoreError: a hello's relay key digest is not bytes; no relay grant"
     try:
-        write_grant(state_dir, federation, spki)
+        if spki is None or left:
+            (Path(state_dir) / RELAY_GRANT_FILE).unlink(missing_ok=True)
+        elif not isinstance(spki, bytes):
+            raise StoreError("a hello's relay key digest is not bytes; no relay grant")
+        else:
+            write_grant(state_dir, federation, spki)
+    except OSError as exc:
+        return f"StoreError: cannot remove the relay grant ({exc})"
     except StoreError as exc:
         return f"StoreError: {exc}"
     return ""

@@ -309,6 +309,15 @@ _MODE_KEYS = {
 }
 
 
+def _unmeasured_loss_keys(variants: Sequence[str]) -> dict[str, str]:
+    """The server-loss keys of the variants not asked for."""
+    return {
+        key: f"the {variant} server-loss runs were not asked for (--loss-variants)"
+        for variant, key in _VARIANT_KEYS.items()
+        if variant not in variants
+    }
+
+
 def _unmeasured_join_keys(modes: Sequence[str]) -> dict[str, str]:
     """The join keys no asked-for mode gives (a round ratio needs FedAvg and a Chaos mode)."""
     given = {k for m in modes for k in _MODE_KEYS[m]}
@@ -460,11 +469,7 @@ def measure_flower_wan(
                 for k in keys
             },
             **(_unmeasured_join_keys(spec.join_modes) if "join" in spec.parts else {}),
-            **{
-                key: f"the {variant} server-loss runs were not asked for (--loss-variants)"
-                for variant, key in _VARIANT_KEYS.items()
-                if "server_loss" in spec.parts and variant not in spec.loss_variants
-            },
+            **(_unmeasured_loss_keys(spec.loss_variants) if "server_loss" in spec.parts else {}),
         },
         "latency": "latency_ms of the profile recorded only: netem is missing, links add none",
     }

@@ -249,11 +249,18 @@ class LinkServer:
     def _peer(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> str:
         auth = context.auth_context() or {}
         certs = auth.get("x509_pem_cert") or [b""]
-        if self._readers is not None and (granted := self._readers()):
+        try:
+            party = verify_dial_cert(certs[0], self.creds.federation, dict(self._keyring()))
+        except (LinkAuthError, NotMemberError):
+            # no charter party vouches for this key: served only if it is a pinned reader
+            # (the relay's grant). A key a charter party's binding names is always that
+            # party's, granted or not, so a grant can neither take a member's standing nor
+            # give an evicted one back its reads.
+            granted = self._readers() if self._readers is not None else {}
             reader = granted.get(peer_spki(certs[0]) or b"")
-            if reader is not None:
-                return reader  # a pinned non-member key (the relay's grant): no party
-        party = verify_dial_cert(certs[0], self.creds.federation, dict(self._keyring()))
+            if reader is None:
+                raise
+            return reader
         self._authorize(party)
         return party
 

@@ -468,7 +468,8 @@ class Party(VerifiedRounds):
         if record is not None and record.get("phase") == "hello":
             policy = getattr(self.peer, "policy", None)
             fed = getattr(policy, "federation", None)
-            why = grant.take_hello(self.state_dir, fed, record.get(RELAY_SPKI_KEY))
+            spki = record.get(RELAY_SPKI_KEY)
+            why = grant.take_hello(self.state_dir, fed, spki, left=self.left)
             if why:
                 self.errors.append(why)
         if record is not None and record.get("phase") == "certify" and arrays is not None:

@@ -180,7 +180,7 @@ def pull_state(
     endpoints = {p: ep.address for _, p in holders if view and (ep := view.endpoint(p))}
     pull = PullNegotiation(
         ask.server_round, ask.digest, [p for _, p in holders], min_shard_bytes=min_shard_bytes,
-        total_hint=total_hint, direct=link is not None, address_ok=_address, addresses=endpoints,
+        total_hint=total_hint, direct=bool(endpoints), address_ok=_address, addresses=endpoints,
     )  # fmt: skip
     decision = pull.start(ask.clock())
     for _ in range(FLOWER_RESUME_MAX_EXCHANGES):

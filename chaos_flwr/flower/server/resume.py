@@ -123,8 +123,7 @@ class Resumer:
             log(WARNING, "Chaos: no receipt verifier, so no resume from party replicas")
             return Resumed(why="no receipt verifier (no charter): unsigned receipts are no proof")
         hello = RoundLog(-1)
-        view = courier.view
-        link = relay_link(view.policy, view.records.view) if view is not None and pull else None
+        link = self._link() if pull else None
         fields = ((RELAY_SPKI_KEY, link.creds.spki),) if link is not None else ()
         spec = PhaseSpec("hello", -1, b"", fields=fields)
         courier.phase(grid, [], known, spec, timeout=timeout, log_=hello)
@@ -156,6 +155,19 @@ class Resumer:
             if self._pull(grid, (rnd, dig), sorted(nodes), timeout, out, link):
                 break
         return out
+
+    def _link(self) -> LinkAccess | None:
+        """This run's link access for the resume pull (a fresh key the hello asks the parties
+        to grant reads), or ``None``: no view (unsigned), or the key could not be made (the
+        pull then goes through the relay)."""
+        view = self.courier.view
+        if view is None:
+            return None
+        try:
+            return relay_link(view.policy, view.records.view)
+        except (ChaosError, ValueError) as exc:
+            log(WARNING, "Chaos: no link key for the resume (%s): pulling through the relay", exc)
+            return None
 
     def _pull(
         self,
