@@ -474,23 +474,27 @@ def test_the_pull_queue_copies_a_batch_once_and_only_when_overdue() -> None:
 
 
 def test_a_measured_link_that_stalls_is_copied() -> None:
-    # a's rate is known (1000 B in 0.1 s); its next batch is due 0.1 s after it was sent: past
-    # that, its arrival is unknown and an idle donor copies it
+    # a is timed (10 kB/s) and faster than b: b copies a's next batch only once it is past
+    # the time a's own rate allows (a stall), and overdue at b's rate too
     from chaos_flwr.flower.fetch import _Queues
 
     clock = _Clock()
     q = _Queues({"a": [(0, 0, 1000), (1, 1000, 2000)], "b": [(2, 2000, 3000)]}, 1000, clock)
     q.send("a", q.take("a"))
     q.send("b", q.take("b"))
-    clock.t += 0.001
-    assert q.deliver(2)
-    q.done("b", 1000)  # 1 MB/s
-    clock.t += 0.099
+    clock.t += 0.1
     assert q.deliver(0)
     q.done("a", 1000)  # 10 kB/s
-    q.send("a", q.take("a"))
-    assert q.take("b") == []  # due at a's rate in 0.1 s: b copies nothing yet
-    clock.t += 0.15  # past a's due time: stalled
+    q.send("a", q.take("a"))  # its next batch, due at 100.2
+    clock.t += 0.05
+    assert q.deliver(2)
+    q.done("b", 1000)  # 1000 B in 0.15 s
+    assert q.take("b") == []  # a would deliver it first: b looks again when it is due
+    assert q.look_again["b"] == pytest.approx(100.2)
+    clock.t = 100.25  # past due and not in: stalled
+    assert q.take("b") == []  # not yet overdue for b (twice its first request: 0.3 s)
+    assert q.look_again["b"] == pytest.approx(100.4)
+    clock.t = 100.45
     assert q.take("b") == [(1, 1000, 2000)]
 
 

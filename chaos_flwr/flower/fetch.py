@@ -197,8 +197,9 @@ class _Queues:
         batch has been in flight for as long as ``me`` would take for it, and for twice as
         long as ``me``'s own first request took (that one set its connection up, as the
         other's first request does: a link is not slow for its handshake). Else ``me`` looks
-        again then. The first copy to arrive counts; the fetch ends as soon as every shard is
-        in. A shard is asked of at most two donors."""
+        again then, or when the batch is due at its link's rate (not in by then: stalled).
+        The first copy to arrive counts; the fetch ends as soon as every shard is in. A
+        shard is asked of at most two donors."""
         best: list[Range] = []
         due = since = 0.0
         for d, (batch, sent) in self.flying.items():
@@ -211,9 +212,12 @@ class _Queues:
                 at = float("inf")  # later than its own rate allows: the link may have stalled
             if not best or at > due:
                 best, due, since = left, at, sent
+        if not best:
+            return []
         now = self.clock()
         need = sum(e - s for _, s, e in best) / mine
-        if not best or now + need >= due:
+        if now + need >= due:  # due first at its own rate: look again when due (past it, stalled)
+            self.look_again[me] = due
             return []
         overdue = since + max(need, 2 * self.first_took.get(me, 0.0))
         if now < overdue:
