@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 from link_world import access, endpoint_record, ident, records
+from test_shaping import FakeClock
 
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
 from chaos_flwr.flower.client.donor import serve_request
@@ -441,20 +442,10 @@ def test_the_end_game_copies_a_slow_link_s_last_batch_and_returns_without_it(net
     assert elapsed < size / 0.02e6  # it did not wait for the slow copy
 
 
-class _Clock:
-    """A settable monotonic clock for the pull queue's unit tests."""
-
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_the_pull_queue_copies_a_batch_once_and_only_when_overdue() -> None:
     from chaos_flwr.flower.fetch import _Queues
 
-    clock = _Clock()
+    clock = FakeClock()
     q = _Queues({"a": [(0, 0, 100)], "b": [(1, 100, 200)], "c": [(2, 200, 300)]}, 100, clock)
     for d in "abc":
         q.send(d, q.take(d))
@@ -478,7 +469,7 @@ def test_a_measured_link_that_stalls_is_copied() -> None:
     # the time a's own rate allows (a stall), and overdue at b's rate too
     from chaos_flwr.flower.fetch import _Queues
 
-    clock = _Clock()
+    clock = FakeClock()
     q = _Queues({"a": [(0, 0, 1000), (1, 1000, 2000)], "b": [(2, 2000, 3000)]}, 1000, clock)
     q.send("a", q.take("a"))
     q.send("b", q.take("b"))
@@ -503,7 +494,7 @@ def test_the_pull_queue_survives_a_donor_that_delivers_nothing() -> None:
     # killed the whole fetch): the others take its shards over
     from chaos_flwr.flower.fetch import _Queues
 
-    clock = _Clock()
+    clock = FakeClock()
     q = _Queues({"a": [(0, 0, 10), (1, 10, 20)], "b": [(2, 20, 30)]}, 10, clock)
     assert q.take("a") == [(0, 0, 10)] and q.take("b") == [(2, 20, 30)]
     q.send("a", [(0, 0, 10)])
@@ -519,7 +510,7 @@ def test_the_pull_queue_survives_a_donor_that_delivers_nothing() -> None:
 def test_a_failed_donor_s_shards_that_a_copy_delivered_are_not_asked_again() -> None:
     from chaos_flwr.flower.fetch import _Queues
 
-    clock = _Clock()
+    clock = FakeClock()
     q = _Queues({"a": [(0, 0, 10), (1, 10, 20)], "b": [(2, 20, 30)]}, 20, clock)
     q.send("a", q.take("a"))  # both of a's shards in one batch
     q.send("b", q.take("b"))

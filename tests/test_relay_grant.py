@@ -18,7 +18,7 @@ from chaos_flwr.flower.grant import (
     RELAY_GRANT_FILE,
     RELAY_READER,
     RelayGrants,
-    read_grant,
+    _load,
     take_hello,
     write_grant,
 )
@@ -30,15 +30,21 @@ from chaos_flwr.transport.tls import LinkCredentials
 SPKI = bytes(range(32))
 
 
+def _granted(state_dir: Path, fed: str = FED, now: float | None = None) -> bytes | None:
+    """The key the party's link server serves as the relay now (``None``: none)."""
+    clock = time.time if now is None else (lambda: now)
+    return next(iter(RelayGrants(state_dir, fed, clock=clock)()), None)
+
+
 def test_a_grant_names_one_key_for_one_federation_until_it_expires(tmp_path: Path) -> None:
-    assert read_grant(tmp_path, FED) is None  # none written: none held
+    assert _granted(tmp_path) is None  # none written: none held
     write_grant(tmp_path, FED, SPKI, ttl_s=60.0)
     assert (tmp_path / RELAY_GRANT_FILE).stat().st_mode & 0o777 == 0o600
-    assert read_grant(tmp_path, FED) == SPKI
-    assert read_grant(tmp_path, "another-fed") is None
-    assert read_grant(tmp_path, FED, now=time.time() + 61.0) is None  # expired
+    assert _granted(tmp_path) == SPKI
+    assert _granted(tmp_path, "another-fed") is None
+    assert _granted(tmp_path, now=time.time() + 61.0) is None  # expired
     write_grant(tmp_path, FED, bytes(32), ttl_s=60.0)  # a newer hello replaces it
-    assert read_grant(tmp_path, FED) == bytes(32)
+    assert _granted(tmp_path) == bytes(32)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +60,7 @@ def test_a_grant_names_one_key_for_one_federation_until_it_expires(tmp_path: Pat
 def test_a_grant_file_that_is_not_one_is_refused(tmp_path: Path, content: bytes) -> None:
     (tmp_path / RELAY_GRANT_FILE).write_bytes(content)
     with pytest.raises(StoreError):
-        read_grant(tmp_path, FED)
+        _load(tmp_path / RELAY_GRANT_FILE)
     assert RelayGrants(tmp_path, FED)() == {}  # the link server grants nothing
 
 
@@ -66,9 +72,9 @@ def test_a_hello_grants_only_a_well_formed_key_and_takes_a_grant_back(tmp_path: 
     assert "32-byte" in take_hello(tmp_path, FED, b"x" * 31)
     assert not (tmp_path / RELAY_GRANT_FILE).exists()
     assert take_hello(tmp_path, FED, SPKI) == ""
-    assert read_grant(tmp_path, FED) == SPKI
+    assert _granted(tmp_path) == SPKI
     assert take_hello(tmp_path, FED, None) == ""  # a later hello without a key revokes it
-    assert read_grant(tmp_path, FED) is None
+    assert _granted(tmp_path) is None
     take_hello(tmp_path, FED, SPKI)
     assert take_hello(tmp_path, FED, SPKI, left=True) == ""  # a party that left grants none
     assert not (tmp_path / RELAY_GRANT_FILE).exists()

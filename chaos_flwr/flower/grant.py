@@ -32,7 +32,6 @@ __all__ = [
     "RELAY_GRANT_FILE",
     "RELAY_READER",
     "RelayGrants",
-    "read_grant",
     "take_hello",
     "write_grant",
 ]
@@ -119,22 +118,6 @@ def _load(path: Path) -> tuple[bytes, float, str] | None:
     if not isinstance(expires, float) or not isinstance(fed, str):
         raise StoreError(f"{path}: 'expires' must be a float and 'federation' a string")
     return spki, expires, fed
-
-
-def read_grant(state_dir: Path, federation: str, *, now: float | None = None) -> bytes | None:
-    """The key digest granted reads at ``now`` (default: the wall clock), or ``None`` (no
-    grant, an expired one, or one for another federation).
-
-    Raises
-    ------
-    StoreError
-        The file is not a regular file, too large, or not a relay grant.
-    """
-    grant = _load(Path(state_dir) / RELAY_GRANT_FILE)
-    at = time.time() if now is None else now
-    if grant is None or grant[2] != federation or at >= grant[1]:
-        return None
-    return grant[0]
 
 
 class RelayGrants:
