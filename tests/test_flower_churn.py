@@ -179,6 +179,33 @@ def test_wrapper_keeps_a_joiner_out_before_its_round_and_a_crashed_party_until_i
         churn.apply(app, parse_scenario(_base()))
 
 
+def test_a_message_belongs_to_the_newest_round_its_node_took_a_message_of() -> None:
+    # a node that came between rounds 1 and 2 is asked before round 2 trains (a relay query
+    # naming round 1's state: round 2), then takes round 1's state in a join message: it goes
+    # out during round 2, after the query, so it is round 2's too
+    app = ClientApp()
+    took: list[str] = []
+
+    @app.query()
+    def query(msg: Message, ctx: Context) -> Message:
+        took.append(str(msg.content["chaos"]["phase"]))
+        return Message(RecordDict(), reply_to=msg)
+
+    churn.apply(app, parse_scenario(_base()))  # partition 3 joins at round 2
+    handle = app._registered_funcs["query.default"]
+
+    def send(ctx: Context, phase: str, rnd: int) -> None:
+        handle(_msg(RecordDict({"chaos": server_record([], phase=phase, server_round=rnd)})), ctx)
+
+    early, joiner = _ctx(3), _ctx(3)
+    with pytest.raises(NodeNotJoinedError, match="this is round 1"):
+        send(early, "join", 1)  # nothing of round 2 taken yet: still round 1
+    send(joiner, "relay", 1)
+    send(joiner, "join", 1)
+    assert took == ["relay", "join"]
+    assert joiner.state.config_records["chaos-churn"]["seen"] == 2
+
+
 def test_wrapper_leaves_and_drops_links_once_through_party_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

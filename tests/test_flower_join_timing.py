@@ -8,10 +8,10 @@ trains (the first round with every node a trainer) and the joiner's time from it
 message (the end of round ``JOIN_AT - 1``, when round ``JOIN_AT``'s messages go out) to the end
 of that round. In Chaos mode the joiner is first admitted (a join record it and a sponsor
 sign, relayed through the ServerApp) and then takes the certified state: with the default
-``JoinSettings.source`` from the ServerApp in one message, the relay being the only path. Its
-first message is a ``query.chaos`` of round ``JOIN_AT``'s training (it is not eligible yet),
-so it trains in round ``JOIN_AT + 1``; a FedAvg joiner's first message is round ``JOIN_AT``'s
-train message.
+``JoinSettings.source`` from the ServerApp in one message, the relay being the only path. It is
+there when round ``JOIN_AT`` starts, so that happens before the round's training
+(``JoinRelay.newcomers_first``) and it trains in round ``JOIN_AT``, as a FedAvg joiner whose
+first message is round ``JOIN_AT``'s train message.
 
 Run ``python tests/test_flower_join_timing.py [repeats] [model MiB]`` for the figures as JSON
 (medians over the repeats, FedAvg and Chaos interleaved); the slow test runs one pair.
@@ -33,20 +33,23 @@ from chaos_flwr.lab.example import example_dir
 from chaos_flwr.lab.overhead import hidden_for_mib
 from chaos_flwr.lab.report import read_progress
 
-#: Model size of the figure (MiB), institutions from the start, the joiner's round, rounds.
+#: Model size of the figure (MiB), institutions from the start, the joiner's round, rounds of
+#: a figure run (rounds after the joiner's first give its round time); the test stops at the
+#: round a Chaos joiner first trains in.
 MODEL_MIB = 16.0
 FOUNDERS = 4
 JOIN_AT = 3
 ROUNDS = 6
+TEST_ROUNDS = JOIN_AT
 #: Wall-time bound of one run, and of one exchange (a first 16 MiB exchange under load).
 RUN_TIMEOUT_S = 900.0
 EXCHANGE_TIMEOUT_S = 120.0
 
 
-def _scenario(path: Path) -> Path:
+def _scenario(path: Path, rounds: int) -> Path:
     path.write_text(
         "name: join-at-round-3\n"
-        f"rounds: {ROUNDS}\ninstitutions: {FOUNDERS}\njoiners: 1\n"
+        f"rounds: {rounds}\ninstitutions: {FOUNDERS}\njoiners: 1\n"
         f"events:\n  - {{round: {JOIN_AT}, kind: join, party: {FOUNDERS}}}\n",
         encoding="utf-8",
     )
@@ -71,22 +74,25 @@ def join_figures(lines: list[dict[str, Any]], nodes: int) -> dict[str, Any]:
     }
 
 
-def run_once(mode: str, work: Path, keys: Path, model_mib: float) -> dict[str, Any]:
-    """One run of the example in ``mode`` (``fedavg`` or ``chaos``) with the join scenario."""
+def run_once(
+    mode: str, work: Path, keys: Path, model_mib: float, rounds: int = ROUNDS
+) -> dict[str, Any]:
+    """One run of the example in ``mode`` (``fedavg`` or ``chaos``) with the join scenario,
+    ``rounds`` rounds long."""
     from chaos_flwr.lab.simulation import run_simulation_app
 
     work.mkdir(parents=True)
     progress = work / "progress.jsonl"
     cfg: dict[str, object] = {
         "mode": mode,
-        "num-server-rounds": ROUNDS,
+        "num-server-rounds": rounds,
         "min-nodes": FOUNDERS,  # the rounds before the join train with the founders
         "hidden": hidden_for_mib(model_mib),
         "round-timeout-s": EXCHANGE_TIMEOUT_S,
         "phase-timeout-s": EXCHANGE_TIMEOUT_S,
         "results-path": str(work / "results.json"),
         "progress-path": str(progress),
-        "churn-scenario": str(_scenario(work / "scenario.yaml")),
+        "churn-scenario": str(_scenario(work / "scenario.yaml", rounds)),
         "chaos-keys-dir": str(keys),
         "chaos-state-root": str(work / "state"),
         "chaos-unsigned": False,
@@ -108,11 +114,11 @@ def run_once(mode: str, work: Path, keys: Path, model_mib: float) -> dict[str, A
     return fig
 
 
-def measure(repeats: int = 1, model_mib: float = MODEL_MIB) -> dict[str, Any]:
-    """Interleaved FedAvg/Chaos runs; per-mode figures and their medians."""
+def measure(repeats: int = 1, model_mib: float = MODEL_MIB, rounds: int = ROUNDS) -> dict[str, Any]:
+    """Interleaved FedAvg/Chaos runs of ``rounds`` rounds; per-mode figures and medians."""
     from chaos_flwr.flower.keys import fedavg_rounds, make_federation
 
-    out: dict[str, Any] = {"model_mib": model_mib, "join_at": JOIN_AT, "rounds": ROUNDS}
+    out: dict[str, Any] = {"model_mib": model_mib, "join_at": JOIN_AT, "rounds": rounds}
     out["loadavg_before"] = os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {"fedavg": [], "chaos": []}
     with tempfile.TemporaryDirectory(prefix="chaos-join-timing-") as tmp:
@@ -122,7 +128,8 @@ def measure(repeats: int = 1, model_mib: float = MODEL_MIB) -> dict[str, Any]:
         )  # fmt: skip
         for rep in range(repeats):
             for mode in runs:
-                runs[mode].append(run_once(mode, Path(tmp) / f"{mode}-{rep}", keys, model_mib))
+                work = Path(tmp) / f"{mode}-{rep}"
+                runs[mode].append(run_once(mode, work, keys, model_mib, rounds))
     out["loadavg_after"] = os.getloadavg()[0]
     out["runs"] = runs
     for mode, figs in runs.items():
@@ -139,19 +146,19 @@ def measure(repeats: int = 1, model_mib: float = MODEL_MIB) -> dict[str, Any]:
 def test_a_joiner_through_the_relay_trains_about_when_a_fedavg_joiner_does(
     flower_env: Path,
 ) -> None:
-    fig = measure(repeats=1)
+    fig = measure(repeats=1, rounds=TEST_ROUNDS)
     print(json.dumps(fig, indent=1))  # the measured figures (pytest -s)
     fedavg, chaos = fig["runs"]["fedavg"][0], fig["runs"]["chaos"][0]
     assert fedavg["first_trained_round"] == JOIN_AT
-    # Chaos admits it first (its join request goes out with its first reply, a sponsor
-    # countersigns), it takes the state in one message in the same round's join and trains in
-    # the next round. Its first message here is round JOIN_AT's (before, the emulation fails
-    # every message to it), FedAvg's a train message: one round apart, the admission's
+    # Chaos finds it there when round JOIN_AT starts (before, the emulation fails every
+    # message to it): it is asked, admitted (its join request goes out with its reply, a
+    # sponsor countersigns) and takes round JOIN_AT - 1's state in one message from the
+    # ServerApp before the round's training, so it trains in round JOIN_AT, as FedAvg's does
     ((join,),) = [chaos["joins"]]
     assert join["ok"] and join["source"] == "server" and join["steps"] == 1
-    assert join["server_round"] == JOIN_AT
+    assert join["server_round"] == JOIN_AT - 1
     assert join["total_bytes"] >= 0.99 * MODEL_MIB * (1 << 20)
-    assert chaos["first_trained_round"] == JOIN_AT + 1
+    assert chaos["first_trained_round"] == fedavg["first_trained_round"] == JOIN_AT
     assert chaos["join_to_trained_s"] is not None and fedavg["join_to_trained_s"] is not None
 
 

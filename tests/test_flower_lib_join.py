@@ -37,6 +37,7 @@ from chaos_flwr.flower.server import (
     RoundLog,
     certified_digest,
 )
+from chaos_flwr.lab.launch import free_port
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 
@@ -587,14 +588,6 @@ def test_a_party_never_signs_a_second_state_for_a_round_it_certified(tmp_path: P
     assert party.held_round == 2 and party.errors[n].startswith("ProofError: certify field")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -605,7 +598,7 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     w = World(tmp_path, 4)
     try:
         for p in range(3):
-            extra = {"chaos-direct-addr": f"127.0.0.1:{_free_port()}"} if p < 2 else {}
+            extra = {"chaos-direct-addr": f"127.0.0.1:{free_port()}"} if p < 2 else {}
             w.add(p, **extra)
         joiner: dict[str, FakeNode] = {}
         w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
@@ -684,7 +677,7 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
 
     monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     w = World(tmp_path, 4)
-    addrs = {p: f"127.0.0.1:{_free_port()}" for p in (0, 1, 2)}
+    addrs = {p: f"127.0.0.1:{free_port()}" for p in (0, 1, 2)}
     daemons = {p: _start_daemon(w, p, a) for p, a in addrs.items()}
     try:
         for p in range(3):

@@ -28,6 +28,7 @@ from chaos_flwr.flower.server import (
     RoundLog,
     certified_digest,
 )
+from chaos_flwr.lab.launch import free_port
 from chaos_flwr.receipts import Receipt
 from chaos_flwr.store import ReplicaStore
 
@@ -83,14 +84,6 @@ def _initial() -> ArrayRecord:
     )
 
 
-def _loopback() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
-
-
 class World:
     """A signed federation of ``N`` founders on the killing Grid (``direct``: each party
     serves its replicas over authenticated links at a loopback ``chaos-direct-addr``)."""
@@ -109,7 +102,7 @@ class World:
                 self.app,
                 node_config={
                     "partition-id": p,
-                    **({"chaos-direct-addr": _loopback()} if direct else {}),
+                    **({"chaos-direct-addr": f"127.0.0.1:{free_port()}"} if direct else {}),
                 },
                 run_config={
                     "chaos-keys-dir": str(self.keys),

@@ -277,3 +277,82 @@ def test_a_late_newcomer_is_admitted_and_takes_the_state_in_the_round_it_first_a
     assert exchanges[JOIN_AT] == 2  # the envelopes' exchange, then the state's
     assert all(n == 0 for r, n in exchanges.items() if r != JOIN_AT)
     assert _first_trained(strategy, late.node_id) == JOIN_AT + 1
+
+
+@pytest.mark.parametrize("how", ["connects", "answers"])
+def test_a_node_there_when_a_round_starts_is_admitted_first_and_trains_in_that_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    w = VerifiedWorld(tmp_path, FOUNDERS + 1)
+    for p in range(FOUNDERS):
+        w.add(p)
+    if how == "answers":  # there from the start, failing every message (the churn emulation)
+        w.add(FOUNDERS).mode = "error"
+    strategy = w.strategy()
+    real_round, probes = strategy._round, strategy.join_relay.newcomers_first
+    spent: dict[int, float] = {}
+
+    def round_(run: Any, rnd: int, held: Any) -> Any:
+        if rnd == JOIN_AT:  # between rounds JOIN_AT - 1 and JOIN_AT: its SuperNode is there
+            if how == "connects":
+                w.add(FOUNDERS)
+            else:
+                w.nodes[FOUNDERS].mode = "ok"
+        return real_round(run, rnd, held)
+
+    def newcomers_first(grid: Any, rnd: int, *rest: Any) -> float:
+        sent = w.grid.pushed
+        out = probes(grid, rnd, *rest)
+        spent[rnd + 1] = w.grid.pushed - sent  # messages sent before round rnd + 1 trains
+        return out
+
+    strategy._round = round_  # type: ignore[method-assign]
+    strategy.join_relay.newcomers_first = newcomers_first  # type: ignore[method-assign]
+    strategy.start(w.grid, _initial(), num_rounds=JOIN_AT + 1, timeout=10)
+    jp, node = w.pid(FOUNDERS), w.nodes[FOUNDERS].node_id
+    rlog, jl = _join(strategy, jp)
+    base = next(r for r in strategy.rounds if r.server_round == JOIN_AT - 1 and r.digest)
+    # before round JOIN_AT trained: asked, admitted (a sponsor countersigned), and given the
+    # state that round trains on, by the ServerApp in one message, checked by its receipts
+    assert rlog.server_round == JOIN_AT and jl.ok and jl.source == "server" and jl.steps == 1
+    assert jl.server_round == JOIN_AT - 1 and jl.digest == base.digest
+    assert [e.kind for e in rlog.events if e.subject == jp] == ["join"]
+    # so it trains in round JOIN_AT, as a plain FedAvg node there at that round's start
+    assert _first_trained(strategy, node) == JOIN_AT
+    assert node in rlog.eligible and node in strategy.rounds[-1].trained
+    assert w.party(FOUNDERS).held_digest == strategy.rounds[-1].digest
+    # the query, the sponsors' exchange and the state: only in that round; a round with no
+    # unknown node sends nothing before its training (a failing one: one query each round)
+    assert spent[JOIN_AT] >= 3
+    quiet = 1 if how == "answers" else 0
+    assert all(n == quiet for r, n in spent.items() if 1 < r < JOIN_AT), spent
+    assert spent[JOIN_AT + 1] == 0
+
+
+def test_an_unknown_node_that_never_answers_delays_one_round_start_at_most(
+    tmp_path: Path,
+) -> None:
+    w = VerifiedWorld(tmp_path, FOUNDERS + 1)
+    for p in range(FOUNDERS):
+        w.add(p)
+    dead = w.add(FOUNDERS)
+    dead.mode = "dead"  # connected as far as the Grid knows, never answers
+    strategy = w.strategy()
+    probes = strategy.join_relay.newcomers_first
+    spent: dict[int, int] = {}
+
+    def newcomers_first(grid: Any, rnd: int, *rest: Any) -> float:
+        sent = w.grid.pushed
+        out = probes(grid, rnd, *rest)
+        spent[rnd + 1] = w.grid.pushed - sent
+        return out
+
+    strategy.join_relay.newcomers_first = newcomers_first  # type: ignore[method-assign]
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    # asked once before round 2 (round 1's initial state rides on its train messages), not
+    # waited for again: every round trained the founders
+    assert spent == {2: 1, 3: 0, 4: 0}
+    assert strategy.join_relay.silent == {dead.node_id}
+    trained = {r.server_round: r.trained for r in strategy.rounds if r.server_round >= 1}
+    assert all(len(t) == FOUNDERS and dead.node_id not in t for t in trained.values()), trained

@@ -30,9 +30,12 @@ actions of rounds before r are not repeated: they happened in the killed run.
 
 Which round a message belongs to is read from the message itself (``server-round`` of a train
 or evaluate config, else the Chaos record's phase and round), so the emulation does not depend
-on process memory: Flower may run a node's messages in different worker processes. Flags that
-must happen once (a leave, a link drop) are kept in ``Context.state``, which Flower carries
-per node and run.
+on process memory: Flower may run a node's messages in different worker processes. It is never
+below the newest round of a message the node took before, since messages come in time order:
+a join message that carries round ``r - 1``'s state to a node that came between rounds goes
+out after round ``r``'s query to it, so it belongs to round ``r``. That round and the flags
+that must happen once (a leave, a link drop) are kept in ``Context.state``, which Flower
+carries per node and run.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ class _Emulator:
         if pid is None:
             raise ConfigError("node_config 'partition-id' is needed by the churn emulation")
         start = _int(context.run_config.get(FLOWER_CHURN_START_ROUND_KEY, 0)) or 0
-        rnd = message_round(message, start)
+        rnd = max(message_round(message, start), _seen_round(context))
         if rnd < scenario.join_round(pid):
             raise NodeNotJoinedError(
                 f"churn: partition {pid} joins at round {scenario.join_round(pid)}, this is "
@@ -161,6 +164,7 @@ class _Emulator:
         gone = scenario.gone_round(pid)
         if gone is not None and rnd >= gone:
             raise NodeLeftError(f"churn: partition {pid} left; its node is shut down")
+        _note_round(context, rnd)  # a message the node takes: later ones are of this round on
         kill = scenario.server_kill_round()
         if (
             kill is not None
@@ -196,18 +200,35 @@ def _forget(context: Any) -> None:
     client.forget_party(context)  # looked up per call, like party_for
 
 
-def _done_events(context: Any) -> set[int]:
+def _churn_state(context: Any) -> Any:
+    """The emulation's record in ``context.state`` (made empty when absent)."""
+    from flwr.app import ConfigRecord
+
     record = context.state.config_records.get(_STATE_KEY)
     if record is None:
-        return set()
-    done = record.get("done", [])
+        record = ConfigRecord()
+        context.state[_STATE_KEY] = record
+    return record
+
+
+def _done_events(context: Any) -> set[int]:
+    done = _churn_state(context).get("done", [])
     return {int(d) for d in done} if isinstance(done, list) else set()
 
 
 def _mark_done(context: Any, done: set[int]) -> None:
-    from flwr.app import ConfigRecord
+    _churn_state(context)["done"] = sorted(done)
 
-    context.state[_STATE_KEY] = ConfigRecord({"done": sorted(done)})
+
+def _seen_round(context: Any) -> int:
+    """The newest round of a message this node took in this run (-1: none)."""
+    seen = _int(_churn_state(context).get("seen", -1))
+    return -1 if seen is None else seen
+
+
+def _note_round(context: Any, rnd: int) -> None:
+    if rnd > _seen_round(context):
+        _churn_state(context)["seen"] = rnd
 
 
 def _peer_party_id(context: Any, partition: int) -> str:

@@ -15,6 +15,14 @@ requests to the donors and the donors' shard replies back (it never assembles th
 Every joiner still pulling shares the same two exchanges per relay step (one with the
 joiners, one with the donors), so two joiners take as many exchanges as one.
 
+**Before a round** (:meth:`JoinRelay.newcomers_first`): a node connected when a round starts
+whose party the relay has never heard from (a SuperNode that came between rounds) is asked,
+admitted and given the state the round trains on before the round's train messages go out,
+so it trains in that round, as a plain FedAvg node connected then is sampled in it. A node
+that comes during training is asked with the round's certify messages and takes the state in
+that round's join, as above, so it trains in the next round: the first round a plain FedAvg
+node that came during training is sampled in.
+
 Either way nothing is sent in a round without a joiner: a churn-free round's messages are
 unchanged.
 """
@@ -45,7 +53,13 @@ from chaos_flwr.planner import lower_bound
 from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
 from chaos_flwr.state import TrainingState
 
-__all__ = ["JoinRelay"]
+__all__ = ["FLOWER_NEWCOMER_WAIT_S", "JoinRelay"]
+
+#: Longest wait (seconds) for the replies of the newcomers asked before a round's training
+#: (:meth:`JoinRelay.newcomers_first`): a newcomer that answers later is admitted with the
+#: round's certify and trains in the next round, so a node that never answers delays a round
+#: by this much at most (and only while it is connected and unknown).
+FLOWER_NEWCOMER_WAIT_S: float = 15.0
 
 
 @dataclass
@@ -90,6 +104,9 @@ class JoinRelay:
         Holders known to serve direct links (they named a direct address in a size or
         manifest reply this relay carried); with ``source="auto"`` a join whose donors
         include one is pulled, not sent by the ServerApp.
+    silent:
+        Unknown nodes that did not answer :meth:`newcomers_first`'s query by its deadline
+        (not asked before a round again).
     """
 
     def __init__(
@@ -103,6 +120,7 @@ class JoinRelay:
         self.clock = clock
         self._total: int | None = None
         self.direct_parties: set[str] = set()
+        self.silent: set[int] = set()
 
     def pull(
         self,
@@ -169,6 +187,45 @@ class JoinRelay:
                 )  # fmt: skip
             else:
                 log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
+        return self.clock() - t0
+
+    def newcomers_first(
+        self,
+        grid: Grid,
+        rnd: int,
+        digest: bytes,
+        rlog: RoundLog,
+        timeout: float,
+        state_of: Callable[[], TrainingState],
+    ) -> float:
+        """Before a round's training: ask the newcomers, admit them and give them the certified
+        state ``(rnd, digest)`` the round trains on, so they are eligible in this round.
+
+        Newcomers are connected nodes whose party the relay has never heard from, except
+        nodes whose last error said their settings are wrong and nodes that once let this
+        exchange pass unanswered (:attr:`silent`: they get their query with the round's
+        messages, as any unknown node, and are never waited for again here). With none, or
+        without a charter, nothing is sent. One exchange asks only them, waited for at most
+        :data:`FLOWER_NEWCOMER_WAIT_S`: their replies carry their join requests (a node that
+        answers with an error, e.g. one not there yet, is asked again next round). Then
+        :meth:`pull` carries the requests to sponsors and has the admitted newcomers take the
+        state (``state_of()`` builds it; it must hash to ``digest``). Returns the wall time.
+        """
+        courier = self.courier
+        if courier.view is None:
+            return 0.0
+        party_of, skip = courier.relay.party_of, set(courier.config_errors) | self.silent
+        newcomers = [n for n in grid.get_node_ids() if n not in party_of and n not in skip]
+        if not newcomers:
+            return 0.0
+        t0 = self.clock()
+        spec = PhaseSpec("relay", rnd, digest)
+        wait = min(timeout, FLOWER_NEWCOMER_WAIT_S)
+        courier.phase(grid, [], newcomers, spec, timeout=wait, log_=rlog)
+        self.silent.update(n for n in rlog.missing if n in newcomers and n not in party_of)
+        if any(n in party_of for n in newcomers):
+            state = state_of()
+            self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)
         return self.clock() - t0
 
     def _admit(self, grid: Grid, rnd: int, digest: bytes, rlog: RoundLog, timeout: float) -> None:

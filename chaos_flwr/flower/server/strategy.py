@@ -16,7 +16,9 @@ on them, so a churn-free round costs about what the inner strategy's round costs
    reply carries the party's receipt (round, digest), signed by the party's key.
 3. **joins**: live parties that lack the certified state get it: in one message from the
    ServerApp when the relay is the only path (they check it against the holders' receipts),
-   else pulled from its holders (:mod:`.joins`, :attr:`JoinSettings.source`).
+   else pulled from its holders (:mod:`.joins`, :attr:`JoinSettings.source`). A node that
+   came between rounds is admitted and takes the state before the round's training, so it
+   trains in that round (:meth:`~.joins.JoinRelay.newcomers_first`; only then).
 
 Replies are stripped of their Chaos record before the inner strategy aggregates them, so the
 inner strategy sees exactly what it would have seen without Chaos.
@@ -77,6 +79,7 @@ from chaos_flwr.flower.server.state import (
     strategy_state_of,
 )
 from chaos_flwr.flower.server.view import ServerView
+from chaos_flwr.state import TrainingState
 
 __all__ = ["ChaosStrategy"]
 
@@ -473,6 +476,7 @@ class ChaosStrategy(Strategy):
         grid, courier = run.grid, self.courier
         held = self._rolled_back(run, held)
         rlog = RoundLog(rnd)
+        rlog.join_s = _newcomers_first(self.join_relay, grid, held, rlog, run.timeout)
         known = list(grid.get_node_ids())
         prev_holders = set(courier.holding(known, held.server_round, held.digest))
         trained = self._train(run, rnd, rlog, known, held)
@@ -521,7 +525,7 @@ class ChaosStrategy(Strategy):
         if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
             log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
         else:
-            rlog.join_s = self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size, state)
+            rlog.join_s += self.join_relay.pull(grid, rnd, digest, rlog, run.timeout, size, state)
         if eval_msgs:
             agg_eval = self.inner.aggregate_evaluate(rnd, eval_replies)
             if agg_eval is not None:
@@ -604,6 +608,21 @@ class ChaosStrategy(Strategy):
             rlog.leaves = [e.subject for e in rlog.events if e.kind == "leave"]
             rlog.failures = [e.subject for e in rlog.events if e.kind == "fail"]
         self.rounds.append(rlog)
+
+
+def _newcomers_first(
+    relay: JoinRelay, grid: Grid, held: _Held, rlog: RoundLog, timeout: float
+) -> float:
+    """Before a round's training: nodes that came between rounds are admitted and take the
+    state ``held`` names, so they train in this round (:meth:`JoinRelay.newcomers_first`);
+    not before round 1 of a fresh start, whose state no party holds yet. Returns the time."""
+    if held.genesis is not None:
+        return 0.0
+
+    def state() -> TrainingState:  # hashes to held.digest, as the parties hold it
+        return certified_state(held.arrays, held.server_round, held.strategy_state)
+
+    return relay.newcomers_first(grid, held.server_round, held.digest, rlog, timeout, state)
 
 
 def _receivers(courier: Courier, grid: Grid, candidates: set[int]) -> set[int]:
