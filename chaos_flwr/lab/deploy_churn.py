@@ -161,14 +161,19 @@ def _join(
         for x in lines
         for r in x.get("chaos_rounds") or []
     )
+    rlogs = lines[-1].get("chaos_rounds") or []
+    certified = {r.get("server_round"): r.get("digest") for r in rlogs if r.get("digest")}
+    mine = [j for r in rlogs for j in r.get("joins", []) if j.get("party") == ids[joiner]]
     out["join_pulls"] = [
         {k: j.get(k) for k in ("server_round", "ok", "error", "donors", "bytes_per_donor")}
         | {"pull_s": j.get("pull_s"), "lower_bound_s": j.get("lower_bound_s")}
-        # what the joiner verified and stored is the state the round certified
-        | {"digest_ok": bool(j.get("digest")) and j.get("digest") == r.get("digest")}
-        for r in (lines[-1].get("chaos_rounds") or [])
-        for j in r.get("joins", [])
-        if j.get("party") == ids[joiner]
+        # what the joiner verified and stored is the state its round certified (the round
+        # before the one it is logged in, when it came between rounds: newcomers_first)
+        | {
+            "digest_ok": bool(j.get("digest"))
+            and j.get("digest") == certified.get(j.get("server_round"))
+        }
+        for j in mine
     ]
     return out
 
