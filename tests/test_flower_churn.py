@@ -289,11 +289,15 @@ def test_report_merges_the_killed_and_the_resumed_run_and_judges_every_event(
         "planned_bytes": {"pa": 600, "pb": 400}, "bytes_per_donor": {"pa": 600, "pb": 400},
         "planned_shards": {"pa": 3, "pb": 2}, "pull_s": 0.2, "lower_bound_s": 0.1,
     }  # fmt: skip
+    # a first try of the same state that failed (a donor lost): the report shows the one that
+    # took it
+    failed = {**join, "ok": False, "error": "TransferError: lost", "donors": ["pb"],
+              "bytes_per_donor": {}}  # fmt: skip
     logs1 = [
         _rlog(-1, []),
         _rlog(0, []),
         _rlog(1, [10, 11, 12]),
-        _rlog(2, [10, 11, 12], joins=[join],
+        _rlog(2, [10, 11, 12], joins=[failed, join],
               events=[{"kind": "join", "subject": "pd", "server_round": 2, "first_seen": 1.0,
                        "settle_s": 0.05, "record_id": "j"}]),
         _rlog(3, [10, 11, 13],
@@ -343,7 +347,7 @@ def test_report_merges_the_killed_and_the_resumed_run_and_judges_every_event(
     assert ev["server-kill @r5"]["settled"]
     assert all(e["settled"] for e in rep["events"])
     (j,) = rep["joins"]
-    assert j["donors"] == [0, 1] and j["bytes_per_donor"] == {"0": 600, "1": 400}
+    assert j["ok"] and j["donors"] == [0, 1] and j["bytes_per_donor"] == {"0": 600, "1": 400}
     assert j["delay_ratio"] == pytest.approx(2.0)
     assert j["join_to_training_s"] == pytest.approx(203.0 - 201.0)
     restart = rep["server_restart"]

@@ -478,59 +478,59 @@ def _joins(
     by_round: Mapping[int, tuple[int, Mapping[str, Any]]],
 ) -> list[dict[str, Any]]:
     out = []
-    seen: set[tuple[str, int]] = set()
+    chosen: dict[tuple[str, int], tuple[int, Mapping[str, Any], Mapping[str, Any]]] = {}
     for run_no, rlog in logs:
         for j in rlog.get("joins", []) or []:
-            party = str(j.get("party", ""))
-            key = (party, int(j.get("server_round", -1)))
-            if key in seen:
-                continue
-            seen.add(key)
-            part = parts.get(party)
-            pull_s = float(j.get("pull_s", 0.0) or 0.0)
-            bound = float(j.get("lower_bound_s", 0.0) or 0.0)
-            rnd = int(rlog.get("server_round", -1))
-            first_trained = _first_round_with(by_round, part, rnd) if part is not None else None
-            # from the start of the round of the scenario event that made it pull (its join, or
-            # its return after a crash) to the end of the first round it trained in
-            starts = [
-                ev.round
-                for ev in scenario.events
-                if ev.party == part and ev.kind in ("join", "return") and ev.round <= rnd + 1
-            ]
-            join_round = max(starts) if starts else rnd
-            start = line_time.get(join_round - 1)
-            end = line_time.get(first_trained) if first_trained is not None else None
-            out.append(
-                {
-                    "partition": part,
-                    "party": party,
-                    "run": run_no,
-                    "round": rnd,
-                    "pulled_round": j.get("server_round"),
-                    "ok": bool(j.get("ok")),
-                    "error": j.get("error", ""),
-                    "donors": [parts.get(d, d) for d in j.get("donors", [])],
-                    "planned_shards": {
-                        str(parts.get(d, d)): v for d, v in (j.get("planned_shards") or {}).items()
-                    },
-                    "planned_bytes": {
-                        str(parts.get(d, d)): v for d, v in (j.get("planned_bytes") or {}).items()
-                    },
-                    "bytes_per_donor": {
-                        str(parts.get(d, d)): v for d, v in (j.get("bytes_per_donor") or {}).items()
-                    },
-                    "lost": [parts.get(d, d) for d in j.get("lost", [])],
-                    "total_bytes": j.get("total_bytes"),
-                    "pull_s": pull_s,
-                    "lower_bound_s": bound,
-                    "delay_ratio": pull_s / bound if bound > 0 else None,
-                    "first_trained_round": first_trained,
-                    "join_to_training_s": end - start
-                    if end is not None and start is not None
-                    else None,
-                }
-            )
+            key = (str(j.get("party", "")), int(j.get("server_round", -1)))
+            if key not in chosen or (j.get("ok") and not chosen[key][2].get("ok")):
+                chosen[key] = (run_no, rlog, j)  # the first pull of a state, or the first ok
+    for run_no, rlog, j in chosen.values():
+        party = str(j.get("party", ""))
+        part = parts.get(party)
+        pull_s = float(j.get("pull_s", 0.0) or 0.0)
+        bound = float(j.get("lower_bound_s", 0.0) or 0.0)
+        rnd = int(rlog.get("server_round", -1))
+        first_trained = _first_round_with(by_round, part, rnd) if part is not None else None
+        # from the start of the round of the scenario event that made it pull (its join, or
+        # its return after a crash) to the end of the first round it trained in
+        starts = [
+            ev.round
+            for ev in scenario.events
+            if ev.party == part and ev.kind in ("join", "return") and ev.round <= rnd + 1
+        ]
+        join_round = max(starts) if starts else rnd
+        start = line_time.get(join_round - 1)
+        end = line_time.get(first_trained) if first_trained is not None else None
+        out.append(
+            {
+                "partition": part,
+                "party": party,
+                "run": run_no,
+                "round": rnd,
+                "pulled_round": j.get("server_round"),
+                "ok": bool(j.get("ok")),
+                "error": j.get("error", ""),
+                "donors": [parts.get(d, d) for d in j.get("donors", [])],
+                "planned_shards": {
+                    str(parts.get(d, d)): v for d, v in (j.get("planned_shards") or {}).items()
+                },
+                "planned_bytes": {
+                    str(parts.get(d, d)): v for d, v in (j.get("planned_bytes") or {}).items()
+                },
+                "bytes_per_donor": {
+                    str(parts.get(d, d)): v for d, v in (j.get("bytes_per_donor") or {}).items()
+                },
+                "lost": [parts.get(d, d) for d in j.get("lost", [])],
+                "total_bytes": j.get("total_bytes"),
+                "pull_s": pull_s,
+                "lower_bound_s": bound,
+                "delay_ratio": pull_s / bound if bound > 0 else None,
+                "first_trained_round": first_trained,
+                "join_to_training_s": end - start
+                if end is not None and start is not None
+                else None,
+            }
+        )
     return out
 
 

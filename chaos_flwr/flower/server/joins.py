@@ -53,13 +53,16 @@ from chaos_flwr.planner import lower_bound
 from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
 from chaos_flwr.state import TrainingState
 
-__all__ = ["FLOWER_NEWCOMER_WAIT_S", "JoinRelay"]
+__all__ = ["FLOWER_NEWCOMER_RETRY_S", "FLOWER_NEWCOMER_WAIT_S", "JoinRelay"]
 
 #: Longest wait (seconds) for the replies of the newcomers asked before a round's training
 #: (:meth:`JoinRelay.newcomers_first`): a newcomer that answers later is admitted with the
 #: round's certify and trains in the next round, so a node that never answers delays a round
 #: by this much at most (and only while it is connected and unknown).
 FLOWER_NEWCOMER_WAIT_S: float = 15.0
+#: An unknown node whose error reply to that query came within this many seconds is asked
+#: again before the next round (asking it is cheap); a slower one is not waited for again.
+FLOWER_NEWCOMER_RETRY_S: float = 1.0
 
 
 @dataclass
@@ -105,8 +108,9 @@ class JoinRelay:
         manifest reply this relay carried); with ``source="auto"`` a join whose donors
         include one is pulled, not sent by the ServerApp.
     silent:
-        Unknown nodes that did not answer :meth:`newcomers_first`'s query by its deadline
-        (not asked before a round again).
+        Unknown nodes that are not asked before a round again (:meth:`newcomers_first`): they
+        missed a deadline (of its query, or of any exchange of a round: the strategy adds
+        those), answered without a party, or were slow to answer with an error.
     """
 
     def __init__(
@@ -201,15 +205,33 @@ class JoinRelay:
         """Before a round's training: ask the newcomers, admit them and give them the certified
         state ``(rnd, digest)`` the round trains on, so they are eligible in this round.
 
-        Newcomers are connected nodes whose party the relay has never heard from, except
-        nodes whose last error said their settings are wrong and nodes that once let this
-        exchange pass unanswered (:attr:`silent`: they get their query with the round's
-        messages, as any unknown node, and are never waited for again here). With none, or
-        without a charter, nothing is sent. One exchange asks only them, waited for at most
-        :data:`FLOWER_NEWCOMER_WAIT_S`: their replies carry their join requests (a node that
-        answers with an error, e.g. one not there yet, is asked again next round). Then
+        Parameters
+        ----------
+        grid, rlog, timeout:
+            The ServerApp's Grid, the round's log, the bound of every exchange.
+        rnd, digest:
+            The certified state the round trains on.
+        state_of:
+            Builds that state (it must hash to ``digest``); called only when a newcomer is
+            admitted.
+
+        Returns
+        -------
+        float
+            The wall time it took (0.0 when nothing was sent).
+
+        Notes
+        -----
+        Newcomers are connected nodes whose party the relay has never heard from, except nodes
+        whose last error said their settings are wrong and :attr:`silent` ones. Without a
+        charter, or with none, nothing is sent. One exchange asks only them, waited for at
+        most :data:`FLOWER_NEWCOMER_WAIT_S`: their replies carry their join requests; then
         :meth:`pull` carries the requests to sponsors and has the admitted newcomers take the
-        state (``state_of()`` builds it; it must hash to ``digest``). Returns the wall time.
+        state. A node that lets the exchange pass unanswered, answers without a party, or
+        answers with an error more slowly than :data:`FLOWER_NEWCOMER_RETRY_S` becomes
+        :attr:`silent`: it still gets its query with the round's messages, as before, but is
+        never waited for here again. One that errs at once (in simulation, a node the churn
+        emulation does not let in yet) is asked again before the next round.
         """
         courier = self.courier
         if courier.view is None:
@@ -221,8 +243,11 @@ class JoinRelay:
         t0 = self.clock()
         spec = PhaseSpec("relay", rnd, digest)
         wait = min(timeout, FLOWER_NEWCOMER_WAIT_S)
-        courier.phase(grid, [], newcomers, spec, timeout=wait, log_=rlog)
-        self.silent.update(n for n in rlog.missing if n in newcomers and n not in party_of)
+        _, took = courier.phase(grid, [], newcomers, spec, timeout=wait, log_=rlog)
+        cheap = took <= FLOWER_NEWCOMER_RETRY_S
+        for n in newcomers:  # errs at once (asked again), or not waited for again
+            if n not in party_of and not (cheap and n in rlog.errors):
+                self.silent.add(n)
         if any(n in party_of for n in newcomers):
             state = state_of()
             self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)

@@ -496,8 +496,7 @@ class ChaosStrategy(Strategy):
         digest = state.digest()
         rlog.digest = digest
 
-        # certify + evaluate: the new state goes to the live nodes that held the previous one
-        # or trained on it; receipts come back. Others (joiners) get it in the join below.
+        # certify + evaluate: the new state to the previous holders and trainers (joiners: below)
         receivers = _receivers(self.courier, grid, prev_holders | set(rlog.trained))
         eval_msgs: list[Message] = []
         if len(receivers) >= min_nodes(self.inner, "evaluate"):
@@ -601,7 +600,9 @@ class ChaosStrategy(Strategy):
         return agg_arrays, fields, chosen
 
     def _finish(self, rlog: RoundLog) -> None:
-        """Fill the round's membership fields from the server-side view and keep the log."""
+        """Fill the round's membership fields from the view; keep the log; unknown nodes that
+        missed a deadline are not waited for before a round again (``JoinRelay.silent``)."""
+        self.join_relay.silent.update(n for n in rlog.missing if n not in self.relay.party_of)
         if self.view is not None:
             rlog.members = self.view.members()
             rlog.events = [e for e in self.view.events if e.server_round == rlog.server_round]
