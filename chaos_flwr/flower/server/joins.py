@@ -109,8 +109,8 @@ class JoinRelay:
         include one is pulled, not sent by the ServerApp.
     silent:
         Unknown nodes that are not asked before a round again (:meth:`newcomers_first`): they
-        missed a deadline (of its query, or of any exchange of a round: the strategy adds
-        those), answered without a party, or were slow to answer with an error.
+        missed the deadline of its query or of a restarted ServerApp's hello (the strategy
+        adds those), answered without a party, or were slow to answer with an error.
     """
 
     def __init__(

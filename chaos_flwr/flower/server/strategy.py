@@ -403,6 +403,8 @@ class ChaosStrategy(Strategy):
             pull = mode != RESUME_FRESH
             found = self.resumer.resume(grid, known, run.timeout, pull=pull)
         self.round_floor = found.round_floor
+        if found.hello is not None:  # waited for and silent: not waited for before a round
+            self.join_relay.silent.update(found.hello.missing)
         if found.report is not None:
             self.last_pull = found.report
         if found.state is not None and found.hello is not None:
@@ -600,9 +602,7 @@ class ChaosStrategy(Strategy):
         return agg_arrays, fields, chosen
 
     def _finish(self, rlog: RoundLog) -> None:
-        """Fill the round's membership fields from the view; keep the log; unknown nodes that
-        missed a deadline are not waited for before a round again (``JoinRelay.silent``)."""
-        self.join_relay.silent.update(n for n in rlog.missing if n not in self.relay.party_of)
+        """Fill the round's membership fields from the server-side view and keep the log."""
         if self.view is not None:
             rlog.members = self.view.members()
             rlog.events = [e for e in self.view.events if e.server_round == rlog.server_round]
