@@ -45,7 +45,7 @@ from chaos_flwr.flower.schema import (
     start_record,
     take_record,
 )
-from chaos_flwr.flower.server.courier import Courier, PhaseSpec
+from chaos_flwr.flower.server.courier import Courier, EligibleGrid, PhaseSpec
 from chaos_flwr.flower.server.logs import JoinLog, RoundLog, read_join_stats
 from chaos_flwr.flower.server.settings import JOIN_SOURCE_AUTO, JOIN_SOURCE_PEERS, JoinSettings
 from chaos_flwr.planner import Donor as PlanDonor
@@ -89,6 +89,23 @@ class _Step:
     taken: dict[int, list[bytes]] = field(default_factory=dict)
 
 
+class _Arrivals(EligibleGrid):
+    """The Grid as the newcomers' query uses it, noting when each node's first reply (or
+    error) was pulled (node id -> clock)."""
+
+    def __init__(self, grid: Grid, nodes: list[int], clock: Callable[[], float]) -> None:
+        super().__init__(grid, nodes)
+        self._clock = clock
+        self.at: dict[int, float] = {}
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(self._grid.pull_messages(message_ids))
+        now = self._clock()
+        for reply in replies:
+            self.at.setdefault(reply.metadata.src_node_id, now)
+        return replies
+
+
 class JoinRelay:
     """Relays the joiners' pulls of each round's certified state (module docstring).
 
@@ -109,8 +126,8 @@ class JoinRelay:
         include one is pulled, not sent by the ServerApp.
     silent:
         Unknown nodes that are not asked before a round again (:meth:`newcomers_first`): they
-        missed the deadline of its query or of a restarted ServerApp's hello (the strategy
-        adds those), answered without a party, or were slow to answer with an error.
+        missed the deadline of its query or of the ServerApp's hello (the strategy adds
+        those) while it waited for them, answered without a party, or were slow to err.
     """
 
     def __init__(
@@ -227,8 +244,9 @@ class JoinRelay:
         charter, or with none, nothing is sent. One exchange asks only them, waited for at
         most :data:`FLOWER_NEWCOMER_WAIT_S`: their replies carry their join requests; then
         :meth:`pull` carries the requests to sponsors and has the admitted newcomers take the
-        state. A node that lets the exchange pass unanswered, answers without a party, or
-        answers with an error more slowly than :data:`FLOWER_NEWCOMER_RETRY_S` becomes
+        state. A node that lets the exchange pass unanswered while it was waited for (a
+        suspect is not, next to a node that is not), answers without a party, or whose error
+        came later than :data:`FLOWER_NEWCOMER_RETRY_S` after the push becomes
         :attr:`silent`: it still gets its query with the round's messages, as before, but is
         never waited for here again. One that errs at once (in simulation, a node the churn
         emulation does not let in yet) is asked again before the next round.
@@ -241,12 +259,20 @@ class JoinRelay:
         if not newcomers:
             return 0.0
         t0 = self.clock()
+        # the exchange waits for these only (a suspect is waited for when all are suspects)
+        waited = {n for n in newcomers if n not in courier.suspects} or set(newcomers)
+        timed = _Arrivals(grid, newcomers, self.clock)
         spec = PhaseSpec("relay", rnd, digest)
         wait = min(timeout, FLOWER_NEWCOMER_WAIT_S)
-        _, took = courier.phase(grid, [], newcomers, spec, timeout=wait, log_=rlog)
-        cheap = took <= FLOWER_NEWCOMER_RETRY_S
-        for n in newcomers:  # errs at once (asked again), or not waited for again
-            if n not in party_of and not (cheap and n in rlog.errors):
+        courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog)
+        for n in newcomers:
+            if n in party_of:
+                continue
+            if n in rlog.errors:  # asked again only when its error came at once
+                slow = timed.at.get(n, float("inf")) - t0 > FLOWER_NEWCOMER_RETRY_S
+            else:  # missed a deadline it was waited for, or answered without a party
+                slow = n in waited or n not in rlog.missing
+            if slow:
                 self.silent.add(n)
         if any(n in party_of for n in newcomers):
             state = state_of()
