@@ -11,18 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_testbed import _namespaces, _root_links
 
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.lab.processes import alive, descendants
 from chaos_flwr.lab.wan_loss import LossRunSpec, loss_figures, next_round, server_loss_run
 from chaos_flwr.lab.wan_plot import plot_timeline, timeline_rows
-from chaos_flwr.transport.netns import namespaces
 from chaos_flwr.transport.shaping import parse_profile
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
@@ -152,11 +151,6 @@ def test_timeline_refuses_what_it_cannot_draw(
     assert not (tmp_path / "x.png").exists()
 
 
-def _root_links() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True)
-    return {line.split(":")[1].strip().split("@")[0] for line in out.stdout.splitlines()}
-
-
 @pytest.mark.skipif(not _CAN, reason="the testbed needs root and iproute2 (ip, tc)")
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
@@ -169,7 +163,7 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
         "inst2": {"up_mb_s": 2.5, "down_mb_s": 5.0},
     }})  # fmt: skip
     before_pids = set(descendants(os.getpid()))
-    ns_before, links_before = namespaces(), _root_links()
+    ns_before, links_before = _namespaces(), _root_links()  # a bench may run beside the suite
     spec = LossRunSpec(  # with party daemons: the resumes pull over direct links
         variant="chaos_direct", model_mib=2.0, server="superlink",
         institutions=("inst1", "inst2"), timeout_s=1700, app_dir=EXAMPLE,
@@ -189,6 +183,6 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
         assert pull["direct_bytes"] == pull["bytes"] > 1 << 20
     kinds = [e["kind"] for e in fig["events"]]
     assert kinds[-4:] == ["kill", "resume", "disk_loss", "resume"]
-    assert fig["pids_alive"] == [] and sorted(namespaces() - ns_before) == []
+    assert fig["pids_alive"] == [] and sorted(_namespaces() - ns_before) == []
     assert _root_links() <= links_before
     assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []
