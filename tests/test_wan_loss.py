@@ -20,6 +20,7 @@ from test_testbed import _namespaces, _root_links
 
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.lab.processes import alive, descendants
+from chaos_flwr.lab.report import read_progress
 from chaos_flwr.lab.wan_loss import LossRunSpec, loss_figures, next_round, server_loss_run
 from chaos_flwr.lab.wan_plot import plot_timeline, timeline_rows
 from chaos_flwr.transport.shaping import parse_profile
@@ -158,15 +159,16 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
     tmp_path: Path, flower_env: Path
 ) -> None:
     profile = parse_profile({"parties": {
-        "superlink": {"up_mb_s": 20.0, "down_mb_s": 20.0},
         "inst1": {"up_mb_s": 5.0, "down_mb_s": 10.0},
         "inst2": {"up_mb_s": 2.5, "down_mb_s": 5.0},
+        "inst3": {"up_mb_s": 5.0, "down_mb_s": 10.0},
     }})  # fmt: skip
     before_pids = set(descendants(os.getpid()))
     ns_before, links_before = _namespaces(), _root_links()  # a bench may run beside the suite
-    spec = LossRunSpec(  # with party daemons: the resumes pull over direct links
-        variant="chaos_direct", model_mib=2.0, server="superlink",
-        institutions=("inst1", "inst2"), timeout_s=1700, app_dir=EXAMPLE,
+    spec = LossRunSpec(  # with party daemons: the resumes pull over direct links; the
+        # SuperLink at an institution, so its disk loss is also that party's
+        variant="chaos_direct", model_mib=2.0, server="inst2",
+        institutions=("inst1", "inst2", "inst3"), timeout_s=1700, app_dir=EXAMPLE,
     )  # fmt: skip
     t0 = time.monotonic()
     fig = server_loss_run(profile, spec, tmp_path)
@@ -181,6 +183,17 @@ def test_chaos_resumes_after_a_serverapp_kill_and_a_server_disk_loss(
         pull = part["pull"]
         assert pull["exchanges"] == 0 and pull["direct_failed"] == []
         assert pull["direct_bytes"] == pull["bytes"] > 1 << 20
+    # inst2's party lost its disk with the server: the resume read only the other two, and
+    # it came back through a sponsored pull and trained in the resumed round with them
+    assert fig["party_disk_lost"] == "inst2"
+    resumed = read_progress(tmp_path / "progress-3.jsonl")
+    hello, first = resumed[-1]["chaos_rounds"][:2]
+    (join,) = hello["joins"]
+    assert join["ok"] and join["source"] == "pull" and join["party"] not in hello["holders"]
+    assert sorted(hello["holders"]) == sorted(
+        set(resumed[-1]["node_parties"].values()) - {join["party"]}
+    )
+    assert len(first["trained"]) == 3 and first["server_round"] == disk["resumed_round"]
     kinds = [e["kind"] for e in fig["events"]]
     assert kinds[-4:] == ["kill", "resume", "disk_loss", "resume"]
     assert fig["pids_alive"] == [] and sorted(_namespaces() - ns_before) == []

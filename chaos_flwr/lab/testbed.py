@@ -18,7 +18,9 @@ then every namespace (with its veths, bridge and qdiscs) is deleted.
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +33,8 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deployment import ClusterSite, DeploymentCluster
+from chaos_flwr.lab.processes import kill_tree_now
+from chaos_flwr.lab.settings import FLOWER_STOP_GRACE_S
 from chaos_flwr.lab.tls import TlsFiles, make_auth_key, make_tls
 from chaos_flwr.transport.netns import NetnsLan, lan, wire_rate_bit_s
 from chaos_flwr.transport.shaping import WanProfile, load_profile
@@ -98,6 +102,8 @@ class WanTestbed:
         Institution -> its SuperNode's private authentication key (registered at set-up).
     auth_public : dict
         Institution -> the public half of that key (registered again after a disk loss).
+    daemons : dict
+        Institution -> the process of the party daemon last started there.
     """
 
     net: NetnsLan
@@ -108,6 +114,7 @@ class WanTestbed:
     tls: TlsFiles
     auth_keys: dict[str, Path] = field(default_factory=dict)
     auth_public: dict[str, Path] = field(default_factory=dict)
+    daemons: dict[str, Any] = field(default_factory=dict)
 
     @property
     def latency_ms(self) -> dict[str, float]:
@@ -142,6 +149,7 @@ class WanTestbed:
                "--state-dir", str(node_config["chaos-state-dir"]), "--listen", address]  # fmt: skip
         log = f"party-{host}.log"
         proc = self.cluster.spawn(cmd, log, self.net.namespaces[host])
+        self.daemons[host] = proc
         deadline = time.monotonic() + TESTBED_DAEMON_START_S
         while time.monotonic() < deadline and proc.poll() is None:
             text = (self.cluster.logs / log).read_text(errors="replace")
@@ -149,6 +157,18 @@ class WanTestbed:
                 return address
             time.sleep(0.1)
         raise TransportError(f"the party daemon of {host} did not start; see {log}")
+
+    def kill_party_daemon(self, host: str) -> list[int]:
+        """SIGKILL ``host``'s party daemon (a crash; none started: nothing); return the pids."""
+        proc = self.daemons.pop(host, None)
+        if proc is None or proc.poll() is not None:
+            return []
+        self.cluster.note_pids()
+        victims = kill_tree_now(proc.pid)
+        self.cluster.killed.extend(victims)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=FLOWER_STOP_GRACE_S)
+        return victims
 
     def restart_superlink(self, *, lose_disk: bool = False) -> float:
         """SIGKILL the SuperLink (and its ServerApps) and start it again; with ``lose_disk``

@@ -14,7 +14,11 @@ with every institution's SuperNode started:
    SuperNode that reaches the new SuperLink before its key is registered again is refused
    (HTTP 401) and exits, as Flower's SuperNode does; each institution's SuperNode is then
    started again with its node config and its party's state directory (what a service
-   manager restarting it would do), and the figure includes that.
+   manager restarting it would do), and the figure includes that. When the SuperLink's host
+   is an institution's (the server at an institution), that disk was also its party's: the
+   party's SuperNode, ClientApps and daemon are killed with the SuperLink, its state
+   directory is deleted, and it starts again empty (a party that rejoins; the new run resumes
+   from the other parties' replicas).
 
 Variants: ``chaos`` (ChaosStrategy(FedAvg), signed parties: a new run resumes from the parties'
 replicas, through the relay), ``chaos_direct`` (the same with a party daemon beside every
@@ -27,6 +31,7 @@ not run).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -170,6 +175,21 @@ def _restart_supernodes(
     return exited
 
 
+def _crash_colocated_party(bed: WanTestbed, node: Mapping[str, object], direct: bool) -> None:
+    """The SuperLink's host is also an institution's (``bed.server``): its disk is that party's
+    disk too. Its SuperNode with its ClientApps and its party daemon are killed with SIGKILL
+    and its state directory is deleted; the daemon is started again with an empty one here,
+    and the SuperNode with the others (:func:`_restart_supernodes`): a party that lost its
+    disk, which comes back as a restarted founder with a fresh incarnation and no replica."""
+    host = bed.server
+    bed.cluster.kill_supernode(host)
+    bed.kill_party_daemon(host)
+    if "chaos-state-dir" in node:
+        shutil.rmtree(Path(str(node["chaos-state-dir"])), ignore_errors=True)
+    if direct:
+        bed.start_party_daemon(host, node, WAN_BENCH_DIRECT_PORT)
+
+
 def _recover(
     run: _Loss, variant: str, phase: int, before: int, t_loss: float
 ) -> tuple[Any, dict[str, Any]]:
@@ -218,6 +238,8 @@ def server_loss_run(
         of the ServerApp to the next finished round, ``rounds_lost``), ``disk_loss`` (the
         same after the SuperLink host's disk was lost; None for ``plain`` or when not asked),
         ``checkpoint_left`` (whether plain FedAvg's checkpoint survived the disk loss),
+        ``party_disk_lost`` (the institution whose party lost its disk with the server's, or
+        None), ``supernodes_exited`` (the other SuperNodes that exited on their own),
         ``events`` (kind, seconds from the first run's start, round) and ``pids_alive``.
     """
     tell = say or (lambda _msg: None)
@@ -265,9 +287,15 @@ def server_loss_run(
             before = max(int(x["round"]) for x in read_progress(work / "progress-2.jsonl"))
             tell(f"  round {before} done: the SuperLink host's disk is lost")
             children = {h: descendants(p.pid) for h, p in bed.cluster.supernodes.items()}
-            t_loss = bed.restart_superlink(lose_disk=True)
+            t_loss = time.time()
+            colocated = spec.server in nodes  # its party's state goes with the server's disk
+            if colocated:
+                _crash_colocated_party(bed, nodes[spec.server], spec.variant == "chaos_direct")
+            bed.restart_superlink(lose_disk=True)
             run.note("disk_loss", t_loss, before)
-            out["supernodes_exited"] = _restart_supernodes(bed, nodes, children)
+            exited = _restart_supernodes(bed, nodes, children)
+            out["supernodes_exited"] = [h for h in exited if not (colocated and h == spec.server)]
+            out["party_disk_lost"] = spec.server if colocated else None
             out["checkpoint_left"] = checkpoint.exists()
             proc, out["disk_loss"] = _recover(run, spec.variant, 3, before, t_loss)
         out["events"] = run.events
