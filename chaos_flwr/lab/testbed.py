@@ -147,16 +147,19 @@ class WanTestbed:
         cmd = [sys.executable, "-m", "chaos_flwr.cli", "party", "--key",
                str(node_config["chaos-key"]), "--charter", str(node_config["chaos-charter"]),
                "--state-dir", str(node_config["chaos-state-dir"]), "--listen", address]  # fmt: skip
-        log = f"party-{host}.log"
-        proc = self.cluster.spawn(cmd, log, self.net.namespaces[host])
+        log = self.cluster.logs / f"party-{host}.log"
+        start = log.stat().st_size if log.exists() else 0  # a restart appends to it
+        proc = self.cluster.spawn(cmd, log.name, self.net.namespaces[host])
         self.daemons[host] = proc
         deadline = time.monotonic() + TESTBED_DAEMON_START_S
         while time.monotonic() < deadline and proc.poll() is None:
-            text = (self.cluster.logs / log).read_text(errors="replace")
+            with log.open("rb") as f:
+                f.seek(start)
+                text = f.read().decode(errors="replace")
             if f"serving {address} " in text:
                 return address
             time.sleep(0.1)
-        raise TransportError(f"the party daemon of {host} did not start; see {log}")
+        raise TransportError(f"the party daemon of {host} did not start; see {log.name}")
 
     def kill_party_daemon(self, host: str) -> list[int]:
         """SIGKILL ``host``'s party daemon (a crash; none started: nothing); return the pids."""
