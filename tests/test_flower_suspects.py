@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr.serverapp.strategy import FedAvg
+from test_flower_lib_join import World
 from test_flower_strategy import VClock, _grid, _initial
 
 from chaos_flwr.flower.server import ChaosStrategy, PhaseSettings
@@ -48,3 +49,47 @@ def test_a_suspect_that_answers_after_the_others_is_waited_for_and_trains_again(
     assert slow in strategy.rounds[0].missing  # it did miss the first deadline
     last = strategy.rounds[-1]
     assert slow in last.trained and slow not in last.missing  # it answers: it is waited for
+
+
+def _slow_at_first_try_of(world: Any, rnd: int, delay_s: float) -> None:
+    """Every node's reply to its first train message of round ``rnd`` comes ``delay_s``
+    late (a host stalled once); every other reply at once."""
+    for node in world.nodes.values():
+        inner, seen = node.handler, set()
+
+        def handler(
+            msg: Any, ctx: Any, node: Any = node, inner: Any = inner, seen: Any = seen
+        ) -> Any:
+            reply = inner(msg, ctx)
+            first = msg.metadata.message_type == "train" and "train" not in seen
+            if first and int(msg.content["config"]["server-round"]) == rnd:
+                seen.add("train")
+                node.delay_s = delay_s
+            else:
+                node.delay_s = 0.0
+            return reply
+
+        node.handler = handler
+
+
+def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # every node misses round 2's train deadline once: all are suspects, round 2 is not
+    # certified, and the next try would find no eligible node; they are asked once more,
+    # answer, and train round 2 and every round after it (the failed try is one of the
+    # num_rounds tries, as a failed round is one of plain FedAvg's rounds)
+    w = World(tmp_path, 3, founders=3)
+    for p in range(3):
+        w.add(p)
+    _slow_at_first_try_of(w, 2, delay_s=1.0)
+    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    everyone = sorted(n.node_id for n in w.nodes.values())
+    stalled = [r for r in strategy.rounds if r.server_round == 2 and r.skipped]
+    assert stalled and sorted(stalled[0].missing) == everyone  # all missed it once
+    done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
+    assert done == [1, 2, 3]  # without the second ask: [1], every later try skipped
+    second = [r for r in strategy.rounds if r.server_round == 2 and not r.skipped]
+    assert sorted(second[0].trained) == everyone
+    assert all(sorted(r.trained) == everyone for r in strategy.rounds if r.server_round > 2)

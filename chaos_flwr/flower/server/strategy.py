@@ -28,8 +28,9 @@ receipts, suspects), the :class:`~.joins.JoinRelay` and the :class:`~.resume.Res
 class only delegates to the inner strategy and runs the rounds.
 
 What this strategy does **not** do by itself: decide membership. Nodes that miss a deadline or
-answer with an error are *suspects* (not waited for, not sampled) until they answer again; the
-membership of the federation is what the parties' signed records say (``view_source``).
+answer with an error are *suspects* (not waited for, not sampled) until they answer again
+(when too few nodes are eligible, the suspects holding the base are asked once before the
+round is skipped: :mod:`.sampling`); the membership of the federation is what the parties' signed records say (``view_source``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
 from chaos_flwr.flower.server.proofs import Chosen, RoundProofs
 from chaos_flwr.flower.server.pull import PullReport
 from chaos_flwr.flower.server.resume import Resumed, Resumer
+from chaos_flwr.flower.server.sampling import eligible_nodes, genesis_takers
 from chaos_flwr.flower.server.settings import (
     FLAT_KEYS,
     RESUME_FRESH,
@@ -458,8 +460,7 @@ class ChaosStrategy(Strategy):
         if (
             proofs is not None
             and fresh
-            and len(_genesis_takers(self.courier, self.relay, known))
-            >= min_nodes(self.inner, "train")
+            and len(genesis_takers(self.courier, known)) >= min_nodes(self.inner, "train")
         ):
             # signed commitments name their base, so an update trained on a state its party
             # refused never counts: the certify may ride on the first train messages
@@ -544,12 +545,13 @@ class ChaosStrategy(Strategy):
     ) -> tuple[ArrayRecord, tuple[tuple[str, Any], ...], list[Chosen]] | None:
         """The train exchange on the eligible nodes: the aggregated arrays, the certify's proof
         fields and the updates used; ``None`` when there is nothing to certify."""
-        if held.genesis is None:
-            eligible = self.courier.eligible(known, held.digest, held.server_round)
-        else:
-            eligible = _genesis_takers(self.courier, self.relay, known)
-        rlog.eligible = eligible
         need = min_nodes(self.inner, "train")
+        base = (held.server_round, held.digest)
+        rlog.eligible = eligible = (
+            genesis_takers(self.courier, known) if held.genesis is not None
+            else eligible_nodes(self.courier, run.grid, known, base, need,
+                                timeout=run.timeout, rlog=rlog)
+        )  # fmt: skip
         train_msgs: list[Message] = []
         if len(eligible) < need:
             self.courier.check_enough(known, need)
@@ -578,7 +580,6 @@ class ChaosStrategy(Strategy):
         train_replies, rlog.train_s = self.courier.phase(
             run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog
         )
-        base = (held.server_round, held.digest)
         chosen: list[Chosen] = []
         if proofs is not None and train_msgs:
             members = self.view.members() if self.view is not None else {}
@@ -683,17 +684,3 @@ def _round0_log(courier: Courier, held: _Held, rlog: RoundLog) -> RoundLog:
     log0.unsigned_receipts = list(rlog.unsigned_receipts)
     log0.holders = courier.holder_parties(held.server_round, held.digest)
     return log0
-
-
-def _genesis_takers(courier: Courier, relay: Relay, known: list[int]) -> list[int]:
-    """Who may train on an initial state that rides on the train messages: every live node
-    whose party answered the hello and is active in the signed view, since none holds the
-    state before the message comes."""
-    active = courier.active()
-    return [
-        n
-        for n in known
-        if n not in courier.suspects
-        and n in relay.party_of
-        and (active is None or relay.party_of[n] in active)
-    ]

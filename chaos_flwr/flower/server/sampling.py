@@ -1,0 +1,87 @@
+"""Who a round's training may sample, and the one exchange that brings slow nodes back.
+
+A node is *eligible* for a round's training when it is not a suspect, its verified receipt
+names the round's base state, and its party is active in the signed view
+(:meth:`Courier.eligible`). On an initial state that rides on the train messages, every live
+node whose party answered the hello and is active is (:func:`genesis_takers`).
+
+A node that misses a deadline becomes a suspect, and a suspect gets no train message until
+it answers again. So when every node was slow once (a loaded host, a long pause), the round
+is not certified, the next try finds no eligible node, and no message would ever reach the
+suspects to clear them: the run would skip every round left. :func:`eligible_nodes` therefore
+asks, when too few nodes are eligible, the suspects that hold the base state once more, in
+one relay exchange that waits for them (bounded by the round's timeout); those that answer,
+and those whose late replies come in meanwhile, are eligible again. Nothing is sent when
+enough nodes are eligible: rounds without the event are unchanged.
+"""
+
+from __future__ import annotations
+
+from flwr.serverapp import Grid
+
+from chaos_flwr.flower.server.courier import Courier, PhaseSpec
+from chaos_flwr.flower.server.logs import RoundLog
+
+__all__ = ["eligible_nodes", "genesis_takers"]
+
+
+def genesis_takers(courier: Courier, known: list[int]) -> list[int]:
+    """Who may train on an initial state that rides on the train messages: every live node
+    whose party answered the hello and is active in the signed view, since none holds the
+    state before the message comes."""
+    active, party_of = courier.active(), courier.relay.party_of
+    return [
+        n
+        for n in known
+        if n not in courier.suspects and n in party_of and (active is None or party_of[n] in active)
+    ]
+
+
+def eligible_nodes(
+    courier: Courier,
+    grid: Grid,
+    known: list[int],
+    base: tuple[int, bytes],
+    need: int,
+    *,
+    timeout: float,
+    rlog: RoundLog,
+) -> list[int]:
+    """The known nodes that may train on ``base`` (its round and digest), asking suspect
+    holders of it once more when fewer than ``need`` are eligible (module docstring).
+
+    Parameters
+    ----------
+    courier, grid:
+        The ServerApp's courier and Grid.
+    known:
+        The nodes connected at the round's start.
+    base:
+        The certified state the round trains on.
+    need:
+        The inner strategy's minimum of training nodes.
+    timeout, rlog:
+        The bound of the exchange; the round's log (its replies and misses are noted there).
+
+    Returns
+    -------
+    list of int
+        The eligible nodes, in the order of ``known``.
+    """
+    eligible = courier.eligible(known, base[1], base[0])
+    if len(eligible) >= need:
+        return eligible
+    asked = [
+        n
+        for n in known
+        if n in courier.suspects
+        and n not in courier.config_errors
+        and courier.holders.get(n, ("", -1, b""))[1:] == base
+    ]
+    if not asked:
+        return eligible
+    # every addressed node is a suspect, so the exchange waits for them (Courier.exchange);
+    # ``everyone``: each gets a message even with nothing to relay to it
+    spec = PhaseSpec("relay", base[0], base[1], everyone=True)
+    courier.phase(grid, [], asked, spec, timeout=timeout, log_=rlog)
+    return courier.eligible(known, base[1], base[0])
