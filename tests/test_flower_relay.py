@@ -13,7 +13,7 @@ from flwr.common.constant import ErrorCode
 
 from chaos_flwr.errors import ConfigError, DecodeError
 from chaos_flwr.flower.client import Party, enable, party_settings
-from chaos_flwr.flower.relay import BROADCAST, Relay, exchange
+from chaos_flwr.flower.relay import BROADCAST, ExchangeResult, Relay, exchange
 from chaos_flwr.flower.schema import (
     CHAOS_MESSAGE_TYPE,
     CHAOS_RECORD_KEY,
@@ -173,6 +173,48 @@ def test_exchange_returns_as_soon_as_the_awaited_nodes_answered() -> None:
     )
     assert set(res.replies) == {alive.node_id} and res.missing == {dead.node_id}
     assert res.elapsed_s < 0.1
+
+
+def _stalled(delays: list[float | None], stall_s: float | None) -> tuple[ExchangeResult, list[int]]:
+    """One exchange (deadline 1 s) with nodes answering after ``delays`` (None: dead)."""
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    nodes = [grid.add_node(app) for _ in delays]
+    for node, delay in zip(nodes, delays, strict=True):
+        node.mode, node.delay_s = ("dead", 0.0) if delay is None else ("ok", delay)
+    msgs = [
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE) for n in nodes
+    ]
+    res = exchange(
+        grid, msgs, timeout_s=1.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep,
+        stall_s=stall_s,
+    )  # fmt: skip
+    return res, [n.node_id for n in nodes]
+
+
+def test_a_stalled_exchange_waits_on_for_the_first_answer_then_a_grace() -> None:
+    # every node past the deadline: the first answer at 4 s, the second within the grace
+    res, (a, b) = _stalled([4.0, 4.3], stall_s=10.0)
+    assert set(res.replies) == {a, b} and res.missing == set()
+    assert 4.3 <= res.elapsed_s < 4.5
+    # the second one after the grace (half the 1 s deadline past the first answer) is missing
+    res, (a, b) = _stalled([4.0, 6.0], stall_s=10.0)
+    assert set(res.replies) == {a} and res.missing == {b}
+    assert 4.5 <= res.elapsed_s < 4.7
+    # nobody answers at all: it ends at the stall bound
+    res, (a, b) = _stalled([None, 20.0], stall_s=10.0)
+    assert res.missing == {a, b} and 10.0 <= res.elapsed_s < 10.2
+
+
+def test_an_exchange_with_an_answer_by_its_deadline_or_no_stall_bound_ends_at_it() -> None:
+    # one node answered in time: the others are late, not a stall
+    res, (a, b) = _stalled([0.2, 4.0], stall_s=10.0)
+    assert set(res.replies) == {a} and res.missing == {b}
+    assert 1.0 <= res.elapsed_s < 1.2
+    # without stall_s the deadline is final, as before
+    res, (a, b) = _stalled([4.0, 4.3], stall_s=None)
+    assert res.missing == {a, b} and 1.0 <= res.elapsed_s < 1.2
 
 
 def test_a_reply_that_misses_its_deadline_is_collected_by_a_later_exchange() -> None:

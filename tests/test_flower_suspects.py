@@ -10,9 +10,11 @@ sampled and never pulled (tests/test_flower_churn.py: "join p5 @r3" unsettled).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+from fake_grid import FakeGrid
 from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import World
 from test_flower_strategy import VClock, _grid, _initial
@@ -75,15 +77,18 @@ def _slow_at_first_try_of(world: Any, rnd: int, delay_s: float) -> None:
 def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:
-    # every node misses round 2's train deadline once: all are suspects, round 2 is not
-    # certified, and the next try would find no eligible node; they are asked once more,
-    # answer, and train round 2 and every round after it (the failed try is one of the
-    # num_rounds tries, as a failed round is one of plain FedAvg's rounds)
+    # every node misses round 2's train deadline once, and the ceiling a stalled exchange
+    # waits on to: all are suspects, round 2 is not certified, and the next try would find
+    # no eligible node; they are asked once more, answer, and train round 2 and every round
+    # after it (the failed try is one of the num_rounds tries, as a failed round is one of
+    # plain FedAvg's rounds)
     w = World(tmp_path, 3, founders=3)
+    w.grid = FakeGrid(clock=time.monotonic)  # replies come after their delay in real time
     for p in range(3):
         w.add(p)
     _slow_at_first_try_of(w, 2, delay_s=1.0)
-    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
+    phases = PhaseSettings(phase_timeout_s=0.3, deadline_floor_s=0.3, deadline_ceiling_s=0.6)
+    strategy = w.strategy(phases=phases)
     strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
     everyone = sorted(n.node_id for n in w.nodes.values())
     stalled = [r for r in strategy.rounds if r.server_round == 2 and r.skipped]
@@ -93,3 +98,23 @@ def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes
     second = [r for r in strategy.rounds if r.server_round == 2 and not r.skipped]
     assert sorted(second[0].trained) == everyone
     assert all(sorted(r.trained) == everyone for r in strategy.rounds if r.server_round > 2)
+
+
+def test_when_every_node_stalls_past_its_deadline_the_exchange_waits_on_for_them(
+    tmp_path: Path,
+) -> None:
+    # the same stall within the deadline ceiling: the train exchange waits on, nothing is
+    # missed, and round 2 is certified at its first try (no training thrown away)
+    w = World(tmp_path, 3, founders=3)
+    w.grid = FakeGrid(clock=time.monotonic)  # replies come after their delay in real time
+    for p in range(3):
+        w.add(p)
+    _slow_at_first_try_of(w, 2, delay_s=1.0)
+    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    everyone = sorted(n.node_id for n in w.nodes.values())
+    (second,) = [r for r in strategy.rounds if r.server_round == 2]
+    assert second.skipped == "" and second.missing == [] and sorted(second.trained) == everyone
+    assert second.train_s >= 1.0  # it did wait past the 0.3 s deadline
+    done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
+    assert done == [1, 2, 3, 4]

@@ -219,6 +219,38 @@ class ExchangeResult:
     reasons: dict[int, str] = field(default_factory=dict)
 
 
+#: After a stalled exchange's first answer, the others' further wait, as a fraction of the
+#: exchange's deadline (see :class:`_Deadline`).
+STALL_GRACE: float = 0.5
+
+
+@dataclass
+class _Deadline:
+    """When an exchange stops waiting (``stall_s`` of :func:`exchange`).
+
+    At ``at``, unless no waited node has answered: then they all stalled at once (a loaded
+    host or link, not as many crashes), and ending would only throw their work away. The
+    wait then goes on, up to ``end``, until the first of them answers, and from then for
+    :data:`STALL_GRACE` of the deadline's ``length`` more for the others.
+    """
+
+    at: float
+    end: float
+    length: float
+    stalled: bool = False
+
+    def passed(self, now: float, answered: set[int]) -> bool:
+        """Whether to stop at ``now``; ``answered``: the waited nodes that answered."""
+        if self.stalled and answered:  # the first answer after a stall: a grace for the rest
+            self.at, self.stalled = min(self.end, now + self.length * STALL_GRACE), False
+        if now < self.at:
+            return False
+        if self.stalled or answered or now >= self.end:
+            return True
+        self.at, self.stalled = self.end, True
+        return False
+
+
 def exchange(
     grid: Grid,
     messages: Sequence[Message],
@@ -229,6 +261,7 @@ def exchange(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     late: Mapping[str, int] | None = None,
+    stall_s: float | None = None,
 ) -> ExchangeResult:
     """Push ``messages``, then pull replies until all of ``wait_for`` answered or the deadline.
 
@@ -240,28 +273,27 @@ def exchange(
         Usually one message per destination node; several to one node are allowed (their
         replies are in ``by_message``; the node counts as answered once all of them are).
     timeout_s:
-        Hard deadline of the exchange; nothing here waits longer.
+        The exchange's deadline (see ``stall_s``).
     wait_for:
-        Nodes whose replies end the wait (default: every destination). Replies of other
-        destinations that arrive in time are returned too; suspected-dead nodes go here so
-        that they never hold a phase up.
-    poll_interval_s:
-        Pause between pulls.
+        Nodes whose replies end the wait (default: every destination); replies of others
+        that arrive in time are returned too (suspected-dead nodes never hold a phase up).
+    poll_interval_s, clock, sleep:
+        Pause between pulls; the time source and the pause.
     late:
         Message id -> node of earlier messages whose replies missed their deadline: they are
         pulled too (never waited for) and returned in ``late``.
+    stall_s:
+        Past the deadline with none of ``wait_for`` answered, wait on up to ``stall_s`` from
+        the start (:class:`_Deadline`); ``None``: the deadline is final.
     """
     start = clock()
     ids = list(grid.push_messages(messages))
-    node_of_msg: dict[str, int] = {
-        mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)
-    }
+    node_of_msg = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)}
     outstanding = set(node_of_msg)
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
-    replies: dict[int, Message] = {}
-    by_message: dict[str, Message] = {}
+    replies, by_message = dict[int, Message](), dict[str, Message]()
     errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
-    deadline = start + timeout_s
+    deadline = _Deadline(start + timeout_s, start + max(timeout_s, stall_s or 0.0), timeout_s)
     late_out = dict(late or {})
     late_replies: dict[int, Message] = {}
     while outstanding:
@@ -284,9 +316,9 @@ def exchange(
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
         answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
-        if not outstanding or waiting <= answered or clock() >= deadline:
+        if not outstanding or waiting <= answered or deadline.passed(clock(), waiting & answered):
             break
-        sleep(min(poll_interval_s, max(0.0, deadline - clock())))
+        sleep(min(poll_interval_s, max(0.0, deadline.at - clock())))
     missing = {node_of_msg[mid] for mid in outstanding}
     return ExchangeResult(
         replies,

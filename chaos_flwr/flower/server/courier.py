@@ -13,11 +13,11 @@ those not sampled for evaluation (they get the new state). It also says which no
 eligible for sampling (:meth:`Courier.eligible`) and gives the inner strategy a Grid that lists
 only those (:class:`EligibleGrid`).
 
-Deadlines follow the federation: every reply's time (from the push to the pull that brought it)
-feeds the node's history per kind of message (:class:`~.deadlines.ReplyTimes`), and an
-exchange waits until the latest deadline of its non-suspect nodes. A node dropped for lateness
-is logged with the deadline it missed; when its reply comes after all (it is pulled with a later
-exchange), its measured time is logged and joins its history, so the next deadline covers it.
+Deadlines follow the federation: every reply's time (push to the pull that brought it) feeds
+the node's history per kind of message (:class:`~.deadlines.ReplyTimes`); an exchange waits
+until the latest deadline of its non-suspect nodes, and on (``stall_s``) if none answered. A
+node dropped for lateness is logged with the deadline it missed; when its reply comes after all
+(pulled with a later exchange), its time is logged and joins its history.
 
 Misconfigured parties stop the run: a node whose error reply says its ClientApp raised a
 :class:`~chaos_flwr.errors.ConfigError` is kept in :attr:`Courier.config_errors`; when every node
@@ -442,7 +442,8 @@ class Courier:
         log_: RoundLog,
     ) -> ExchangeResult:
         """Run one deadline-bounded exchange; absorb the parties' Chaos records."""
-        addressed = {m.metadata.dst_node_id for m in msgs}
+        dst = [m.metadata.dst_node_id for m in msgs]
+        addressed = set(dst)
         # suspects are not waited for, unless every addressed node is one: then nothing would
         # ever be waited for again (each exchange would end at its first pull, before any reply
         # could come, and no late reply could clear a suspicion), so wait for them, bounded
@@ -462,10 +463,9 @@ class Courier:
             clock=self.clock,
             sleep=self.sleep,
             late=self._late,
+            stall_s=self.times.stall_bound(timeout) if wait_for - self.suspects else None,
         )
-        node_of_msg = dict(
-            zip(res.message_ids, (m.metadata.dst_node_id for m in msgs), strict=True)
-        )
+        node_of_msg = dict(zip(res.message_ids, dst, strict=True))
         self._time_replies(res, timed.seen, pushed_at, node_of_msg, kinds, deadline)
         self._take_late(res, addressed, log_)
         absorbed: set[int] = set()

@@ -65,6 +65,12 @@ class ReplyTimes:
         wait = quantile(times, s.deadline_quantile) * (1.0 + s.deadline_margin)
         return min(max(wait, s.floor_s), s.deadline_ceiling_s)
 
+    def stall_bound(self, timeout: float) -> float:
+        """How long an exchange whose waited nodes all stalled may wait on for their first
+        answer (``stall_s`` of :func:`chaos_flwr.flower.relay.exchange`): the deadline
+        ceiling, never past the phase's ``timeout``."""
+        return min(timeout, self.settings.deadline_ceiling_s)
+
     def exchange_deadline(self, kinds: Mapping[int, str], wait_for: Iterable[int]) -> float:
         """An exchange's deadline: the latest deadline of the nodes it waits for (the first
         deadline when it waits for none)."""
