@@ -212,6 +212,11 @@ def test_an_exchange_with_an_answer_by_its_deadline_or_no_stall_bound_ends_at_it
     res, (a, b) = _stalled([0.2, 4.0], stall_s=10.0)
     assert set(res.replies) == {a} and res.missing == {b}
     assert 1.0 <= res.elapsed_s < 1.2
+    # a single waited node's silence may be its crash: not a stall, the deadline holds
+    res, (a,) = _stalled([4.0], stall_s=10.0)
+    assert res.missing == {a} and 1.0 <= res.elapsed_s < 1.2
+    res, (a, b) = _stalled([None, 0.2], stall_s=10.0)  # one of two answered: no stall either
+    assert res.missing == {a} and 1.0 <= res.elapsed_s < 1.2
     # without stall_s the deadline is final, as before
     res, (a, b) = _stalled([4.0, 4.3], stall_s=None)
     assert res.missing == {a, b} and 1.0 <= res.elapsed_s < 1.2

@@ -222,6 +222,9 @@ class ExchangeResult:
 #: After a stalled exchange's first answer, the others' further wait, as a fraction of the
 #: exchange's deadline (see :class:`_Deadline`).
 STALL_GRACE: float = 0.5
+#: The fewest waited nodes whose silence past the deadline is taken for a stall: one node's is
+#: indistinguishable from its crash, which must not hold an exchange up to the ceiling.
+STALL_MIN_NODES: int = 2
 
 
 @dataclass
@@ -238,6 +241,13 @@ class _Deadline:
     end: float
     length: float
     stalled: bool = False
+
+    @classmethod
+    def starting(cls, start: float, length: float, stall_s: float | None, waited: int) -> _Deadline:
+        """The deadline of an exchange started at ``start`` that waits for ``waited`` nodes."""
+        if stall_s is None or waited < STALL_MIN_NODES:
+            stall_s = length
+        return cls(start + length, start + max(length, stall_s), length)
 
     def passed(self, now: float, answered: set[int]) -> bool:
         """Whether to stop at ``now``; ``answered``: the waited nodes that answered."""
@@ -283,8 +293,9 @@ def exchange(
         Message id -> node of earlier messages whose replies missed their deadline: they are
         pulled too (never waited for) and returned in ``late``.
     stall_s:
-        Past the deadline with none of ``wait_for`` answered, wait on up to ``stall_s`` from
-        the start (:class:`_Deadline`); ``None``: the deadline is final.
+        Past the deadline with none of ``wait_for`` (at least :data:`STALL_MIN_NODES`)
+        answered, wait on up to ``stall_s`` from the start (:class:`_Deadline`); ``None``: the
+        deadline is final.
     """
     start = clock()
     ids = list(grid.push_messages(messages))
@@ -293,9 +304,8 @@ def exchange(
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
     replies, by_message = dict[int, Message](), dict[str, Message]()
     errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
-    deadline = _Deadline(start + timeout_s, start + max(timeout_s, stall_s or 0.0), timeout_s)
-    late_out = dict(late or {})
-    late_replies: dict[int, Message] = {}
+    deadline = _Deadline.starting(start, timeout_s, stall_s, len(waiting))
+    late_out, late_replies = dict(late or {}), dict[int, Message]()
     while outstanding:
         asked = [m for m in ids if m in outstanding] + list(late_out)
         for reply in grid.pull_messages(asked):
