@@ -175,16 +175,23 @@ def test_exchange_returns_as_soon_as_the_awaited_nodes_answered() -> None:
     assert res.elapsed_s < 0.1
 
 
-def _stalled(delays: list[float | None], stall_s: float | None) -> tuple[ExchangeResult, list[int]]:
-    """One exchange (deadline 1 s) with nodes answering after ``delays`` (None: dead)."""
+def _stalled(
+    delays: list[float | str | None], stall_s: float | None, ttl: float | None = None
+) -> tuple[ExchangeResult, list[int]]:
+    """One exchange (deadline 1 s) with nodes answering after ``delays`` (None: dead;
+    "error": an error reply at once), its messages living ``ttl``."""
     clock = VClock()
     grid = FakeGrid(clock=clock)
     app = _query_app()
     nodes = [grid.add_node(app) for _ in delays]
     for node, delay in zip(nodes, delays, strict=True):
-        node.mode, node.delay_s = ("dead", 0.0) if delay is None else ("ok", delay)
+        if isinstance(delay, float):
+            node.delay_s = delay
+        else:
+            node.mode = "dead" if delay is None else "error"
     msgs = [
-        Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE) for n in nodes
+        Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE, ttl=ttl)
+        for n in nodes
     ]
     res = exchange(
         grid, msgs, timeout_s=1.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep,
@@ -205,6 +212,12 @@ def test_a_stalled_exchange_waits_on_for_the_first_answer_then_a_grace() -> None
     # nobody answers at all: it ends at the stall bound
     res, (a, b) = _stalled([None, 20.0], stall_s=10.0)
     assert res.missing == {a, b} and 10.0 <= res.elapsed_s < 10.2
+    # an error reply (a crashed node's) is no answer of the others: they are still waited on
+    res, (a, b, c) = _stalled(["error", 4.0, 4.2], stall_s=10.0)
+    assert set(res.replies) == {b, c} and set(res.errors) == {a} and res.missing == set()
+    # never past the messages' time to live (an expired message gets an error, not a reply)
+    res, (a, b) = _stalled([None, 20.0], stall_s=10.0, ttl=3.0)
+    assert res.missing == {a, b} and 2.7 <= res.elapsed_s < 2.9
 
 
 def test_an_exchange_with_an_answer_by_its_deadline_or_no_stall_bound_ends_at_it() -> None:

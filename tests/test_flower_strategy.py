@@ -473,10 +473,9 @@ def test_nodes_that_all_missed_a_deadline_are_waited_for_again_once_they_answer(
 def test_when_every_node_is_a_suspect_the_next_exchange_still_waits_for_them() -> None:
     clock = VClock()
     grid = _grid(True, n=3, clock=clock)
-    for (
-        node
-    ) in grid.get_node_ids():  # round 0's certify misses its deadline everywhere, and than the
-        # ceiling a stalled exchange waits on to (a stall, not a slow spell)
+    # round 0's certify misses its deadline everywhere, and the ceiling a stalled exchange
+    # waits on to (a stall, not a slow spell)
+    for node in grid.get_node_ids():
         grid.node(node).delay_s = 5.0
     strategy = ChaosStrategy(
         FedAvg(min_available_nodes=3),

@@ -225,13 +225,16 @@ STALL_GRACE: float = 0.5
 #: The fewest waited nodes whose silence past the deadline is taken for a stall: one node's is
 #: indistinguishable from its crash, which must not hold an exchange up to the ceiling.
 STALL_MIN_NODES: int = 2
+#: A stall waits on at most this share of its messages' shortest time to live (the ttl runs
+#: from the message's creation, a little before the push).
+STALL_TTL_SHARE: float = 0.9
 
 
 @dataclass
 class _Deadline:
     """When an exchange stops waiting (``stall_s`` of :func:`exchange`).
 
-    At ``at``, unless no waited node has answered: then they all stalled at once (a loaded
+    At ``at``, unless no waited node has replied: then they all stalled at once (a loaded
     host or link, not as many crashes), and ending would only throw their work away. The
     wait then goes on, up to ``end``, until the first of them answers, and from then for
     :data:`STALL_GRACE` of the deadline's ``length`` more for the others.
@@ -240,17 +243,31 @@ class _Deadline:
     at: float
     end: float
     length: float
+    waiting: frozenset[int]
     stalled: bool = False
 
     @classmethod
-    def starting(cls, start: float, length: float, stall_s: float | None, waited: int) -> _Deadline:
-        """The deadline of an exchange started at ``start`` that waits for ``waited`` nodes."""
-        if stall_s is None or waited < STALL_MIN_NODES:
+    def starting(
+        cls,
+        start: float,
+        length: float,
+        stall_s: float | None,
+        messages: Sequence[Message],
+        waiting: set[int],
+    ) -> _Deadline:
+        """The deadline of an exchange started at ``start`` that waits for ``waiting``. A
+        stall never waits past :data:`STALL_TTL_SHARE` of the shortest time to live of their
+        messages: an expired message is answered with an error, not a reply."""
+        if stall_s is None or len(waiting) < STALL_MIN_NODES:
             stall_s = length
-        return cls(start + length, start + max(length, stall_s), length)
+        ttls = [m.metadata.ttl for m in messages if m.metadata.dst_node_id in waiting]
+        stall_s = min([stall_s, *(t * STALL_TTL_SHARE for t in ttls if t)])
+        return cls(start + length, start + max(length, stall_s), length, frozenset(waiting))
 
-    def passed(self, now: float, answered: set[int]) -> bool:
-        """Whether to stop at ``now``; ``answered``: the waited nodes that answered."""
+    def passed(self, now: float, replied: set[int]) -> bool:
+        """Whether to stop at ``now``; ``replied``: the nodes that replied so far (an error
+        reply, e.g. a crashed node's, says nothing about a stall of the others)."""
+        answered = replied & self.waiting
         if self.stalled and answered:  # the first answer after a stall: a grace for the rest
             self.at, self.stalled = min(self.end, now + self.length * STALL_GRACE), False
         if now < self.at:
@@ -293,9 +310,8 @@ def exchange(
         Message id -> node of earlier messages whose replies missed their deadline: they are
         pulled too (never waited for) and returned in ``late``.
     stall_s:
-        Past the deadline with none of ``wait_for`` (at least :data:`STALL_MIN_NODES`)
-        answered, wait on up to ``stall_s`` from the start (:class:`_Deadline`); ``None``: the
-        deadline is final.
+        Past the deadline with no reply from ``wait_for``, wait on up to ``stall_s`` from the
+        start (:class:`_Deadline`); ``None``: the deadline is final.
     """
     start = clock()
     ids = list(grid.push_messages(messages))
@@ -304,7 +320,7 @@ def exchange(
     waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
     replies, by_message = dict[int, Message](), dict[str, Message]()
     errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
-    deadline = _Deadline.starting(start, timeout_s, stall_s, len(waiting))
+    deadline = _Deadline.starting(start, timeout_s, stall_s, messages, waiting)
     late_out, late_replies = dict(late or {}), dict[int, Message]()
     while outstanding:
         asked = [m for m in ids if m in outstanding] + list(late_out)
@@ -326,7 +342,7 @@ def exchange(
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
         answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
-        if not outstanding or waiting <= answered or deadline.passed(clock(), waiting & answered):
+        if not outstanding or waiting <= answered or deadline.passed(clock(), set(replies)):
             break
         sleep(min(poll_interval_s, max(0.0, deadline.at - clock())))
     missing = {node_of_msg[mid] for mid in outstanding}

@@ -149,6 +149,8 @@ class WanTestbed:
                "--state-dir", str(node_config["chaos-state-dir"]), "--listen", address]  # fmt: skip
         log = self.cluster.logs / f"party-{host}.log"
         start = log.stat().st_size if log.exists() else 0  # a restart appends to it
+        if host in self.daemons and self.daemons[host].poll() is None:
+            raise ConfigError(f"the party daemon of {host} is already running")
         proc = self.cluster.spawn(cmd, log.name, self.net.namespaces[host])
         self.daemons[host] = proc
         deadline = time.monotonic() + TESTBED_DAEMON_START_S

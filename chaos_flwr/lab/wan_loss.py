@@ -288,6 +288,7 @@ def server_loss_run(
             tell(f"  round {before} done: the SuperLink host's disk is lost")
             children = {h: descendants(p.pid) for h, p in bed.cluster.supernodes.items()}
             t_loss = time.time()
+            bed.cluster.kill_serverapps()  # at once: no round finishes during what follows
             colocated = spec.server in nodes  # its party's state goes with the server's disk
             if colocated:
                 _crash_colocated_party(bed, nodes[spec.server], spec.variant == "chaos_direct")

@@ -9,10 +9,11 @@ A node that misses a deadline becomes a suspect, and a suspect gets no train mes
 it answers again. So when every node was slow once (a loaded host, a long pause), the round
 is not certified, the next try finds no eligible node, and no message would ever reach the
 suspects to clear them: the run would skip every round left. :func:`eligible_nodes` therefore
-asks, when too few nodes are eligible, the suspects that hold the base state once more, in
-one relay exchange that waits for them (bounded by the round's timeout); those that answer,
-and those whose late replies come in meanwhile, are eligible again. Nothing is sent when
-enough nodes are eligible: rounds without the event are unchanged.
+asks, when too few nodes are eligible, the live suspects active in the view once more (enough
+of them to reach the minimum), in one relay exchange that waits for them as long as their
+train replies may take; those that answer (with a receipt of the base, if they took the last
+certify late) are eligible again. Nothing is sent when enough nodes are eligible: rounds
+without the event are unchanged.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def eligible_nodes(
     timeout: float,
     rlog: RoundLog,
 ) -> list[int]:
-    """The known nodes that may train on ``base`` (its round and digest), asking suspect
-    holders of it once more when fewer than ``need`` are eligible (module docstring).
+    """The known nodes that may train on ``base`` (its round and digest), asking the
+    suspects once more when fewer than ``need`` are eligible (module docstring).
 
     Parameters
     ----------
@@ -71,17 +72,21 @@ def eligible_nodes(
     eligible = courier.eligible(known, base[1], base[0])
     if len(eligible) >= need:
         return eligible
+    active, party_of = courier.active(), courier.relay.party_of
     asked = [
         n
         for n in known
         if n in courier.suspects
         and n not in courier.config_errors
-        and courier.holders.get(n, ("", -1, b""))[1:] == base
+        and n in party_of
+        and (active is None or party_of[n] in active)
     ]
-    if not asked:
+    if not asked or len(eligible) + len(asked) < need:
         return eligible
-    # every addressed node is a suspect, so the exchange waits for them (Courier.exchange);
-    # ``everyone``: each gets a message even with nothing to relay to it
+    # every addressed node is a suspect, so the exchange waits for them (Courier.exchange),
+    # as long as their train replies may take; ``everyone``: each gets a message even with
+    # nothing to relay to it
+    wait = min(timeout, max(courier.times.deadline("relay:train", n) for n in asked))
     spec = PhaseSpec("relay", base[0], base[1], everyone=True)
-    courier.phase(grid, [], asked, spec, timeout=timeout, log_=rlog)
+    courier.phase(grid, [], asked, spec, timeout=wait, log_=rlog)
     return courier.eligible(known, base[1], base[0])
