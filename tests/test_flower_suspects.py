@@ -74,6 +74,21 @@ def _slow_at_first_try_of(world: Any, rnd: int, delay_s: float) -> None:
         node.handler = handler
 
 
+def _run_with_round_2_stalled(
+    tmp_path: Path, phases: PhaseSettings
+) -> tuple[ChaosStrategy, list[int]]:
+    """4 rounds of 3 signed parties whose first round-2 train replies come 1 s late; the
+    strategy after the run and the sorted node ids."""
+    w = World(tmp_path, 3, founders=3)
+    w.grid = FakeGrid(clock=time.monotonic)  # replies come after their delay in real time
+    for p in range(3):
+        w.add(p)
+    _slow_at_first_try_of(w, 2, delay_s=1.0)
+    strategy = w.strategy(phases=phases)
+    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
+    return strategy, sorted(n.node_id for n in w.nodes.values())
+
+
 def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -82,15 +97,8 @@ def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes
     # no eligible node; they are asked once more, answer, and train round 2 and every round
     # after it (the failed try is one of the num_rounds tries, as a failed round is one of
     # plain FedAvg's rounds)
-    w = World(tmp_path, 3, founders=3)
-    w.grid = FakeGrid(clock=time.monotonic)  # replies come after their delay in real time
-    for p in range(3):
-        w.add(p)
-    _slow_at_first_try_of(w, 2, delay_s=1.0)
     phases = PhaseSettings(phase_timeout_s=0.3, deadline_floor_s=0.3, deadline_ceiling_s=0.6)
-    strategy = w.strategy(phases=phases)
-    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
-    everyone = sorted(n.node_id for n in w.nodes.values())
+    strategy, everyone = _run_with_round_2_stalled(tmp_path, phases)
     stalled = [r for r in strategy.rounds if r.server_round == 2 and r.skipped]
     assert stalled and sorted(stalled[0].missing) == everyone  # all missed it once
     done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
@@ -105,14 +113,7 @@ def test_when_every_node_stalls_past_its_deadline_the_exchange_waits_on_for_them
 ) -> None:
     # the same stall within the deadline ceiling: the train exchange waits on, nothing is
     # missed, and round 2 is certified at its first try (no training thrown away)
-    w = World(tmp_path, 3, founders=3)
-    w.grid = FakeGrid(clock=time.monotonic)  # replies come after their delay in real time
-    for p in range(3):
-        w.add(p)
-    _slow_at_first_try_of(w, 2, delay_s=1.0)
-    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
-    strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
-    everyone = sorted(n.node_id for n in w.nodes.values())
+    strategy, everyone = _run_with_round_2_stalled(tmp_path, PhaseSettings(phase_timeout_s=0.3))
     (second,) = [r for r in strategy.rounds if r.server_round == 2]
     assert second.skipped == "" and second.missing == [] and sorted(second.trained) == everyone
     assert second.train_s >= 1.0  # it did wait past the 0.3 s deadline
