@@ -315,7 +315,11 @@ class DeploymentCluster:
 
     def kill_supernode(self, name: str) -> list[int]:
         """SIGKILL a SuperNode and its ClientApp processes at once (a crash)."""
-        proc = self.supernodes[name]
+        return self.kill(self.supernodes[name])
+
+    def kill(self, proc: subprocess.Popen[Any]) -> list[int]:
+        """SIGKILL a process this cluster started, with every process below it (a crash);
+        return the pids signalled."""
         self.note_pids()
         victims = kill_tree_now(proc.pid)
         self.killed.extend(victims)

@@ -18,9 +18,7 @@ then every namespace (with its veths, bridge and qdiscs) is deleted.
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,8 +31,6 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.deployment import ClusterSite, DeploymentCluster
-from chaos_flwr.lab.processes import kill_tree_now
-from chaos_flwr.lab.settings import FLOWER_STOP_GRACE_S
 from chaos_flwr.lab.tls import TlsFiles, make_auth_key, make_tls
 from chaos_flwr.transport.netns import NetnsLan, lan, wire_rate_bit_s
 from chaos_flwr.transport.shaping import WanProfile, load_profile
@@ -168,12 +164,7 @@ class WanTestbed:
         proc = self.daemons.pop(host, None)
         if proc is None or proc.poll() is not None:
             return []
-        self.cluster.note_pids()
-        victims = kill_tree_now(proc.pid)
-        self.cluster.killed.extend(victims)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=FLOWER_STOP_GRACE_S)
-        return victims
+        return self.cluster.kill(proc)
 
     def restart_superlink(self, *, lose_disk: bool = False) -> float:
         """SIGKILL the SuperLink (and its ServerApps) and start it again; with ``lose_disk``

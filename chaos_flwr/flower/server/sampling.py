@@ -30,12 +30,13 @@ def genesis_takers(courier: Courier, known: list[int]) -> list[int]:
     """Who may train on an initial state that rides on the train messages: every live node
     whose party answered the hello and is active in the signed view, since none holds the
     state before the message comes."""
+    return [n for n in _active_parties(courier, known) if n not in courier.suspects]
+
+
+def _active_parties(courier: Courier, nodes: list[int]) -> list[int]:
+    """The ``nodes`` whose party the relay knows and the signed view lists as active."""
     active, party_of = courier.active(), courier.relay.party_of
-    return [
-        n
-        for n in known
-        if n not in courier.suspects and n in party_of and (active is None or party_of[n] in active)
-    ]
+    return [n for n in nodes if n in party_of and (active is None or party_of[n] in active)]
 
 
 def eligible_nodes(
@@ -72,14 +73,10 @@ def eligible_nodes(
     eligible = courier.eligible(known, base[1], base[0])
     if len(eligible) >= need:
         return eligible
-    active, party_of = courier.active(), courier.relay.party_of
     asked = [
         n
-        for n in known
-        if n in courier.suspects
-        and n not in courier.config_errors
-        and n in party_of
-        and (active is None or party_of[n] in active)
+        for n in _active_parties(courier, known)
+        if n in courier.suspects and n not in courier.config_errors
     ]
     if not asked or len(eligible) + len(asked) < need:
         return eligible

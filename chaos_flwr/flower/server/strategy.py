@@ -29,8 +29,8 @@ class only delegates to the inner strategy and runs the rounds.
 
 What this strategy does **not** do by itself: decide membership. Nodes that miss a deadline or
 answer with an error are *suspects* (not waited for, not sampled) until they answer again
-(when too few nodes are eligible, the suspects holding the base are asked once before the
-round is skipped: :mod:`.sampling`); the membership of the federation is what the parties'
+(when too few nodes are eligible, the live suspects are asked once before the round is
+skipped: :mod:`.sampling`); the membership of the federation is what the parties'
 signed records say (``view_source``).
 """
 
