@@ -10,10 +10,13 @@ sampled and never pulled (tests/test_flower_churn.py: "join p5 @r3" unsettled).
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fake_grid import FakeGrid
 from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import World
@@ -90,7 +93,7 @@ def _run_with_round_2_stalled(
 
 
 def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes_on(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # every node misses round 2's train deadline once, and the ceiling a stalled exchange
     # waits on to: all are suspects, round 2 is not certified, and the next try would find
@@ -98,13 +101,20 @@ def test_when_every_node_missed_a_deadline_they_are_asked_again_and_the_run_goes
     # after it (the failed try is one of the num_rounds tries, as a failed round is one of
     # plain FedAvg's rounds)
     phases = PhaseSettings(phase_timeout_s=0.3, deadline_floor_s=0.3, deadline_ceiling_s=0.6)
+    caplog.set_level(logging.WARNING)
     strategy, everyone = _run_with_round_2_stalled(tmp_path, phases)
     stalled = [r for r in strategy.rounds if r.server_round == 2 and r.skipped]
     assert stalled and sorted(stalled[0].missing) == everyone  # all missed it once
+    # the drop is logged with the time the stalled exchange waited on, past the deadline
+    waited = re.findall(r"no reply in ([\d.]+) s \(its deadline ([\d.]+) s", caplog.text)
+    assert waited and all(float(w) >= 0.6 > float(d) for w, d in waited)
     done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
     assert done == [1, 2, 3]  # without the second ask: [1], every later try skipped
     second = [r for r in strategy.rounds if r.server_round == 2 and not r.skipped]
     assert sorted(second[0].trained) == everyone
+    # the second ask's exchange is timed in the round that asked; no other round asked
+    assert second[0].ask_s > 0.0
+    assert all(r.ask_s == 0.0 for r in strategy.rounds if r is not second[0])
     assert all(sorted(r.trained) == everyone for r in strategy.rounds if r.server_round > 2)
 
 

@@ -288,7 +288,7 @@ def run_figures(results: Mapping[str, Any]) -> dict[str, Any]:
     if chaos_rounds:
         fig["phase_s"] = {
             k: statistics.median(float(r.get(k) or 0.0) for r in chaos_rounds)
-            for k in ("train_s", "certify_s", "join_s")
+            for k in ("ask_s", "train_s", "certify_s", "join_s")
         }
         fig["unsigned_receipts"] = max(r["unsigned_receipts"] for r in chaos_rounds)
         fig["holders"] = min(r["holders"] for r in chaos_rounds)

@@ -100,8 +100,11 @@ def stop_process_tree(
 
     Returns the pids that were signalled. Descendants are collected before the first signal
     (and again before SIGKILL), so processes re-parented to init on their parent's death are
-    still found.
+    still found. A process that has already exited is not signalled at all: once reaped, its
+    pid may belong to another process by now, and its children were re-parented away.
     """
+    if proc.poll() is not None:
+        return []
     seen = [proc.pid, *descendants(proc.pid)]
     for pid in seen:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -338,7 +338,7 @@ def _resume_split(
     if first_line is None or up is None:
         return out
     run_no, rlog = history.by_round.get(int(first_line["round"]), (0, {}))
-    phases = ("train_s", "certify_s", "join_s")
+    phases = ("ask_s", "train_s", "certify_s", "join_s")
     own = sum(float(rlog.get(k, 0.0) or 0.0) for k in phases) if run_no > 1 else 0.0
     out["first_round_s"] = own
     out["chaos_resume_s"] = max(0.0, float(first_line["time"]) - float(up["time"]) - own)

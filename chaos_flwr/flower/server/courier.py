@@ -550,9 +550,9 @@ class Courier:
             if node in self.suspects:
                 continue  # a suspect is not waited for: its silence is no news
             log(
-                WARNING, "Chaos: node %d dropped from this %s exchange: no reply by its "
-                "deadline of %.1f s (reply times so far: %s)",
-                node, kinds.get(node, "?"), deadline,
+                WARNING, "Chaos: node %d dropped from this %s exchange: no reply in %.1f s "
+                "(its deadline %.1f s; reply times so far: %s)",
+                node, kinds.get(node, "?"), max(deadline, res.elapsed_s), deadline,
                 ", ".join(f"{t:.1f}" for t in self.times.samples(kinds.get(node, ""), node))
                 or "none",
             )  # fmt: skip

@@ -165,6 +165,9 @@ class RoundLog:
         The certified digest of this round's state.
     train_s, certify_s, join_s:
         Wall time of the train exchange, the certify exchange and the joiners' pulls.
+    ask_s:
+        Wall time of the exchange that asked the suspects once more before training, when too
+        few nodes were eligible (0 when there was none).
     skipped:
         Why training was skipped, if it was.
     members:
@@ -197,6 +200,7 @@ class RoundLog:
     train_s: float = 0.0
     certify_s: float = 0.0
     join_s: float = 0.0
+    ask_s: float = 0.0
     skipped: str = ""
     members: dict[str, list[str]] = field(default_factory=dict)
     joins: list[JoinLog] = field(default_factory=list)

@@ -85,5 +85,5 @@ def eligible_nodes(
     # nothing to relay to it
     wait = min(timeout, max(courier.times.deadline("relay:train", n) for n in asked))
     spec = PhaseSpec("relay", base[0], base[1], everyone=True)
-    courier.phase(grid, [], asked, spec, timeout=wait, log_=rlog)
+    _, rlog.ask_s = courier.phase(grid, [], asked, spec, timeout=wait, log_=rlog)
     return courier.eligible(known, base[1], base[0])
