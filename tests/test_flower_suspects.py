@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 from fake_grid import FakeGrid
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
 from flwr.serverapp.strategy import FedAvg
 from test_flower_lib_join import World
 from test_flower_strategy import VClock, _grid, _initial
@@ -129,3 +131,39 @@ def test_when_every_node_stalls_past_its_deadline_the_exchange_waits_on_for_them
     assert second.train_s >= 1.0  # it did wait past the 0.3 s deadline
     done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
     assert done == [1, 2, 3, 4]
+
+
+def test_when_every_node_lost_its_certify_message_it_is_sent_again_and_the_run_goes_on(
+    tmp_path: Path,
+) -> None:
+    # every node's round-2 certify message is lost (Flower answers an expired message with an
+    # error; the party never read it): nobody holds round 2's state, so no node is eligible
+    # for round 3; the nodes are asked again with round 2's certify, take it, and train
+    w = World(tmp_path, 3, founders=3)
+    w.grid = FakeGrid(clock=time.monotonic)
+    for p in range(3):
+        w.add(p)
+    lost: list[int] = []
+    for node in map(w.grid.node, w.grid.get_node_ids()):
+
+        def handler(msg: Any, ctx: Any, inner: Any = node.handler) -> Any:
+            config = msg.content.config_records.get("config")
+            rnd = int(config["server-round"]) if config and "server-round" in config else -1
+            if msg.metadata.message_type == "evaluate" and rnd == 2:
+                lost.append(msg.metadata.dst_node_id)
+                return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "expired"), reply_to=msg)
+            return inner(msg, ctx)
+
+        node.handler = handler
+    strategy = w.strategy(phases=PhaseSettings(phase_timeout_s=0.3))
+    strategy.start(w.grid, _initial(), num_rounds=5, timeout=10)
+    everyone = sorted(n.node_id for n in w.nodes.values())
+    (second,) = [r for r in strategy.rounds if r.server_round == 2]
+    assert sorted(lost) == everyone and second.holders == []  # nobody took round 2's state
+    # without the certify sent again: every try after round 2 skipped (0 eligible nodes)
+    done = [r.server_round for r in strategy.rounds if r.server_round >= 1 and not r.skipped]
+    assert done == [1, 2, 3, 4, 5]
+    (third,) = [r for r in strategy.rounds if r.server_round == 3]
+    assert sorted(third.trained) == everyone and third.ask_s > 0.0
+    assert len(third.holders) == 3  # they took round 2 from the certify sent again, then 3
+    assert all(r.ask_s == 0.0 for r in strategy.rounds if r is not third)

@@ -66,7 +66,7 @@ from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
 from chaos_flwr.flower.server.proofs import Chosen, RoundProofs
 from chaos_flwr.flower.server.pull import PullReport
 from chaos_flwr.flower.server.resume import Resumed, Resumer
-from chaos_flwr.flower.server.sampling import eligible_nodes, genesis_takers
+from chaos_flwr.flower.server.sampling import LostCertify, eligible_nodes, genesis_takers
 from chaos_flwr.flower.server.settings import (
     FLAT_KEYS,
     RESUME_FRESH,
@@ -91,13 +91,16 @@ __all__ = ["ChaosStrategy"]
 class _Held:
     """The newest certified state: its round, arrays and digest. ``genesis`` is the proof of
     an initial state that no party holds yet: its certify rides on the first round's train
-    messages (which carry those arrays anyway), so a fresh start adds no exchange."""
+    messages (which carry those arrays anyway), so a fresh start adds no exchange. ``lost``:
+    the certify of a trained state and the nodes it did not reach, sent to them again when
+    too few nodes can train on it (:func:`~.sampling.eligible_nodes`)."""
 
     server_round: int
     arrays: ArrayRecord
     digest: bytes
     strategy_state: bytes = b""
     genesis: tuple[tuple[str, Any], ...] | None = None
+    lost: LostCertify | None = None
 
 
 @dataclass
@@ -518,9 +521,11 @@ class ChaosStrategy(Strategy):
             "certify", rnd, digest, arrays, frozenset(receivers), sstate, fields, audit
         )
         # every node connected now: one that came during training can join in this round
+        sent_to = list(grid.get_node_ids())
         eval_replies, rlog.certify_s = courier.phase(
-            grid, eval_msgs, list(grid.get_node_ids()), spec, timeout=run.timeout, log_=rlog
+            grid, eval_msgs, sent_to, spec, timeout=run.timeout, log_=rlog
         )
+        lost = LostCertify.of(spec, [n for n in sent_to if n in courier.suspects])
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
         _audit_again(courier, self.view, run, rnd, digest)
@@ -539,7 +544,7 @@ class ChaosStrategy(Strategy):
                 run.result.evaluate_metrics_serverapp[rnd] = res
         self._finish(rlog)
         self._prev = held
-        return _Held(rnd, arrays, digest, sstate)
+        return _Held(rnd, arrays, digest, sstate, lost=lost)
 
     def _train(
         self, run: _Run, rnd: int, rlog: RoundLog, known: list[int], held: _Held
@@ -551,7 +556,7 @@ class ChaosStrategy(Strategy):
         rlog.eligible = eligible = (
             genesis_takers(self.courier, known) if held.genesis is not None
             else eligible_nodes(self.courier, run.grid, known, base, need,
-                                timeout=run.timeout, rlog=rlog)
+                                timeout=run.timeout, rlog=rlog, lost=held.lost)
         )  # fmt: skip
         train_msgs: list[Message] = []
         if len(eligible) < need:
