@@ -94,7 +94,7 @@ def test_a_trainer_dropped_for_lateness_is_logged_with_its_time_and_deadline(
     train_exchange(2)
     assert node in courier.suspects
     assert "dropped from this relay:train exchange" in caplog.text
-    assert "(its deadline 15.0 s;" in caplog.text
+    assert "(the deadline 15.0 s;" in caplog.text
     grid.node(node).delay_s = 1.0
     clock.sleep(30.0)  # its reply is in by now; the next exchange pulls it
     train_exchange(3)

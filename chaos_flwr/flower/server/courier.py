@@ -551,7 +551,7 @@ class Courier:
                 continue  # a suspect is not waited for: its silence is no news
             log(
                 WARNING, "Chaos: node %d dropped from this %s exchange: no reply in %.1f s "
-                "(its deadline %.1f s; reply times so far: %s)",
+                "(the deadline %.1f s; reply times so far: %s)",
                 node, kinds.get(node, "?"), max(deadline, res.elapsed_s), deadline,
                 ", ".join(f"{t:.1f}" for t in self.times.samples(kinds.get(node, ""), node))
                 or "none",

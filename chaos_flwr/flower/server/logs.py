@@ -166,8 +166,8 @@ class RoundLog:
     train_s, certify_s, join_s:
         Wall time of the train exchange, the certify exchange and the joiners' pulls.
     ask_s:
-        Wall time of the exchange that asked the suspects once more before training, when too
-        few nodes were eligible (0 when there was none).
+        Wall time of asking the suspects once more before training, when too few nodes were
+        eligible, and of sending the base's certify again to nodes it missed (0: neither).
     skipped:
         Why training was skipped, if it was.
     members:

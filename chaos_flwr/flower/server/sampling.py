@@ -10,14 +10,15 @@ it answers again. So when every node was slow once (a loaded host, a long pause)
 is not certified, the next try finds no eligible node, and no message would ever reach the
 suspects to clear them: the run would skip every round left. :func:`eligible_nodes` therefore
 asks, when too few nodes are eligible, the live suspects active in the view once more (enough
-of them to reach the minimum), in one exchange that waits for them as long as their train
+of them to reach the minimum), in a relay exchange that waits for them as long as their train
 replies may take; those that answer with a receipt of the base (they took the last certify
-late) are eligible again. A node the base's certify did not reach (no reply: it expired
-unread, or its SuperNode restarted) and that still lacks the base is sent that certify again
-in the same exchange (:class:`LostCertify`): otherwise, when it reached nobody, no party
-would ever hold the state the next round trains on, and every try left would be skipped. A
-node that answered the certify and did not take it refused it: it is not sent it again.
-Nothing is sent when enough nodes are eligible: rounds without the event are unchanged.
+late) are eligible again. A node that was to take the base's state from its certify and gave
+no reply (the message expired unread, or its SuperNode restarted), and still lacks the base,
+is sent that certify again instead, in an exchange of its own (:class:`LostCertify`):
+otherwise, when the certify reached nobody, no party would ever hold the state the next round
+trains on, and every try left would be skipped. A node that answers the certify and does not
+take it refused it: it is not sent it again. Nothing is sent when enough nodes are eligible:
+rounds without the event are unchanged.
 """
 
 from __future__ import annotations
@@ -40,19 +41,28 @@ def genesis_takers(courier: Courier, known: list[int]) -> list[int]:
     return [n for n in _active_parties(courier, known) if n not in courier.suspects]
 
 
-@dataclass(frozen=True)
+@dataclass
 class LostCertify:
-    """A round's certify exchange (its spec) and the nodes it did not reach."""
+    """A certify exchange (its spec, without the audit job, whose updates are not kept) and
+    the nodes that were to take its state and gave no reply (its message lost); the nodes
+    that answer it when it is sent again leave the set, whether they took it or refused it."""
 
     spec: PhaseSpec
-    nodes: frozenset[int]
+    nodes: set[int]
 
     @classmethod
-    def of(cls, spec: PhaseSpec, unanswered: Iterable[int]) -> LostCertify | None:
-        """The certify ``spec`` (without its audit job, whose updates are not kept) and the
-        nodes that gave no reply to it (``None``: none)."""
-        nodes = frozenset(unanswered)
+    def after(
+        cls, spec: PhaseSpec, suspects: Iterable[int], *, sent_to: Iterable[int] = ()
+    ) -> LostCertify | None:
+        """The certify ``spec`` just sent, with its receivers of the state (``sent_to`` when
+        it names none: all got it) that are ``suspects`` after it (``None``: none)."""
+        takers = set(sent_to) if spec.receivers is None else spec.receivers
+        nodes = set(takers.intersection(suspects))
         return cls(replace(spec, audit=None), nodes) if nodes else None
+
+    def lacking(self, courier: Courier, base: tuple[int, bytes]) -> set[int]:
+        """The lost nodes whose newest receipt still does not name ``base``."""
+        return {n for n in self.nodes if _receipt(courier, n) != base}
 
 
 def _receipt(courier: Courier, node: int) -> tuple[int, bytes] | None:
@@ -96,7 +106,8 @@ def eligible_nodes(
         The bound of the exchange; the round's log (its replies and misses are noted there).
     lost:
         The certify of ``base`` and the nodes it did not reach (``None``: it reached every
-        node, or ``base`` was resumed or initial).
+        node, or ``base`` was resumed or rode on a first round's train messages); pruned of
+        those that answer it here.
 
     Returns
     -------
@@ -106,9 +117,7 @@ def eligible_nodes(
     eligible = courier.eligible(known, base[1], base[0])
     if len(eligible) >= need:
         return eligible
-    resend = frozenset(
-        n for n in (lost.nodes if lost is not None else ()) if _receipt(courier, n) != base
-    )
+    resend = lost.lacking(courier, base) if lost is not None else set()
     asked = [
         n
         for n in _active_parties(courier, known)
@@ -116,12 +125,16 @@ def eligible_nodes(
     ]
     if not asked or len(eligible) + len(asked) < need:
         return eligible
-    # the suspects among them are waited for only when all are (Courier.exchange), as long
-    # as their train replies may take; ``everyone``: each gets a message even with nothing to
-    # relay to it
+    # suspects are waited for when every node an exchange addresses is one (Courier.exchange),
+    # here as long as their train replies may take
     wait = min(timeout, max(courier.times.deadline("relay:train", n) for n in asked))
-    spec = PhaseSpec("relay", base[0], base[1], everyone=True)
-    if lost is not None and resend.intersection(asked):
-        spec = replace(lost.spec, receivers=resend, everyone=True)
-    _, rlog.ask_s = courier.phase(grid, [], asked, spec, timeout=wait, log_=rlog)
+    again = [n for n in asked if n in resend]
+    others = [n for n in asked if n not in resend]
+    if lost is not None and again:  # the certify again, with the state, to those it missed
+        spec = replace(lost.spec, receivers=frozenset(again))
+        rlog.ask_s += courier.phase(grid, [], again, spec, timeout=wait, log_=rlog)[1]
+        lost.nodes &= courier.suspects  # those that answered took it or refused it
+    if others:  # a relay (it carries refutations too); ``everyone``: even with nothing to relay
+        spec = PhaseSpec("relay", base[0], base[1], everyone=True)
+        rlog.ask_s += courier.phase(grid, [], others, spec, timeout=wait, log_=rlog)[1]
     return courier.eligible(known, base[1], base[0])

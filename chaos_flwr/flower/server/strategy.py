@@ -453,10 +453,8 @@ class ChaosStrategy(Strategy):
                 self.round_floor,
             )  # fmt: skip
             round0 = 0
-        log(
-            INFO, "Chaos: chaos-resume=%s: starting from the initial state as round %d (%s)",
-            self.resume.mode, round0, why,
-        )  # fmt: skip
+        log(INFO, "Chaos: chaos-resume=%s: starting from the initial state as round %d (%s)",
+            self.resume.mode, round0, why)  # fmt: skip
         digest = certified_digest(initial_arrays, round0)
         self.courier.forward_round = round0
         genesis = proofs.certify_fields((-1, b""), []) if proofs is not None else ()
@@ -476,7 +474,8 @@ class ChaosStrategy(Strategy):
         )
         log0.holders = self.courier.holder_parties(round0, digest)
         self._finish(log0)
-        return _Held(round0, initial_arrays, digest)
+        lost = LostCertify.after(spec, self.courier.suspects, sent_to=known)
+        return _Held(round0, initial_arrays, digest, lost=lost)
 
     def _round(self, run: _Run, rnd: int, held: _Held) -> _Held:
         """One round: train on the eligible nodes, certify the new state, relay the joins."""
@@ -521,11 +520,9 @@ class ChaosStrategy(Strategy):
             "certify", rnd, digest, arrays, frozenset(receivers), sstate, fields, audit
         )
         # every node connected now: one that came during training can join in this round
-        sent_to = list(grid.get_node_ids())
         eval_replies, rlog.certify_s = courier.phase(
-            grid, eval_msgs, sent_to, spec, timeout=run.timeout, log_=rlog
+            grid, eval_msgs, list(grid.get_node_ids()), spec, timeout=run.timeout, log_=rlog
         )
-        lost = LostCertify.of(spec, [n for n in sent_to if n in courier.suspects])
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
         _audit_again(courier, self.view, run, rnd, digest)
@@ -544,7 +541,7 @@ class ChaosStrategy(Strategy):
                 run.result.evaluate_metrics_serverapp[rnd] = res
         self._finish(rlog)
         self._prev = held
-        return _Held(rnd, arrays, digest, sstate, lost=lost)
+        return _Held(rnd, arrays, digest, sstate, lost=LostCertify.after(spec, courier.suspects))
 
     def _train(
         self, run: _Run, rnd: int, rlog: RoundLog, known: list[int], held: _Held
