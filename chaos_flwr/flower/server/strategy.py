@@ -92,8 +92,8 @@ class _Held:
     """The newest certified state: its round, arrays and digest. ``genesis`` is the proof of
     an initial state that no party holds yet: its certify rides on the first round's train
     messages (which carry those arrays anyway), so a fresh start adds no exchange. ``lost``:
-    the certify of a trained state and the nodes it did not reach, sent to them again when
-    too few nodes can train on it (:func:`~.sampling.eligible_nodes`)."""
+    the exchange that certified the state and the nodes it did not reach, sent to them again
+    when too few nodes can train on it (:func:`~.sampling.eligible_nodes`)."""
 
     server_round: int
     arrays: ArrayRecord
