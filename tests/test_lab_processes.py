@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from chaos_flwr.lab import processes
-from chaos_flwr.lab.processes import alive, descendants, stop_process_tree
+from chaos_flwr.lab.processes import alive, descendants, kill_process_now, stop_process_tree
 
 _PARENT = (
     "import subprocess, sys, time\n"
@@ -61,5 +61,16 @@ def test_a_process_that_already_exited_is_not_signalled(
     sent: list[tuple[int, int]] = []
     monkeypatch.setattr(processes.os, "kill", lambda pid, sig: sent.append((pid, sig)))
     assert stop_process_tree(proc, grace_s=0.1) == []
+    assert kill_process_now(proc) == []
     assert sent == []
     assert proc.returncode == 0
+
+
+def test_a_running_tree_is_killed_at_once() -> None:
+    proc, child = _tree()
+    assert set(kill_process_now(proc)) == {proc.pid, child}
+    assert proc.wait(timeout=10.0) == -9
+    deadline = time.monotonic() + 10.0
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)

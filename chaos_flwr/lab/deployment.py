@@ -36,6 +36,7 @@ from chaos_flwr.lab.launch import (
 from chaos_flwr.lab.processes import _cmdline as cmdline
 from chaos_flwr.lab.processes import (
     descendants,
+    kill_process_now,
     kill_tree_now,
     serverapp_pids,
     stop_process_tree,
@@ -321,7 +322,7 @@ class DeploymentCluster:
         """SIGKILL a process this cluster started, with every process below it (a crash);
         return the pids signalled."""
         self.note_pids()
-        victims = kill_tree_now(proc.pid)
+        victims = kill_process_now(proc)
         self.killed.extend(victims)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=FLOWER_STOP_GRACE_S)
@@ -353,7 +354,7 @@ class DeploymentCluster:
         """
         self.note_pids()
         t = time.time()
-        self.killed.extend(kill_tree_now(self.link.pid))
+        self.killed.extend(kill_process_now(self.link))
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.link.wait(timeout=FLOWER_STOP_GRACE_S)
         if lose_disk:

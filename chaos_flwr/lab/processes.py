@@ -19,6 +19,7 @@ from chaos_flwr.lab.settings import FLOWER_STOP_GRACE_S
 __all__ = [
     "alive",
     "descendants",
+    "kill_process_now",
     "kill_tree_now",
     "serverapp_pids",
     "stop_process_tree",
@@ -71,6 +72,14 @@ def kill_tree_now(pid: int) -> list[int]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(p, signal.SIGKILL)
     return victims
+
+
+def kill_process_now(proc: subprocess.Popen[Any]) -> list[int]:
+    """:func:`kill_tree_now` for a process this program started, unless it has already
+    exited: once reaped, its pid may belong to another process. Returns the pids signalled."""
+    if proc.poll() is not None:
+        return []
+    return kill_tree_now(proc.pid)
 
 
 def serverapp_pids(root: int) -> list[int]:
