@@ -396,7 +396,14 @@ def test_the_churn_scenario_runs_end_to_end_in_simulation(tmp_path: Path) -> Non
     leave = next(e for e in scen.events if e.kind == "leave")
     later = [r for r in rep["rounds"] if r["round"] > leave.round]
     assert all(leave.party not in r["trained_partitions"] for r in later)
-    assert rep["server_restart"]["resumed_at_round"] == scen.server_kill_round()
+    restart = rep["server_restart"]
+    assert restart["resumed_at_round"] == scen.server_kill_round()
+    # the restart's time splits into the engine's start-up (the new ServerApp's round-0 line),
+    # Chaos's resume and the round itself, each measured
+    parts = ("engine_startup_s", "chaos_resume_s", "first_round_s")
+    assert all(isinstance(restart[k], float) and restart[k] >= 0 for k in parts), restart
+    assert restart["engine_startup_s"] > 0 and restart["first_round_s"] > 0, restart
+    assert sum(restart[k] for k in parts) == pytest.approx(restart["restart_to_first_round_s"])
     # accuracy within 2 points of the churn-free FedAvg run
     final = rep["final_accuracy"]
     assert final["within_gap"], final
@@ -509,6 +516,17 @@ def test_the_live_feed_and_the_table_count_the_same_trainers() -> None:
     for line in runs[0][1:]:
         shown = int(progress_text(line).split("trained ")[1].split()[0])
         assert shown == rounds[line["round"]]["trained"]
+
+
+def test_the_live_feed_shows_a_resumed_runs_round_0_as_the_server_up_not_an_accuracy() -> None:
+    from chaos_flwr.lab.demo import progress_text
+
+    line = {"round": 0, "accuracy": 0.0919, "chaos_rounds": []}
+    assert progress_text(line) == "  round   0  accuracy 0.0919"
+    resumed = progress_text(line, resumed=True)
+    assert "ServerApp up" in resumed and "accuracy" not in resumed
+    later = {"round": 6, "accuracy": 0.649, "chaos_rounds": []}
+    assert progress_text(later, resumed=True) == "  round   6  accuracy 0.6490"
 
 
 def test_the_tables_fit_100_columns_and_round_0_reads_as_no_party() -> None:

@@ -340,10 +340,14 @@ def run_demo(
     return DemoResult(report, report_path, plot_path, work, launcher.runs)
 
 
-def progress_text(line: dict[str, Any]) -> str:
+def progress_text(line: dict[str, Any], *, resumed: bool = False) -> str:
     """One line of the demo's live feed for a progress line: accuracy, how many trained (the
-    report's count: sampled and answered), membership records filed, join pulls."""
+    report's count: sampled and answered), membership records filed, join pulls. In a
+    ``resumed`` run, round 0's line only says the new ServerApp is up (it evaluated its own
+    initial model before resuming the parties' state)."""
     acc = line.get("accuracy")
+    if resumed and line["round"] == 0:
+        return "  ServerApp up: resuming the newest certified state from the parties"
     extra = ""
     logs = line.get("chaos_rounds") or []
     rlog = next((r for r in reversed(logs) if r.get("server_round") == line["round"]), None)
@@ -386,7 +390,7 @@ def demo_cli(
         if label != current["label"]:
             current["label"] = label
             console.rule(titles.get(label, label))
-        console.print(progress_text(line))
+        console.print(progress_text(line, resumed=label == "resume"))
 
     try:
         with console.status("running the demo (3 simulation runs)..."):

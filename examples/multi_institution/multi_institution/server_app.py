@@ -129,8 +129,9 @@ def _audit_fields(rounds: list[Any], server_round: int) -> dict[str, Any]:
 class _Progress:
     """Appends one JSON line per finished round to ``progress-path`` (if set).
 
-    In chaos mode a line is written when ChaosStrategy files the round's RoundLog, and it
-    carries every RoundLog so far: a ServerApp killed mid-run leaves its history behind.
+    In chaos mode a line is written when ChaosStrategy files the round's RoundLog (round 0's
+    when the initial model is evaluated), and it carries every RoundLog so far: a ServerApp
+    killed mid-run leaves its history behind.
     """
 
     def __init__(self, path: str, mode: str, resumed_from: int = 0) -> None:
@@ -173,7 +174,7 @@ class _FiledRounds(list):  # type: ignore[type-arg]
     def append(self, item: Any) -> None:
         super().append(item)
         rnd = int(getattr(item, "server_round", -1))
-        if rnd >= 0 and rnd in self.progress.accuracy:
+        if rnd >= 1 and rnd in self.progress.accuracy:  # round 0's line: at its evaluation
             self.progress.write(rnd)
 
 
@@ -208,7 +209,9 @@ def main(grid: Grid, context: Context) -> None:
         filed = progress.strategy is not None and any(
             r.server_round == server_round for r in progress.strategy.rounds
         )
-        if progress.strategy is None or filed:  # the round is done once evaluated and filed
+        # a round is done once evaluated and filed; the initial model's line (round 0) marks
+        # the ServerApp up (a resumed Chaos run files no round-0 log)
+        if progress.strategy is None or filed or flower_round == 0:
             progress.write(server_round)
         return MetricRecord({"accuracy": acc, "loss": loss})
 
