@@ -82,6 +82,10 @@ def _wrap(
     fn: Callable[[Message, Context], Message], parties: Parties
 ) -> Callable[[Message, Context], Message]:
     def wrapped(message: Message, context: Context) -> Message:
+        with parties.turn(context):  # from the party's build to its save, training included
+            return handled(message, context)
+
+    def handled(message: Message, context: Context) -> Message:
         content = message.content if message.has_content() else None  # with audit material
         record = split_chaos(message)
         if record is not None and parties(context).left:
@@ -176,28 +180,34 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     @app.query("chaos")
     @_answer_config_errors
     def chaos_query(message: Message, context: Context) -> Message:
-        content_in = message.content if message.has_content() else None  # audit material too
-        record = split_chaos(message)
-        first = next(iter(message.content.array_records.values()), None)
-        party = parties(context)
-        request = message.content.get(PULL_DATA_KEY)
-        phase = record.get("phase") if record is not None else None
-        extra: dict[str, ConfigRecord] = {}
-        if record is not None and phase == "join" and isinstance(request, ConfigRecord):
-            # this party is the joiner: it pulls before its receipt goes out below
-            ctl, requests = party.join_step(record, request, read_donor_records(message.content))
-            extra[PULL_DATA_KEY] = ctl
-            for donor, req in requests.items():
-                extra[donor_key(donor)] = req
-        out = party.process(record, first, content_in)
-        content = RecordDict({CHAOS_RECORD_KEY: out})
-        if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
-            served = party.serve(record, request)
-            if served is not None:
-                content[PULL_DATA_KEY] = served
-        for key, rec in extra.items():
-            content[key] = rec
-        party.persist()  # before any envelope of this reply leaves the process
-        return Message(content, reply_to=message)
+        with parties.turn(context):  # from the party's build to its save
+            return _chaos_query(parties, message, context)
 
     return app
+
+
+def _chaos_query(parties: Parties, message: Message, context: Context) -> Message:
+    """The ``query.chaos`` handler: relay, certify, join and pull messages."""
+    content_in = message.content if message.has_content() else None  # audit material too
+    record = split_chaos(message)
+    first = next(iter(message.content.array_records.values()), None)
+    party = parties(context)
+    request = message.content.get(PULL_DATA_KEY)
+    phase = record.get("phase") if record is not None else None
+    extra: dict[str, ConfigRecord] = {}
+    if record is not None and phase == "join" and isinstance(request, ConfigRecord):
+        # this party is the joiner: it pulls before its receipt goes out below
+        ctl, requests = party.join_step(record, request, read_donor_records(message.content))
+        extra[PULL_DATA_KEY] = ctl
+        for donor, req in requests.items():
+            extra[donor_key(donor)] = req
+    out = party.process(record, first, content_in)
+    content = RecordDict({CHAOS_RECORD_KEY: out})
+    if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
+        served = party.serve(record, request)
+        if served is not None:
+            content[PULL_DATA_KEY] = served
+    for key, rec in extra.items():
+        content[key] = rec
+    party.persist()  # before any envelope of this reply leaves the process
+    return Message(content, reply_to=message)

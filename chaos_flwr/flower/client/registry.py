@@ -9,12 +9,15 @@ that loses the process would (its next build is a real restart).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from flwr.app import Context
 from flwr.clientapp import ClientApp
 
 from chaos_flwr.errors import ConfigError
+from chaos_flwr.flower.client.lock import party_lock
 from chaos_flwr.flower.client.party import Party
+from chaos_flwr.flower.client.settings import party_settings
 
 __all__ = [
     "Parties",
@@ -60,6 +63,17 @@ class Parties:
             party = self.factory(context)
             self.by_node[key] = party
         return party
+
+    def turn(self, context: Context) -> AbstractContextManager[None]:
+        """This node's party's turn for one message (:func:`~.lock.party_lock` on the state
+        directory its settings name): no other process of the party builds, handles or saves
+        it meanwhile. Settings that name no state directory, or that are wrong (the party's
+        build then says what is wrong), take no lock."""
+        try:
+            state_dir = party_settings(context).state_dir
+        except ConfigError:
+            state_dir = None
+        return party_lock(state_dir)
 
 
 #: The party tables of the ClientApps enabled in this process, oldest first.
