@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,45 @@ def test_wrapper_leaves_and_drops_links_once_through_party_for(
     assert parties[2].calls == [("leave", "")]
     # the handlers ran in the leave round (the party decides); then the node is shut down
     assert seen == [1, 1, 2, 2, 3, 3, 4]
+
+
+def test_an_action_and_its_message_are_one_turn_of_the_party(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With two simulation workers another process of the party could save between the action
+    and the message it rides on, and drop the action: the two are one turn of the party."""
+    from contextlib import contextmanager
+
+    from chaos_flwr.flower import client
+    from chaos_flwr.flower.client.registry import Parties
+    from chaos_flwr.flower.keys import make_federation
+
+    keys = make_federation(tmp_path / "keys", 4, founders=3, seed="t")
+    events: list[str] = []
+
+    class Recording(FakeParty):
+        def leave(self) -> None:
+            events.append("leave")
+
+    monkeypatch.setattr(client, "party_for", lambda ctx, app=None: Recording())
+
+    @contextmanager
+    def turn(self: Parties, context: Context) -> Iterator[None]:
+        events.append("turn")
+        yield
+        events.append("end")
+
+    monkeypatch.setattr(Parties, "turn", turn)
+    app, seen = _plain_app()
+    client.enable(app)
+    churn.apply(app, parse_scenario(_base()))
+    leaver = _ctx(2, {"chaos-keys-dir": str(keys)})
+    for rnd in (1, 2, 3):
+        _train(app, leaver, rnd)
+    # round 3 (the leave): the churn layer's turn holds the action and the enabled handler
+    # (whose own turn nests in it); rounds 1 and 2 are one turn each, nested likewise
+    assert events == ["turn", "turn", "end", "end"] * 2 + ["turn", "leave", "turn", "end", "end"]
+    assert seen == [1, 2, 3]
 
 
 def test_an_action_the_party_refuses_is_reported_once_and_the_node_keeps_answering(

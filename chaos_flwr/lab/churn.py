@@ -40,6 +40,7 @@ carries per node and run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import time
@@ -262,10 +263,13 @@ def _act(ev: ChurnEvent, context: Any) -> None:
 Handler = Callable[[Any, Any], Any]
 
 
-def _wrap(fn: Handler, emulator: _Emulator) -> Handler:
+def _wrap(fn: Handler, emulator: _Emulator, parties: Any) -> Handler:
     def wrapped(message: Any, context: Any) -> Any:
-        emulator.before(message, context)
-        return fn(message, context)
+        # an action and the message it rides on are one turn of the party (another process
+        # of it saving in between would drop the action: chaos_flwr.flower.client.lock)
+        with parties.turn(context) if parties is not None else contextlib.nullcontext():
+            emulator.before(message, context)
+            return fn(message, context)
 
     wrapped.__name__ = getattr(fn, "__name__", "churn_wrapped")
     wrapped.__doc__ = getattr(fn, "__doc__", None)
@@ -299,7 +303,8 @@ def apply(app: Any, scenario: ChurnScenario | Path | str | None = None) -> Any:
     if getattr(app, "_chaos_churn", False):
         raise ConfigError("app: the churn emulation is already applied to this ClientApp")
     emulator = _Emulator(scenario)
+    parties = getattr(app, "_chaos_parties", None)  # the enabled app's party table
     for name in list(registered):
-        registered[name] = _wrap(registered[name], emulator)
+        registered[name] = _wrap(registered[name], emulator, parties)
     app._chaos_churn = True
     return app

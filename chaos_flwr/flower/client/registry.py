@@ -89,7 +89,10 @@ def party_for(context: Context, app: ClientApp | None = None) -> Party:
     """The party of this node and run (the one the enabled ClientApp uses), built if needed.
 
     Churn scenarios wrap an enabled ClientApp and call :meth:`Party.leave`,
-    :meth:`Party.connect` or :meth:`Party.disconnect` on what this returns.
+    :meth:`Party.connect` or :meth:`Party.disconnect` on what this returns. Act from inside
+    a handler of the enabled app (the wrapped train/evaluate handlers hold the party's turn,
+    :meth:`Parties.turn`), or within that turn: with several simulation workers, another
+    process of the party saving in between would drop the action.
 
     Parameters
     ----------
