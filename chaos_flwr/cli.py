@@ -719,6 +719,9 @@ def demo(
     rounds: int = typer.Option(0, help="Override the scenario's rounds (0: keep)."),
     timeout_s: float = typer.Option(0.0, help="Wall-time bound of each run (0: 600 s)."),
     no_plot: bool = typer.Option(False, "--no-plot", help="Skip report.png."),
+    workers: int = typer.Option(
+        0, help="Simulation workers at once, sharing the CPUs (0: the example's, one)."
+    ),
 ) -> None:
     """Run the multi-institution example under its churn scenario (simulation) and report.
 
@@ -734,6 +737,7 @@ def demo(
         rounds=rounds or None,
         timeout_s=timeout_s or FLOWER_DEMO_RUN_TIMEOUT_S,
         plot=not no_plot,
+        workers=workers or None,
     )
 
 

@@ -14,7 +14,6 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import threading
 import time
@@ -151,20 +150,14 @@ def test_a_file_system_without_locks_is_warned_about_and_not_locked(
     assert "cannot be locked on this file system" in caplog.text
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_signed_example_runs_on_two_simulation_workers(tmp_path: Path) -> None:
-    """Two workers share the nodes' messages (the examples keep one: each training takes both
+    """Two workers share the nodes' messages (the examples keep one: each training uses both
     cores); every party still trains and certifies every round."""
     from chaos_flwr.flower.keys import make_federation
     from chaos_flwr.lab.example import example_dir
     from chaos_flwr.lab.simulation import run_simulation_app
 
-    app = tmp_path / "app"
-    shutil.copytree(example_dir(), app, ignore=shutil.ignore_patterns("__pycache__"))
-    (app / "federation.toml").write_text(
-        "[simulation]\nnum-supernodes = 5\nclient-resources-num-cpus = 1\ninit-args-num-cpus = 1\n"
-    )
     keys = make_federation(tmp_path / "keys", 5, founders=5, seed="two-workers")
     cfg: dict[str, object] = {
         "mode": "chaos",
@@ -172,7 +165,7 @@ def test_the_signed_example_runs_on_two_simulation_workers(tmp_path: Path) -> No
         "chaos-keys-dir": str(keys),
         "chaos-state-root": str(tmp_path / "state"),
     }
-    run = run_simulation_app(app, run_config=cfg, timeout_s=300)
+    run = run_simulation_app(example_dir(), run_config=cfg, timeout_s=300, workers=2)
     assert run.returncode == 0, run.log[-3000:]
     rounds = [r for r in run.results["chaos_rounds"] if r["round"] >= 0]  # -1: the hello
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
@@ -181,3 +174,36 @@ def test_the_signed_example_runs_on_two_simulation_workers(tmp_path: Path) -> No
     assert "StoreError" not in run.log
     acc = {int(k): v for k, v in run.results["accuracy"].items()}
     assert acc[3] > acc[0] + 0.2
+
+
+def test_simulation_workers_share_the_cpus_and_a_bad_count_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.errors import ConfigError
+    from chaos_flwr.lab.example import example_dir
+    from chaos_flwr.lab.simulation import _federation_options
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    app = example_dir()
+    assert _federation_options(app, None)["client-resources-num-cpus"] == 2  # the file's
+    two = _federation_options(app, None, 2)
+    assert (two["client-resources-num-cpus"], two["init-args-num-cpus"]) == (2, 4)
+    three = _federation_options(app, 7, 3)
+    assert (three["client-resources-num-cpus"], three["init-args-num-cpus"]) == (1, 3)
+    assert three["num-supernodes"] == 7
+    for bad in (0, 5, -1):
+        with pytest.raises(ConfigError, match=rf"workers: {bad}; give 1 to 4"):
+            _federation_options(app, None, bad)
+
+
+def test_the_demo_refuses_more_workers_than_cpus_naming_the_option(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from chaos_flwr.cli import app
+
+    too_many = (os.cpu_count() or 1) + 1
+    res = CliRunner().invoke(
+        app, ["demo", "--out", str(tmp_path / "out"), "--workers", str(too_many), "--no-plot"]
+    )
+    assert res.exit_code == 2, res.output
+    assert f"workers: {too_many}; give 1 to" in res.output

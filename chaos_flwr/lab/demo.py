@@ -124,12 +124,16 @@ class DemoSettings:
         Largest accuracy gap (churn vs churn-free FedAvg) called a match.
     keep_work:
         Keep ``work/`` (keys, replicas, progress) after the run.
+    workers:
+        Simulation workers run at once (``None``: the app's ``federation.toml``; see
+        :func:`~chaos_flwr.lab.simulation.run_simulation_app`).
     """
 
     local_epochs: int | None = None
     app_dir: Path | None = None
     max_gap: float = FLOWER_DEMO_MAX_ACCURACY_GAP
     keep_work: bool = True
+    workers: int | None = None
 
 
 def _scenario(
@@ -162,11 +166,13 @@ class _Launcher:
         num_supernodes: int,
         timeout_s: float,
         on_progress: ProgressFn | None,
+        workers: int | None = None,
     ) -> None:
         self.app = app
         self.work = work
         self.common = common
         self.num_supernodes = num_supernodes
+        self.workers = workers
         self.timeout_s = timeout_s
         self.on_progress = on_progress
         self.runs: list[Any] = []
@@ -190,6 +196,7 @@ class _Launcher:
             num_supernodes=self.num_supernodes,
             timeout_s=self.timeout_s,
             kill_when=kill_when,
+            workers=self.workers,
         )
         tail.poll()
         (self.work / f"{label}.log").write_text(run.log, encoding="utf-8")
@@ -312,6 +319,7 @@ def run_demo(
         num_supernodes=scen.num_parties,
         timeout_s=timeout_s,
         on_progress=on_progress,
+        workers=settings.workers,
     )
     base_run, base_progress = launcher.launch("fedavg", {"mode": "fedavg"}, None)
     _check_run(base_run, "FedAvg baseline")
@@ -372,6 +380,7 @@ def demo_cli(
     rounds: int | None = None,
     timeout_s: float = FLOWER_DEMO_RUN_TIMEOUT_S,
     plot: bool = True,
+    workers: int | None = None,
 ) -> DemoResult:
     """``chaos-flwr demo``: :func:`run_demo` with rich progress and the summary tables."""
     from rich.console import Console
@@ -401,6 +410,7 @@ def demo_cli(
                 timeout_s=timeout_s,
                 plot=plot,
                 on_progress=on_progress,
+                settings=DemoSettings(workers=workers),
             )
     except ConfigError as exc:
         console.print(f"[red]error:[/red] {exc}")

@@ -10,6 +10,7 @@ process below it (SuperExec, the simulation process, Ray's workers) by process i
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,12 @@ from chaos_flwr.lab.settings import (
 __all__ = ["SimulationRun", "run_simulation_app"]
 
 
-def _federation_options(app_dir: Path, num_supernodes: int | None) -> dict[str, Any]:
+def _federation_options(
+    app_dir: Path, num_supernodes: int | None, workers: int | None = None
+) -> dict[str, Any]:
+    """The ``[simulation]`` table of ``app_dir/federation.toml`` with the overrides: the
+    number of virtual SuperNodes, and ``workers`` ClientApp workers sharing this machine's
+    CPUs (Ray runs as many at once as ``client-resources-num-cpus`` fits in its CPUs)."""
     options: dict[str, Any] = {}
     fed_file = app_dir / "federation.toml"
     if fed_file.exists():
@@ -57,6 +63,12 @@ def _federation_options(app_dir: Path, num_supernodes: int | None) -> dict[str, 
         raise ConfigError(
             f"num_supernodes: not given and {fed_file} has no [simulation] num-supernodes"
         )
+    if workers is not None:
+        cpus = os.cpu_count() or 1
+        if not 1 <= workers <= cpus:
+            raise ConfigError(f"workers: {workers}; give 1 to {cpus} (one CPU each at least)")
+        options["client-resources-num-cpus"] = cpus // workers
+        options["init-args-num-cpus"] = cpus // workers * workers
     return options
 
 
@@ -164,6 +176,7 @@ def run_simulation_app(
     keep_home: Path | None = None,
     kill_when: Callable[[], bool] | None = None,
     poll_s: float = FLOWER_DEMO_POLL_S,
+    workers: int | None = None,
 ) -> SimulationRun:
     """Run a Flower app with ``flwr run`` on the simulation engine, bounded and cleaned up.
 
@@ -192,13 +205,18 @@ def run_simulation_app(
         :attr:`SimulationRun.killed` lists what was killed.
     poll_s:
         Pause between two ``kill_when`` calls.
+    workers:
+        ClientApp workers run at once, sharing this machine's CPUs (overrides
+        ``client-resources-num-cpus`` and ``init-args-num-cpus``); ``None``: as
+        ``federation.toml`` says. A signed party's messages take turns on its state directory
+        (:mod:`chaos_flwr.flower.client.lock`), so any number is safe for signed runs.
 
     Returns
     -------
     SimulationRun
     """
     app = app_folder(app_dir)
-    options = _federation_options(app, num_supernodes)
+    options = _federation_options(app, num_supernodes, workers)
     home = run_home(keep_home)
     env = flower_env(home)
     config = dict(run_config or {})
