@@ -58,17 +58,20 @@ def _one_process(w: PerMessage, msg: Message, out: Any) -> None:
     node = w.nodes[0]
     w.app._chaos_parties.by_node.clear()  # type: ignore[attr-defined]
     times: list[float] = []
+    used: list[Any] = []
 
     def hold() -> None:  # the training: signs a link request (a sequence number) and takes time
         times.append(time.monotonic())
-        party_for(node.context, w.app).connect(w.pid(1))
+        party = party_for(node.context, w.app)
+        party.connect(w.pid(1))
+        used.append(party)
         time.sleep(HOLD_S)
         times.append(time.monotonic())
 
     w.hooks[9] = hold
     w.app(msg, node.context)
-    peer = party_for(node.context, w.app).peer
-    out.put((times[0], times[1], (peer.incarnation, peer.seq)))  # type: ignore[union-attr]
+    peer = used[0].peer  # the party this message signed and saved with (not a later build)
+    out.put((times[0], times[1], (peer.incarnation, peer.seq)))
 
 
 def test_two_workers_of_one_party_take_turns_and_lose_no_update(tmp_path: Path) -> None:
@@ -110,7 +113,7 @@ def test_a_process_waits_its_turn_at_most_the_bound_then_refuses(tmp_path: Path)
         assert held.wait(10)
         t0 = time.monotonic()
         with (
-            pytest.raises(StoreError, match="held its lock for 0 s"),
+            pytest.raises(StoreError, match=r"held its lock for 0\.3 s"),
             party_lock(tmp_path, wait_s=0.3),
         ):
             pass
@@ -120,6 +123,54 @@ def test_a_process_waits_its_turn_at_most_the_bound_then_refuses(tmp_path: Path)
         holder.join(10)
     with party_lock(tmp_path, wait_s=0.0), party_lock(tmp_path, wait_s=0.0):
         pass  # free again; taken again by the thread holding it, it does not wait on itself
+
+
+def test_a_child_forked_during_a_turn_does_not_keep_the_party_locked(tmp_path: Path) -> None:
+    """A data loader's or a pool's worker forked by the training outlives the message: it
+    closes its copy of the lock file, so the next message's turn is not held up by it."""
+    ctx = mp.get_context("fork")
+    started, stop = ctx.Event(), ctx.Event()
+
+    def child() -> None:  # outlives the turn it was forked in
+        started.set()
+        stop.wait(20)
+        with party_lock(tmp_path, wait_s=5.0):  # its own turn: a real lock, not a no-op
+            pass
+
+    with party_lock(tmp_path):
+        proc = ctx.Process(target=child)
+        proc.start()
+        assert started.wait(20)
+    try:
+        with party_lock(tmp_path, wait_s=1.0):  # the child lives on: the party is free anyway
+            pass
+        with party_lock(tmp_path):  # and while this thread holds it, the child waits its turn
+            stop.set()
+            time.sleep(0.3)
+            assert proc.is_alive()
+    finally:
+        stop.set()
+        proc.join(20)
+    assert proc.exitcode == 0
+
+
+def test_party_for_gives_the_newer_save_not_a_stale_cached_party(tmp_path: Path) -> None:
+    """What a churn action (party_for without the app) acts on is the state another worker
+    saved last: an action on a stale copy would be dropped when the handler takes that save."""
+    from chaos_flwr.flower.client import default_party_factory
+
+    w = PerMessage(tmp_path, 3, per_message=False)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+    ctx = w.nodes[0].context
+    cached = party_for(ctx)
+    other = default_party_factory(ctx)  # another worker of the same SuperNode saves
+    other.pending.extend(other.peer.tick(time.time() + 3600))  # type: ignore[union-attr]
+    other.persist()
+    now = party_for(ctx)
+    assert now is not cached and now.is_current()
+    assert now.peer.seq == other.peer.seq > cached.peer.seq  # type: ignore[union-attr]
 
 
 def _take_and_die(state_dir: Path) -> None:

@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
@@ -56,6 +56,9 @@ from chaos_flwr.lab.settings import (
     FLOWER_CHURN_RUN_CONFIG_KEY,
     FLOWER_CHURN_START_ROUND_KEY,
 )
+
+if TYPE_CHECKING:
+    from chaos_flwr.flower.client.registry import Parties
 
 __all__ = [
     "NodeCrashedError",
@@ -263,7 +266,7 @@ def _act(ev: ChurnEvent, context: Any) -> None:
 Handler = Callable[[Any, Any], Any]
 
 
-def _wrap(fn: Handler, emulator: _Emulator, parties: Any) -> Handler:
+def _wrap(fn: Handler, emulator: _Emulator, parties: Parties | None) -> Handler:
     def wrapped(message: Any, context: Any) -> Any:
         # an action and the message it rides on are one turn of the party (another process
         # of it saving in between would drop the action: chaos_flwr.flower.client.lock)
@@ -303,7 +306,11 @@ def apply(app: Any, scenario: ChurnScenario | Path | str | None = None) -> Any:
     if getattr(app, "_chaos_churn", False):
         raise ConfigError("app: the churn emulation is already applied to this ClientApp")
     emulator = _Emulator(scenario)
+    from chaos_flwr.flower.client.registry import Parties
+
     parties = getattr(app, "_chaos_parties", None)  # the enabled app's party table
+    if not isinstance(parties, Parties):
+        parties = None
     for name in list(registered):
         registered[name] = _wrap(registered[name], emulator, parties)
     app._chaos_churn = True

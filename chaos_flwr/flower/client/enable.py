@@ -153,7 +153,9 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
         A ``ClientApp`` built with decorators (not with a legacy ``client_fn``).
     party_factory:
         Builds the party of a node from its ``Context``; default
-        :func:`default_party_factory`, which reads ``node_config``.
+        :func:`default_party_factory`, which reads ``node_config``. Each message is handled
+        in the party's turn, a lock on the state directory the node's settings name
+        (:meth:`~.registry.Parties.turn`): a factory of its own keeps the party's state there.
 
     Returns
     -------

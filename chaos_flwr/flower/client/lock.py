@@ -16,7 +16,10 @@ other's records, ledger and pending envelopes.
 ClientApp never leaves the party locked. A process waits at most
 :data:`FLOWER_PARTY_LOCK_WAIT_S` for its turn, then refuses the message with
 :class:`~chaos_flwr.errors.StoreError`. Taking it again in the thread that holds it is a no-op.
-A party without a state directory keeps its state in its process's memory and takes no lock.
+A child forked during a turn (a data loader's workers, a process pool the training starts)
+closes its copies of the held lock files at once, so a child that outlives the message never
+keeps the party locked. A party without a state directory keeps its state in its process's
+memory and takes no lock.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 
 from chaos_flwr.errors import StoreError
 
-__all__ = ["FLOWER_PARTY_LOCK_WAIT_S", "LOCK_FILE", "party_lock"]
+__all__ = ["FLOWER_PARTY_LOCK_POLL_S", "FLOWER_PARTY_LOCK_WAIT_S", "LOCK_FILE", "party_lock"]
 
 LOG = logging.getLogger(__name__)
 
@@ -47,8 +50,20 @@ FLOWER_PARTY_LOCK_POLL_S: float = 0.02
 #: The lock's file name in the party's state directory.
 LOCK_FILE = "party.lock"
 
-_HELD: set[tuple[str, int]] = set()  # (state dir, thread) pairs holding their party's lock
+_HELD: dict[tuple[str, int], int] = {}  # (state dir, thread) holding its party's lock -> fd
 _HELD_GUARD = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """In a child forked during a turn: close its copies of the held lock files (never
+    unlock: the flock belongs to the parent's open file, which closing a copy leaves held)."""
+    for fd in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @contextlib.contextmanager
@@ -87,12 +102,12 @@ def party_lock(
     try:
         _acquire(fd, state_dir, wait_s, poll_s)
         with _HELD_GUARD:
-            _HELD.add(key)
+            _HELD[key] = fd
         try:
             yield
         finally:
             with _HELD_GUARD:
-                _HELD.discard(key)
+                _HELD.pop(key, None)
     finally:
         os.close(fd)  # releases the flock
 
@@ -123,8 +138,8 @@ def _acquire(fd: int, state_dir: Path, wait_s: float, poll_s: float) -> None:
         except BlockingIOError:
             if time.monotonic() >= until:
                 raise StoreError(
-                    f"{state_dir}: another process of this party has held its lock for "
-                    f"{wait_s:.0f} s (FLOWER_PARTY_LOCK_WAIT_S); this message is refused"
+                    f"{state_dir}: another process or thread of this party has held its lock "
+                    f"for {wait_s:g} s (FLOWER_PARTY_LOCK_WAIT_S); this message is refused"
                 ) from None
             time.sleep(poll_s)
         except OSError as exc:

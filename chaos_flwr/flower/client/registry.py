@@ -65,10 +65,23 @@ class Parties:
         return party
 
     def turn(self, context: Context) -> AbstractContextManager[None]:
-        """This node's party's turn for one message (:func:`~.lock.party_lock` on the state
-        directory its settings name): no other process of the party builds, handles or saves
-        it meanwhile. Settings that name no state directory, or that are wrong (the party's
-        build then says what is wrong), take no lock."""
+        """This node's party's turn for one message: no other process of the party builds,
+        handles or saves it meanwhile.
+
+        Parameters
+        ----------
+        context
+            The node's Flower ``Context``.
+
+        Returns
+        -------
+        AbstractContextManager[None]
+            :func:`~.lock.party_lock` on the state directory the node's settings name
+            (``chaos-state-dir``, or ``chaos-state-root`` and the partition): a custom party
+            factory must keep the party's state there too. Settings that name no state
+            directory, or that are wrong (the party's build then says what is wrong), take no
+            lock.
+        """
         try:
             state_dir = party_settings(context).state_dir
         except ConfigError:
@@ -116,9 +129,8 @@ def party_for(context: Context, app: ClientApp | None = None) -> Party:
         raise ConfigError("party_for: no ClientApp has been enabled (chaos_flwr.enable) here")
     key = (context.run_id, context.node_id)
     for parties in reversed(_ENABLED):
-        party = parties.by_node.get(key)
-        if party is not None:
-            return party
+        if key in parties.by_node:
+            return parties(context)  # the cached party, or its newer save if one was made since
     return _ENABLED[-1](context)
 
 
