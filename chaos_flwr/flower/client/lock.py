@@ -5,8 +5,8 @@ every message is handled as *load, handle, save*. Flower's deployment engine run
 messages one after the other, but its simulation engine runs them on whichever worker is free:
 with two workers (``client-resources-num-cpus = 1`` on two cores), two messages to one node run
 at the same time in two processes (measured on flwr 1.42: four queries to one node, two at a
-time; e.g. a node dropped for lateness whose next message comes while its training still runs,
-or two joiners asking one donor). Both processes would load the same state, sign envelopes
+time, ``tests/test_flower_message_concurrency.py``; e.g. a node dropped for lateness whose next
+message comes while its training still runs, or two joiners asking one donor). Both processes would load the same state, sign envelopes
 with the same sequence numbers (receivers refuse the second as a replay) and save over each
 other's records, ledger and pending envelopes.
 
