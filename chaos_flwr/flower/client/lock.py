@@ -4,11 +4,12 @@ A party's protocol state lives in its state directory (:mod:`chaos_flwr.flower.d
 every message is handled as *load, handle, save*. Flower's deployment engine runs a SuperNode's
 messages one after the other, but its simulation engine runs them on whichever worker is free:
 with two workers (``client-resources-num-cpus = 1`` on two cores), two messages to one node run
-at the same time in two processes (measured on flwr 1.42: four queries to one node, two at a
-time, ``tests/test_flower_message_concurrency.py``; e.g. a node dropped for lateness whose next
-message comes while its training still runs, or two joiners asking one donor). Both processes would load the same state, sign envelopes
-with the same sequence numbers (receivers refuse the second as a replay) and save over each
-other's records, ledger and pending envelopes.
+at the same time in two processes (on flwr 1.42, four queries to one node ran two at a time:
+``tests/test_flower_message_concurrency.py``). That happens to a node dropped for lateness
+whose next message comes while its training still runs, or to a donor two joiners ask at once.
+Both processes would load the same state, sign envelopes with the same sequence numbers
+(receivers refuse the second as a replay) and save over each other's records, ledger and
+pending envelopes.
 
 :func:`party_lock` is held for the whole of one message, from the party's build to its save
 (the training in between too, as on the deployment engine): an exclusive ``flock`` on
