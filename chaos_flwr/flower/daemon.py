@@ -41,6 +41,11 @@ costs about 9 ms (``chaos-flwr bench rebuild``: a party of a few dozen records, 
 ClientApp process that Flower's deployment engine starts per message spends about 1.2 s
 importing Flower alone on the same machine. A local socket to a daemon holding the state would
 save the 9 ms, not the process start, and would carry the message's arrays across it twice.
+What it would bring is availability: a SuperNode runs one ClientApp at a time
+(``tests/test_flower_message_concurrency.py``), so while a party trains nothing of it can sign,
+vote or countersign; a daemon holding the protocol state could, and with membership operations
+over direct links a joiner could then be admitted and pull during the round in progress (not
+built: issue #16).
 """
 
 from __future__ import annotations
