@@ -13,7 +13,7 @@ from fake_grid import FakeGrid
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from chaos_flwr.errors import ConfigError
+from chaos_flwr.errors import ConfigError, StoreError
 from chaos_flwr.flower.schema import server_record
 from chaos_flwr.lab import churn
 from chaos_flwr.lab.churn import NodeCrashedError, NodeNotJoinedError, message_round
@@ -272,6 +272,44 @@ def test_an_action_and_its_message_are_one_turn_of_the_party(
     # (whose own turn nests in it); rounds 1 and 2 are one turn each, nested likewise
     assert events == ["turn", "turn", "end", "end"] * 2 + ["turn", "leave", "turn", "end", "end"]
     assert seen == [1, 2, 3]
+
+
+def test_a_message_with_a_stale_context_copy_does_not_act_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On two simulation workers a message carries the node's Context as it was when sent: one
+    that waited while another acted holds no mark of that action. The marks in the party's
+    state directory say it was done; in another run they do not count."""
+    import copy
+
+    from chaos_flwr.flower import client
+    from chaos_flwr.flower.keys import load_federation, make_federation
+    from chaos_flwr.lab.churn_marks import MARKS_FILE
+
+    keys = make_federation(tmp_path / "keys", 4, founders=3, seed="t")
+    ids = load_federation(keys).party_ids
+    party = FakeParty()
+    monkeypatch.setattr(client, "party_for", lambda ctx, app=None: party)
+    app, seen = _plain_app()
+    churn.apply(app, parse_scenario(_base()))
+    run_config = {"chaos-keys-dir": str(keys), "chaos-state-root": str(tmp_path / "state")}
+    first = _ctx(0, run_config)
+    _train(app, first, 2)
+    stale = copy.deepcopy(first)  # the copy the second message of round 3 took
+    _train(app, first, 3)
+    _train(app, stale, 3)
+    assert party.calls == [("disconnect", ids[1])]  # once
+    assert seen == [2, 3, 3]
+    marks = next((tmp_path / "state").rglob(MARKS_FILE))
+    later = Context(
+        run_id=2, node_id=first.node_id, node_config=first.node_config, state=RecordDict(),
+        run_config=first.run_config,
+    )  # fmt: skip
+    _train(app, later, 3)  # another run: its own marks
+    assert party.calls == [("disconnect", ids[1])] * 2
+    marks.write_text("[1, 2]")
+    with pytest.raises(StoreError, match="not churn marks"):
+        _train(app, first, 4)
 
 
 def test_an_action_the_party_refuses_is_reported_once_and_the_node_keeps_answering(

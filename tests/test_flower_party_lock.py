@@ -231,30 +231,36 @@ def test_simulation_workers_share_the_cpus_and_a_bad_count_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from chaos_flwr.errors import ConfigError
+    from chaos_flwr.lab import simulation
     from chaos_flwr.lab.example import example_dir
-    from chaos_flwr.lab.simulation import _federation_options
+    from chaos_flwr.lab.simulation import federation_options
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(simulation, "usable_cpus", lambda: 4)
     app = example_dir()
-    assert _federation_options(app, None)["client-resources-num-cpus"] == 2  # the file's
-    two = _federation_options(app, None, 2)
+    assert federation_options(app, None)["client-resources-num-cpus"] == 2  # the file's
+    two = federation_options(app, None, 2)
     assert (two["client-resources-num-cpus"], two["init-args-num-cpus"]) == (2, 4)
-    three = _federation_options(app, 7, 3)
+    three = federation_options(app, 7, 3)
     assert (three["client-resources-num-cpus"], three["init-args-num-cpus"]) == (1, 3)
     assert three["num-supernodes"] == 7
     for bad in (0, 5, -1):
         with pytest.raises(ConfigError, match=rf"workers: {bad}; give 1 to 4"):
-            _federation_options(app, None, bad)
+            federation_options(app, None, bad)
 
 
 def test_the_demo_refuses_more_workers_than_cpus_naming_the_option(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from chaos_flwr.cli import app
+    from chaos_flwr.lab.simulation import usable_cpus
 
-    too_many = (os.cpu_count() or 1) + 1
+    too_many = usable_cpus() + 1
+    kept = tmp_path / "out" / "work" / "progress-chaos.jsonl"  # an earlier demo's
+    kept.parent.mkdir(parents=True)
+    kept.write_text("{}\n")
     res = CliRunner().invoke(
         app, ["demo", "--out", str(tmp_path / "out"), "--workers", str(too_many), "--no-plot"]
     )
     assert res.exit_code == 2, res.output
     assert f"workers: {too_many}; give 1 to" in res.output
+    assert kept.read_text() == "{}\n"  # refused before the earlier demo's work was cleared

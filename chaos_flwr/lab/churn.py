@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+from chaos_flwr.lab.churn_marks import done_events, mark_done, note_round, seen_round
 from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario, load_scenario
 from chaos_flwr.lab.settings import (
     FLOWER_CHURN_KILL_TRAIN_DELAY_S,
@@ -67,9 +68,6 @@ __all__ = [
     "apply",
     "message_round",
 ]
-
-#: ``Context.state`` record where the wrapper keeps its once-only flags.
-_STATE_KEY = "chaos-churn"
 
 
 class NodeNotJoinedError(ChaosError):
@@ -156,7 +154,7 @@ class _Emulator:
         if pid is None:
             raise ConfigError("node_config 'partition-id' is needed by the churn emulation")
         start = _int(context.run_config.get(FLOWER_CHURN_START_ROUND_KEY, 0)) or 0
-        rnd = max(message_round(message, start), _seen_round(context))
+        rnd = max(message_round(message, start), seen_round(context))
         if rnd < scenario.join_round(pid):
             raise NodeNotJoinedError(
                 f"churn: partition {pid} joins at round {scenario.join_round(pid)}, this is "
@@ -168,7 +166,7 @@ class _Emulator:
         gone = scenario.gone_round(pid)
         if gone is not None and rnd >= gone:
             raise NodeLeftError(f"churn: partition {pid} left; its node is shut down")
-        _note_round(context, rnd)  # a message the node takes: later ones are of this round on
+        note_round(context, rnd)  # a message the node takes: later ones are of this round on
         kill = scenario.server_kill_round()
         if (
             kill is not None
@@ -182,12 +180,12 @@ class _Emulator:
         due = [(i, ev) for i, ev in scenario.actions(pid, rnd) if ev.round >= start]
         if not due:
             return
-        done = _done_events(context)
+        done = done_events(context)
         for idx, ev in due:
             if idx in done:
                 continue
             done.add(idx)  # once, even when the party refuses: a refusal is not a crash
-            _mark_done(context, done)
+            mark_done(context, done)
             try:
                 _act(ev, context)
             except ChaosError as exc:
@@ -202,37 +200,6 @@ def _forget(context: Any) -> None:
     from chaos_flwr.flower import client
 
     client.forget_party(context)  # looked up per call, like party_for
-
-
-def _churn_state(context: Any) -> Any:
-    """The emulation's record in ``context.state`` (made empty when absent)."""
-    from flwr.app import ConfigRecord
-
-    record = context.state.config_records.get(_STATE_KEY)
-    if record is None:
-        record = ConfigRecord()
-        context.state[_STATE_KEY] = record
-    return record
-
-
-def _done_events(context: Any) -> set[int]:
-    done = _churn_state(context).get("done", [])
-    return {int(d) for d in done} if isinstance(done, list) else set()
-
-
-def _mark_done(context: Any, done: set[int]) -> None:
-    _churn_state(context)["done"] = sorted(done)
-
-
-def _seen_round(context: Any) -> int:
-    """The newest round of a message this node took in this run (-1: none)."""
-    seen = _int(_churn_state(context).get("seen", -1))
-    return -1 if seen is None else seen
-
-
-def _note_round(context: Any, rnd: int) -> None:
-    if rnd > _seen_round(context):
-        _churn_state(context)["seen"] = rnd
 
 
 def _peer_party_id(context: Any, partition: int) -> str:

@@ -42,7 +42,7 @@ from chaos_flwr.lab.settings import (
     FLOWER_DEMO_RUN_TIMEOUT_S,
     FLOWER_PROGRESS_RUN_CONFIG_KEY,
 )
-from chaos_flwr.lab.simulation import run_simulation_app
+from chaos_flwr.lab.simulation import federation_options, run_simulation_app
 
 __all__ = [
     "DemoResult",
@@ -302,6 +302,7 @@ def run_demo(
     settings = settings or DemoSettings()
     app = settings.app_dir or example_dir()
     scen, scenario_path = _scenario(scenario, rounds)
+    federation_options(app, scen.num_parties, settings.workers)  # refused before work/ goes
     out = Path(out_dir).resolve()
     work = out / "work"
     scenario_path = _fresh_work(work, scen, scenario_path)

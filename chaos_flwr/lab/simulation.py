@@ -41,15 +41,37 @@ from chaos_flwr.lab.settings import (
     FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
 )
 
-__all__ = ["SimulationRun", "run_simulation_app"]
+__all__ = ["SimulationRun", "federation_options", "run_simulation_app", "usable_cpus"]
 
 
-def _federation_options(
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container's limit narrows)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def federation_options(
     app_dir: Path, num_supernodes: int | None, workers: int | None = None
 ) -> dict[str, Any]:
-    """The ``[simulation]`` table of ``app_dir/federation.toml`` with the overrides: the
-    number of virtual SuperNodes, and ``workers`` ClientApp workers sharing this machine's
-    CPUs (Ray runs as many at once as ``client-resources-num-cpus`` fits in its CPUs)."""
+    """The ``[simulation]`` table of ``app_dir/federation.toml``, with overrides.
+
+    Parameters
+    ----------
+    app_dir
+        The Flower app's folder.
+    num_supernodes
+        Virtual SuperNodes (``None``: the file's).
+    workers
+        ClientApp workers sharing the usable CPUs (:func:`usable_cpus`; Ray runs as many at
+        once as ``client-resources-num-cpus`` fits in ``init-args-num-cpus``); ``None``: the
+        file's.
+
+    Raises
+    ------
+    ConfigError
+        The file is not TOML, names no ``num-supernodes`` when none is given, or ``workers``
+        is not 1 to the usable CPUs.
+    """
     options: dict[str, Any] = {}
     fed_file = app_dir / "federation.toml"
     if fed_file.exists():
@@ -64,7 +86,7 @@ def _federation_options(
             f"num_supernodes: not given and {fed_file} has no [simulation] num-supernodes"
         )
     if workers is not None:
-        cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
         if not 1 <= workers <= cpus:
             raise ConfigError(f"workers: {workers}; give 1 to {cpus} (one CPU each at least)")
         options["client-resources-num-cpus"] = cpus // workers
@@ -206,17 +228,15 @@ def run_simulation_app(
     poll_s:
         Pause between two ``kill_when`` calls.
     workers:
-        ClientApp workers run at once, sharing this machine's CPUs (overrides
-        ``client-resources-num-cpus`` and ``init-args-num-cpus``); ``None``: as
-        ``federation.toml`` says. A signed party's messages take turns on its state directory
-        (:mod:`chaos_flwr.flower.client.lock`), so any number is safe for signed runs.
+        ClientApp workers run at once, sharing the CPUs (sets ``client-resources-num-cpus``
+        and ``init-args-num-cpus``); ``None``: as ``federation.toml`` says.
 
     Returns
     -------
     SimulationRun
     """
     app = app_folder(app_dir)
-    options = _federation_options(app, num_supernodes, workers)
+    options = federation_options(app, num_supernodes, workers)
     home = run_home(keep_home)
     env = flower_env(home)
     config = dict(run_config or {})

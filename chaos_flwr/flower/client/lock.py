@@ -51,20 +51,36 @@ FLOWER_PARTY_LOCK_POLL_S: float = 0.02
 #: The lock's file name in the party's state directory.
 LOCK_FILE = "party.lock"
 
-_HELD: dict[tuple[str, int], int] = {}  # (state dir, thread) holding its party's lock -> fd
-_HELD_GUARD = threading.Lock()
+_FDS: set[int] = set()  # the lock files this process has open
+_HELD: set[tuple[str, int]] = set()  # (state dir, thread) pairs holding their party's lock
+_GUARD = threading.Lock()  # over both; held across a fork, so no fork sees them half-changed
 
 
-def _forget_in_child() -> None:
-    """In a child forked during a turn: close its copies of the held lock files (never
-    unlock: the flock belongs to the parent's open file, which closing a copy leaves held)."""
-    for fd in _HELD.values():
+def _before_fork() -> None:
+    _GUARD.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _GUARD.release()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked during a turn: close its copies of the lock files (never unlock: the
+    flock belongs to the parent's open file, which closing a copy leaves held)."""
+    global _GUARD
+    for fd in _FDS:
         with contextlib.suppress(OSError):
             os.close(fd)
+    _FDS.clear()
     _HELD.clear()
+    _GUARD = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)
 
 
 @contextlib.contextmanager
@@ -94,23 +110,29 @@ def party_lock(
         yield
         return
     key = (str(state_dir.resolve()), threading.get_ident())
-    with _HELD_GUARD:
+    with _GUARD:
         again = key in _HELD
     if again:  # this thread already holds it (a handler inside a handler)
         yield
         return
-    fd = _open(state_dir)
+    with _GUARD:
+        fd = _open(state_dir)
+        _FDS.add(fd)
+    owner = os.getpid()
     try:
         _acquire(fd, state_dir, wait_s, poll_s)
-        with _HELD_GUARD:
-            _HELD[key] = fd
+        with _GUARD:
+            _HELD.add(key)
         try:
             yield
         finally:
-            with _HELD_GUARD:
-                _HELD.pop(key, None)
+            with _GUARD:
+                _HELD.discard(key)
     finally:
-        os.close(fd)  # releases the flock
+        if os.getpid() == owner:  # a child forked in the turn closed its copy when forked
+            with _GUARD:
+                _FDS.discard(fd)
+                os.close(fd)  # releases the flock
 
 
 def _open(state_dir: Path) -> int:
