@@ -307,9 +307,10 @@ def test_a_message_with_a_stale_context_copy_does_not_act_again(
     )  # fmt: skip
     _train(app, later, 3)  # another run: its own marks
     assert party.calls == [("disconnect", ids[1])] * 2
-    marks.write_text("[1, 2]")
-    with pytest.raises(StoreError, match="not churn marks"):
-        _train(app, first, 4)
+    for bad in ("[1, 2]", '{"run": 1, "seen": true, "done": []}', "[" * 40_000):
+        marks.write_text(bad)  # not marks; a bool for an int; nested past the parser's depth
+        with pytest.raises(StoreError, match="not churn marks"):
+            _train(app, first, 4)
 
 
 def test_an_action_the_party_refuses_is_reported_once_and_the_node_keeps_answering(

@@ -154,6 +154,27 @@ def test_a_child_forked_during_a_turn_does_not_keep_the_party_locked(tmp_path: P
     assert proc.exitcode == 0
 
 
+def test_a_raw_fork_child_leaving_the_turn_closes_nothing_of_its_own(tmp_path: Path) -> None:
+    """The child's copy of the lock file was closed when it was forked: when the child leaves
+    the block, the lock's descriptor number may be a file of its own, which stays open."""
+    from chaos_flwr.flower.client import lock
+
+    (tmp_path / "mine").write_text("x")
+    with party_lock(tmp_path):
+        (number,) = lock._FDS
+        pid = os.fork()
+        if pid == 0:  # the child: a file of its own at that number, then it leaves the turn
+            os.dup2(os.open(tmp_path / "mine", os.O_RDONLY), number)
+    if pid == 0:
+        try:
+            code = 0 if os.pread(number, 1, 0) == b"x" else 3
+        except OSError:
+            code = 4  # closed by the turn it left
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_party_for_gives_the_newer_save_not_a_stale_cached_party(tmp_path: Path) -> None:
     """What a churn action (party_for without the app) acts on is the state another worker
     saved last: an action on a stale copy would be dropped when the handler takes that save."""

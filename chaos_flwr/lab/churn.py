@@ -35,7 +35,8 @@ below the newest round of a message the node took before, since messages come in
 a join message that carries round ``r - 1``'s state to a node that came between rounds goes
 out after round ``r``'s query to it, so it belongs to round ``r``. That round and the flags
 that must happen once (a leave, a link drop) are kept in ``Context.state``, which Flower
-carries per node and run.
+carries per node and run, and in the party's state directory (:mod:`.churn_marks`: with
+several simulation workers a message may carry a stale copy of the Context).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
-from chaos_flwr.lab.churn_marks import done_events, mark_done, note_round, seen_round
+from chaos_flwr.lab.churn_marks import Marks
 from chaos_flwr.lab.scenario import ChurnEvent, ChurnScenario, load_scenario
 from chaos_flwr.lab.settings import (
     FLOWER_CHURN_KILL_TRAIN_DELAY_S,
@@ -154,7 +155,8 @@ class _Emulator:
         if pid is None:
             raise ConfigError("node_config 'partition-id' is needed by the churn emulation")
         start = _int(context.run_config.get(FLOWER_CHURN_START_ROUND_KEY, 0)) or 0
-        rnd = max(message_round(message, start), seen_round(context))
+        marks = Marks.load(context)
+        rnd = max(message_round(message, start), marks.seen)
         if rnd < scenario.join_round(pid):
             raise NodeNotJoinedError(
                 f"churn: partition {pid} joins at round {scenario.join_round(pid)}, this is "
@@ -166,7 +168,7 @@ class _Emulator:
         gone = scenario.gone_round(pid)
         if gone is not None and rnd >= gone:
             raise NodeLeftError(f"churn: partition {pid} left; its node is shut down")
-        note_round(context, rnd)  # a message the node takes: later ones are of this round on
+        marks.note_round(rnd)  # a message the node takes: later ones are of this round on
         kill = scenario.server_kill_round()
         if (
             kill is not None
@@ -180,12 +182,10 @@ class _Emulator:
         due = [(i, ev) for i, ev in scenario.actions(pid, rnd) if ev.round >= start]
         if not due:
             return
-        done = done_events(context)
         for idx, ev in due:
-            if idx in done:
+            if idx in marks.done:
                 continue
-            done.add(idx)  # once, even when the party refuses: a refusal is not a crash
-            mark_done(context, done)
+            marks.mark_done(idx)  # once, even when the party refuses: a refusal is not a crash
             try:
                 _act(ev, context)
             except ChaosError as exc:

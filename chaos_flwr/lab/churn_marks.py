@@ -6,26 +6,28 @@ node's Context taken when it was sent, and the last reply to come back sets the 
 so a message that waited for its party's turn (:mod:`chaos_flwr.flower.client.lock`) while
 another one acted would erase that action's mark, and a later message would act again (a link
 taken down again after it came back up). So when the node's party has a state directory, the
-marks are also kept in ``<state-dir>/churn.state`` (written within the party's turn; a file of
-another run is ignored), and a mark in either place counts.
+marks are also kept in ``<state-dir>/churn.state`` (a file of another run is ignored), and a
+mark in either place counts. The churn wrapper reads and writes them within the party's turn
+when the app is Chaos-enabled (:func:`chaos_flwr.lab.churn.apply`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chaos_flwr.errors import ConfigError, StoreError
 from chaos_flwr.localfile import read_local_file, write_local_file
 
-__all__ = ["done_events", "mark_done", "note_round", "seen_round"]
+__all__ = ["CHURN_MARKS_MAX_BYTES", "MARKS_FILE", "STATE_KEY", "Marks"]
 
 #: ``Context.state`` record where the wrapper keeps its marks.
 STATE_KEY = "chaos-churn"
 #: The marks' file name in the party's state directory.
 MARKS_FILE = "churn.state"
-#: Largest marks file read, in bytes (a few hundred event indexes).
+#: Largest marks file read, in bytes (a few thousand event indexes).
 CHURN_MARKS_MAX_BYTES = 64 * 1024
 
 
@@ -50,16 +52,14 @@ def _path(context: Any) -> Path | None:
     return None if state_dir is None else state_dir / MARKS_FILE
 
 
-def _read(context: Any) -> tuple[set[int], int]:
-    """The done events and the newest round in the node's marks file (empty: none, or of
-    another run).
+def _read(path: Path | None, run_id: int) -> tuple[set[int], int]:
+    """The done events and the newest round in a marks file (empty: none, or another run's).
 
     Raises
     ------
     StoreError
         The file is not a regular file, too large, or not marks.
     """
-    path = _path(context)
     if path is None:
         return set(), -1
     try:
@@ -70,51 +70,98 @@ def _read(context: Any) -> tuple[set[int], int]:
         return set(), -1
     try:
         value = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise StoreError(f"{path}: not churn marks ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise StoreError(f"{path}: not churn marks ({type(exc).__name__})") from None
     ints = isinstance(value, dict) and all(type(value.get(k)) is int for k in ("run", "seen"))
     done = value.get("done") if isinstance(value, dict) else None
     if not ints or not isinstance(done, list) or not all(type(d) is int for d in done):
         raise StoreError(f"{path}: not churn marks (want run, seen: int; done: list of int)")
-    if value["run"] != int(context.run_id):
+    if value["run"] != run_id:
         return set(), -1
     return set(done), int(value["seen"])
 
 
-def _write(context: Any, done: set[int], seen: int) -> None:
-    path = _path(context)
-    if path is None:
-        return
-    data = json.dumps({"run": int(context.run_id), "done": sorted(done), "seen": seen})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StoreError(f"{path.parent}: cannot make the party's state directory ({exc})") from exc
-    write_local_file(path, data.encode(), what="churn marks", error=StoreError)
+@dataclass
+class Marks:
+    """A node's marks for one message: read once (:meth:`load`), saved on every change.
 
+    Attributes
+    ----------
+    done:
+        Indexes of the scenario's once-only actions this node already took in this run.
+    seen:
+        The newest round of a message this node took in this run (-1: none).
+    """
 
-def done_events(context: Any) -> set[int]:
-    """Indexes of the scenario's once-only actions this node already took in this run."""
-    done = _record(context).get("done", [])
-    marked = {int(d) for d in done} if isinstance(done, list) else set()
-    return marked | _read(context)[0]
+    context: Any
+    path: Path | None
+    done: set[int] = field(default_factory=set)
+    seen: int = -1
 
+    @classmethod
+    def load(cls, context: Any) -> Marks:
+        """The marks of ``context``'s node: its ``Context.state`` and its marks file.
 
-def mark_done(context: Any, done: set[int]) -> None:
-    """Record ``done`` as the actions taken (before acting: once, even when refused)."""
-    _record(context)["done"] = sorted(done)
-    _write(context, done, seen_round(context))
+        Parameters
+        ----------
+        context
+            The node's Flower ``Context``.
 
+        Returns
+        -------
+        Marks
+            A mark in either place counts.
 
-def seen_round(context: Any) -> int:
-    """The newest round of a message this node took in this run (-1: none)."""
-    seen = _record(context).get("seen", -1)
-    mine = seen if isinstance(seen, int) and not isinstance(seen, bool) else -1
-    return max(mine, _read(context)[1])
+        Raises
+        ------
+        StoreError
+            The marks file is not a regular file, too large, or not marks.
+        """
+        path = _path(context)
+        done, seen = _read(path, int(context.run_id))
+        record = _record(context)
+        held = record.get("done", [])
+        done |= {int(d) for d in held} if isinstance(held, list) else set()
+        mine = record.get("seen", -1)
+        if type(mine) is int:
+            seen = max(seen, mine)
+        return cls(context, path, done, seen)
 
+    def note_round(self, rnd: int) -> None:
+        """A message of round ``rnd`` was taken: later ones are of this round at least.
 
-def note_round(context: Any, rnd: int) -> None:
-    """A message of round ``rnd`` was taken: later ones are of this round at least."""
-    if rnd > seen_round(context):
-        _record(context)["seen"] = rnd
-        _write(context, done_events(context), rnd)
+        Raises
+        ------
+        StoreError
+            The marks file cannot be written.
+        """
+        if rnd > self.seen:
+            self.seen = rnd
+            self._save()
+
+    def mark_done(self, idx: int) -> None:
+        """Action ``idx`` is taken (marked before acting: once, even when refused).
+
+        Raises
+        ------
+        StoreError
+            The marks file cannot be written.
+        """
+        self.done.add(idx)
+        self._save()
+
+    def _save(self) -> None:
+        record = _record(self.context)
+        record["done"] = sorted(self.done)
+        record["seen"] = self.seen
+        if self.path is None:
+            return
+        run = int(self.context.run_id)
+        data = json.dumps({"run": run, "done": sorted(self.done), "seen": self.seen})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(
+                f"{self.path.parent}: cannot make the state directory ({exc})"
+            ) from exc
+        write_local_file(self.path, data.encode(), what="churn marks", error=StoreError)

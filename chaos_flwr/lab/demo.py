@@ -31,6 +31,7 @@ from typing import Any
 
 from chaos_flwr.errors import ConfigError, TransportError
 from chaos_flwr.lab.example import example_dir
+from chaos_flwr.lab.launch import app_folder
 from chaos_flwr.lab.render import plot_report
 from chaos_flwr.lab.report import build_report, read_progress, trained_nodes, write_report
 from chaos_flwr.lab.scenario import ChurnScenario, load_scenario, parse_scenario
@@ -302,7 +303,7 @@ def run_demo(
     settings = settings or DemoSettings()
     app = settings.app_dir or example_dir()
     scen, scenario_path = _scenario(scenario, rounds)
-    federation_options(app, scen.num_parties, settings.workers)  # refused before work/ goes
+    federation_options(app_folder(app), scen.num_parties, settings.workers)  # before work/ goes
     out = Path(out_dir).resolve()
     work = out / "work"
     scenario_path = _fresh_work(work, scen, scenario_path)

@@ -45,7 +45,8 @@ __all__ = ["SimulationRun", "federation_options", "run_simulation_app", "usable_
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity, which a container's limit narrows)."""
+    """The CPUs this process may run on: its affinity (a cpuset narrows it; a CPU quota such
+    as ``docker --cpus`` does not, and is not read here)."""
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 

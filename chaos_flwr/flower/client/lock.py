@@ -54,6 +54,7 @@ LOCK_FILE = "party.lock"
 _FDS: set[int] = set()  # the lock files this process has open
 _HELD: set[tuple[str, int]] = set()  # (state dir, thread) pairs holding their party's lock
 _GUARD = threading.Lock()  # over both; held across a fork, so no fork sees them half-changed
+# (nothing done under _GUARD may fork or call out: set changes, mkdir, open and close only)
 
 
 def _before_fork() -> None:
