@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chaos_flwr.errors import ConfigError, StoreError
+from chaos_flwr.errors import StoreError
 from chaos_flwr.localfile import read_local_file, write_local_file
 
 __all__ = ["CHURN_MARKS_MAX_BYTES", "MARKS_FILE", "STATE_KEY", "Marks"]
@@ -43,12 +43,9 @@ def _record(context: Any) -> Any:
 
 
 def _path(context: Any) -> Path | None:
-    from chaos_flwr.flower.client.settings import party_settings
+    from chaos_flwr.flower.client.settings import state_dir_named
 
-    try:
-        state_dir = party_settings(context).state_dir
-    except ConfigError:
-        return None
+    state_dir = state_dir_named(context)
     return None if state_dir is None else state_dir / MARKS_FILE
 
 

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 from chaos_flwr.errors import ConfigError
 from chaos_flwr.flower.client.lock import party_lock
 from chaos_flwr.flower.client.party import Party
-from chaos_flwr.flower.client.settings import party_settings
+from chaos_flwr.flower.client.settings import state_dir_named
 
 __all__ = [
     "Parties",
@@ -82,11 +82,7 @@ class Parties:
             directory, or that are wrong (the party's build then says what is wrong), take no
             lock.
         """
-        try:
-            state_dir = party_settings(context).state_dir
-        except ConfigError:
-            state_dir = None
-        return party_lock(state_dir)
+        return party_lock(state_dir_named(context))
 
 
 #: The party tables of the ClientApps enabled in this process, oldest first.

@@ -61,6 +61,7 @@ __all__ = [
     "keep_replicas",
     "party_settings",
     "run_setting",
+    "state_dir_named",
 ]
 
 #: ``node_config`` key: path of the party's Ed25519 key file.
@@ -275,3 +276,23 @@ def _direct_address(value: object, unsigned: bool) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"direct address must be 'host:port', got {value!r:.80}")
     return endpoint_address(*parse_address(value))
+
+
+def state_dir_named(context: Context) -> Path | None:
+    """The state directory the node's settings name (:func:`party_settings`).
+
+    Parameters
+    ----------
+    context
+        The node's Flower ``Context``.
+
+    Returns
+    -------
+    Path or None
+        ``None`` when the settings name none, or are wrong (the party's build then says what
+        is wrong).
+    """
+    try:
+        return party_settings(context).state_dir
+    except ConfigError:
+        return None
