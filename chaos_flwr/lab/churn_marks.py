@@ -84,6 +84,10 @@ class Marks:
 
     Attributes
     ----------
+    context:
+        The node's Flower ``Context`` (its ``state`` holds the marks too).
+    path:
+        The node's marks file (``None``: its settings name no state directory).
     done:
         Indexes of the scenario's once-only actions this node already took in this run.
     seen:
