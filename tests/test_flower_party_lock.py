@@ -160,17 +160,20 @@ def test_a_raw_fork_child_leaving_the_turn_closes_nothing_of_its_own(tmp_path: P
     from chaos_flwr.flower.client import lock
 
     (tmp_path / "mine").write_text("x")
-    with party_lock(tmp_path):
-        (number,) = lock._FDS
-        pid = os.fork()
-        if pid == 0:  # the child: a file of its own at that number, then it leaves the turn
-            os.dup2(os.open(tmp_path / "mine", os.O_RDONLY), number)
-    if pid == 0:
-        try:
-            code = 0 if os.pread(number, 1, 0) == b"x" else 3
-        except OSError:
-            code = 4  # closed by the turn it left
-        os._exit(code)
+    pid, number = -1, -1
+    try:
+        with party_lock(tmp_path):
+            (number,) = lock._FDS
+            pid = os.fork()
+            if pid == 0:  # the child: a file of its own at that number, then it leaves the turn
+                os.dup2(os.open(tmp_path / "mine", os.O_RDONLY), number)
+    finally:
+        if pid == 0:  # the child, whatever happened: report and exit, never back into pytest
+            try:
+                code = 0 if os.pread(number, 1, 0) == b"x" else 3
+            except BaseException:
+                code = 4  # closed by the turn it left
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
