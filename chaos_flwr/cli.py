@@ -484,7 +484,8 @@ def bench_rebuild(
     ] = None,
     repeats: Annotated[int | None, typer.Option("--repeats", help="Samples per size.")] = None,
 ) -> None:
-    """A party rebuilt in a fresh process from its saved state: sealed vs verified, by age."""
+    """A party rebuilt in a fresh process from its saved state (sealed, verified), by age,
+    against a relay message its daemon answers over the local socket."""
     import tempfile
 
     from .bench.rebuild import BENCH_REBUILD_REPEATS, BENCH_REBUILD_SIZES, run
@@ -944,6 +945,12 @@ def party_daemon(
     suspect_s: float = typer.Option(
         GOSSIP_SUSPECT_S, min=1.0, help="Silence after which a daemon heard before is suspected."
     ),
+    local: bool = typer.Option(
+        True,
+        "--local/--no-local",
+        help="Hold the party and answer its ClientApps' protocol messages on "
+        "<state-dir>/party.sock.",
+    ),
 ) -> None:
     """Run an institution's party daemon beside its SuperNode (until SIGTERM or Ctrl-C).
 
@@ -979,7 +986,7 @@ def party_daemon(
     try:
         server = serve_party(
             state_dir, ident, verified, listen, stop=stop, say=typer.echo,
-            gossip=gossip, gossip_interval_s=gossip_interval_s, suspect_s=suspect_s,
+            gossip=gossip, gossip_interval_s=gossip_interval_s, suspect_s=suspect_s, local=local,
         )  # fmt: skip
     except ChaosError as exc:
         typer.echo(f"error: {exc}", err=True)

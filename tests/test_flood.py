@@ -319,5 +319,7 @@ def test_the_flood_and_rebuild_benches_print_their_figures() -> None:
     assert out.exit_code == 0, out.output
     (row,) = json.loads(out.output)["rows"]
     assert row["sealed"]["signature_checks"] == 0 < row["verified"]["signature_checks"]
+    assert row["daemon"]["message_s"] > 0  # the fresh process's relay message, by the daemon
+    assert row["daemon_vs_sealed"] == row["daemon"]["message_s"] / row["sealed"]["message_s"]
     bad = CliRunner().invoke(app, ["bench", "flood", "--mode", "loud"])
     assert bad.exit_code != 0 and "--mode" in bad.output

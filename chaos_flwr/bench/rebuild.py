@@ -10,10 +10,16 @@ in a **fresh Python process** per sample, times:
 * ``message_s``: the rebuild plus one relay message (:meth:`Party.process`) and the save that
   ends every message (:meth:`Party.persist`).
 
-Each size is measured twice: ``sealed`` (the party's own sealed file under its current charter:
-records taken up without signature checks, see :mod:`chaos_flwr.flower.durable`) and
+Each size is measured three ways: ``sealed`` (the party's own sealed file under its current
+charter: records taken up without signature checks, see :mod:`chaos_flwr.flower.durable`),
 ``verified`` (the same file with its charter digest cleared, so every record is verified again,
-as before sealed loads). Medians of ``repeats`` fresh processes; the JSON names the load
+as before sealed loads) and ``daemon``: the party daemon holds the party
+(:mod:`chaos_flwr.flower.client.service`, served from this process) and the fresh process
+sends it the relay message as a ``query.chaos`` ClientApp does
+(:func:`~chaos_flwr.flower.client.service.daemon_reply`); its ``message_s`` is the whole
+local call, the daemon's handling and save included, and its ``import_s`` what that process
+imports (Flower's message types and the client side). Medians of ``repeats`` fresh processes
+(the daemon's first call, which builds its party, is left out); the JSON names the load
 average. Run: ``chaos-flwr bench rebuild --size 1000 --size 10000 --size 100000``.
 """
 
@@ -29,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["measure_once", "prepare", "run"]
+__all__ = ["measure_daemon_once", "measure_once", "prepare", "run"]
 
 #: Record-set sizes measured by default.
 BENCH_REBUILD_SIZES: tuple[int, ...] = (1_000, 10_000)
@@ -100,6 +106,48 @@ def measure_once(root: Path) -> dict[str, float]:
     }
 
 
+def measure_daemon_once(root: Path) -> dict[str, float]:
+    """Send party 0's daemon one relay message as its ClientApp would (call in a fresh
+    process, with the daemon listening on the party's local socket)."""
+    t0 = time.perf_counter()
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from chaos_flwr.flower.client.service import daemon_reply
+    from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+
+    t1 = time.perf_counter()
+    context = _context(root, 0)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, context.node_id, 1
+    content = RecordDict({CHAOS_RECORD_KEY: ConfigRecord({"phase": "relay", "round": 1})})
+    message = Message(content, dst_node_id=context.node_id, message_type="query.chaos")
+    reply = daemon_reply(message, context)
+    t2 = time.perf_counter()
+    if reply is None or CHAOS_RECORD_KEY not in reply.content:
+        raise RuntimeError("the party daemon did not answer the relay message")
+    return {"import_s": t1 - t0, "message_s": t2 - t1}
+
+
+def _daemon_samples(root: Path, repeats: int) -> dict[str, float]:
+    """:func:`measure_daemon_once` in fresh processes, with party 0's daemon served here."""
+    from chaos_flwr.flower.client.service import PartyService
+    from chaos_flwr.flower.keys import key_path
+    from chaos_flwr.flower.local_socket import LOCAL_SOCKET_FILE, LocalServer
+    from chaos_flwr.identity import Identity
+
+    state_dir = root / "state" / "party-0"
+    ident = Identity.load(key_path(root / "fed", 0))
+    server = LocalServer(
+        state_dir / LOCAL_SOCKET_FILE, PartyService(state_dir, str(ident.party_id))
+    )
+    server.start()
+    try:
+        samples = [_sample(root, daemon=True) for _ in range(repeats + 1)]
+    finally:
+        server.stop()
+    return _medians(samples[1:])  # the first one built the daemon's party
+
+
 def _unseal_charter(root: Path) -> None:
     """Clear the saved charter digest (re-sealed): the next rebuild verifies every record."""
     from chaos_flwr.flower import durable
@@ -113,12 +161,13 @@ def _unseal_charter(root: Path) -> None:
     durable.save(state_dir, dataclasses.replace(saved, charter=b""), seal=ident.sign)
 
 
-def _sample(root: Path, *, unseal: bool = False) -> dict[str, float]:
+def _sample(root: Path, *, unseal: bool = False, daemon: bool = False) -> dict[str, float]:
     if unseal:  # every message saves the digest again: clear it before each sample
         _unseal_charter(root)
+    fn = "measure_daemon_once" if daemon else "measure_once"
     code = (
         "import json, sys; from pathlib import Path; from chaos_flwr.bench.rebuild import "
-        "measure_once; print(json.dumps(measure_once(Path(sys.argv[1]))))"
+        f"{fn}; print(json.dumps({fn}(Path(sys.argv[1]))))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(root)],
@@ -146,6 +195,7 @@ def run(sizes: tuple[int, ...], repeats: int, work: Path) -> dict[str, Any]:
         size = (root / "state" / "party-0" / "party.state").stat().st_size
         sealed = _medians([_sample(root) for _ in range(repeats)])
         verified = _medians([_sample(root, unseal=True) for _ in range(repeats)])
+        daemon = _daemon_samples(root, repeats)
         rows.append(
             {
                 "records": held,
@@ -153,6 +203,8 @@ def run(sizes: tuple[int, ...], repeats: int, work: Path) -> dict[str, Any]:
                 "setup_s": setup_s,
                 "sealed": sealed,
                 "verified": verified,
+                "daemon": daemon,
+                "daemon_vs_sealed": daemon["message_s"] / sealed["message_s"],
             }
         )
     return {

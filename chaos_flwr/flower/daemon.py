@@ -35,17 +35,19 @@ then did not for :data:`~chaos_flwr.defaults.GOSSIP_SUSPECT_S`, and writes what 
 converge and a crashed party is declared failed while the ServerApp is down, and records a
 relay withholds reach the party anyway.
 
-Not in the daemon: the party's protocol state. The ClientApp keeps it in the state
-directory (the daemon never writes it) and rebuilds it from there for each message, which
-costs about 9 ms (``chaos-flwr bench rebuild``: a party of a few dozen records, sealed); the
-ClientApp process that Flower's deployment engine starts per message spends about 1.2 s
-importing Flower alone on the same machine. A local socket to a daemon holding the state would
-save the 9 ms, not the process start, and would carry the message's arrays across it twice.
-What it would bring is availability: a SuperNode runs one ClientApp at a time
-(``tests/test_flower_message_concurrency.py``), so while a party trains nothing of it can sign,
-vote or countersign; a daemon holding the protocol state could, and with membership operations
-over direct links a joiner could then be admitted and pull during the round in progress (not
-built: issue #16).
+It holds the party too (unless started with ``--no-local``): it listens on
+``<state-dir>/party.sock`` (mode 0600, its own user and root only) and answers the party's
+``query.chaos`` messages (relay, certify, join and pull) on the party it keeps built, so the
+ClientApp process that Flower's deployment engine starts for such a message builds nothing
+and hands the message over in a local call (:mod:`chaos_flwr.flower.client.service`). Train
+and evaluate messages are still handled in the ClientApp, which trains; both take the party's
+turn (:mod:`chaos_flwr.flower.client.lock`) and take up what the other saved, so the party
+stays one life (one incarnation) across them. What this saves is the party's rebuild from
+disk (``chaos-flwr bench rebuild``: its ``daemon`` row against ``sealed``), not the ClientApp
+process's start (about 1.2 s of Flower imports here). Not built: the daemon signing, voting
+or countersigning on its own while its SuperNode trains (a SuperNode runs one ClientApp at a
+time, ``tests/test_flower_message_concurrency.py``), which would let a joiner be admitted
+during the round in progress (issue #16).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chaos_flwr.defaults import GOSSIP_INTERVAL_S, GOSSIP_SUSPECT_S
 from chaos_flwr.errors import ChaosError
@@ -65,6 +67,10 @@ from chaos_flwr.flower.linkfile import link_credentials
 from chaos_flwr.gossip import Gossip
 from chaos_flwr.membership import Policy, Record, View
 from chaos_flwr.transport.links import LinkAccess
+
+if TYPE_CHECKING:
+    from chaos_flwr.flower.client.service import PartyService
+    from chaos_flwr.flower.local_socket import LocalServer
 
 __all__ = ["SavedView", "party_link", "serve_party"]
 
@@ -170,6 +176,7 @@ def serve_party(
     gossip: bool = True,
     gossip_interval_s: float = GOSSIP_INTERVAL_S,
     suspect_s: float = GOSSIP_SUSPECT_S,
+    local: bool = True,
 ) -> DirectServer:
     """Serve the party's replicas on ``listen`` and gossip with the other parties' daemons
     until ``stop`` is set (the daemon's body).
@@ -177,12 +184,15 @@ def serve_party(
     Says ``serving <address> as <party id> (link certificate <sha256 prefix>)`` once
     listening, and the gossip totals at exit; returns the stopped server (its counters).
     ``gossip_interval_s`` spaces the gossip rounds; a daemon heard and then silent for
-    ``suspect_s`` is suspected (:mod:`chaos_flwr.gossip`).
+    ``suspect_s`` is suspected (:mod:`chaos_flwr.gossip`). With ``local``, it also holds the
+    party and answers its ClientApps' ``query.chaos`` messages on ``<state-dir>/party.sock``
+    (:mod:`chaos_flwr.flower.client.service`), and says how many at exit.
 
     Raises
     ------
     ConfigError
-        The link credentials cannot be saved in ``state_dir``.
+        The link credentials cannot be saved in ``state_dir``, or another daemon already
+        answers on its local socket.
     TransportError
         ``listen`` cannot be bound.
     """
@@ -200,9 +210,16 @@ def serve_party(
         source, listen, link=link, gossip=gossiper.answer if gossiper is not None else None,
         readers=RelayGrants(Path(state_dir), link.creds.federation),
     )  # fmt: skip
-    address = server.start()
+    service, local_server = _local_service(Path(state_dir), str(identity.party_id), local)
+    try:
+        address = server.start()
+    except BaseException:
+        if local_server is not None:
+            local_server.stop()
+        raise
     fingerprint = hashlib.sha256(link.creds.serve_cert_der).hexdigest()[:16]
-    say(f"serving {address} as {identity.party_id} (link certificate {fingerprint})")
+    where = f"; ClientApps at {local_server.path}" if local_server is not None else ""
+    say(f"serving {address} as {identity.party_id} (link certificate {fingerprint}){where}")
     if gossiper is not None:
         gossiper.start()
     try:
@@ -211,6 +228,28 @@ def serve_party(
         if gossiper is not None:
             gossiper.stop()
             say(gossiper.totals())
+        if local_server is not None and service is not None:
+            local_server.stop()
+            say(
+                f"local socket: {service.answered} message(s) answered, "
+                f"{local_server.refused} refused"
+            )
         server.stop()
         source.close()
     return server
+
+
+def _local_service(
+    state_dir: Path, party_id: str, local: bool
+) -> tuple[PartyService | None, LocalServer | None]:
+    """The party service on ``<state-dir>/party.sock``, listening (none without ``local``)."""
+    if not local:
+        return None, None
+    from chaos_flwr.flower.client.service import PartyService
+    from chaos_flwr.flower.local_socket import LOCAL_SOCKET_FILE, LocalServer
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    service = PartyService(state_dir, party_id)
+    server = LocalServer(state_dir / LOCAL_SOCKET_FILE, service)
+    server.start()
+    return service, server

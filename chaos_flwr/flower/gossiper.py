@@ -147,7 +147,7 @@ class Gossiper:
         with self.saved.lock:
             cast = self.saved.gossip.tick(self.clock())
             suspects = self.saved.gossip.suspects()
-        if cast:
+        if cast and suspects:
             LOG.warning("chaos-flwr party: suspects %s (silent on its link)", ", ".join(suspects))
         self.rounds += 1
         self.learned += sum(got)

@@ -46,6 +46,7 @@ __all__ = [
     "read_party_record",
     "server_record",
     "split_chaos",
+    "split_chaos_content",
     "start_record",
     "take_record",
     "with_chaos",
@@ -231,16 +232,22 @@ def split_chaos(message: Message) -> ConfigRecord | None:
     """
     if not message.has_content() or CHAOS_RECORD_KEY not in message.content:
         return None
-    record = message.content[CHAOS_RECORD_KEY]
+    record, message.content = split_chaos_content(message.content)
+    return record
+
+
+def split_chaos_content(content: RecordDict) -> tuple[ConfigRecord | None, RecordDict]:
+    """The Chaos record of ``content`` (``None`` if it has none) and the rest of it, without
+    the Chaos record and audit material (:func:`split_chaos`, on a message's content)."""
+    record = content.get(CHAOS_RECORD_KEY)
     rest = RecordDict(
         {
             k: v
-            for k, v in message.content.items()
+            for k, v in content.items()
             if k != CHAOS_RECORD_KEY and not k.startswith(AUDIT_RECORD_PREFIX)
         }
     )
-    message.content = rest
-    return record if isinstance(record, ConfigRecord) else None
+    return (record if isinstance(record, ConfigRecord) else None), rest
 
 
 def donor_key(party: str) -> str:

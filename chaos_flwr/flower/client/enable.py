@@ -28,23 +28,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.client import proofs
 from chaos_flwr.flower.client.factory import default_party_factory
+from chaos_flwr.flower.client.query import chaos_reply
 from chaos_flwr.flower.client.registry import Parties, PartyFactory, register
+from chaos_flwr.flower.client.service import daemon_reply
 from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK, NODE_PARTITION_ID
 from chaos_flwr.flower.held import restore_held
-from chaos_flwr.flower.schema import (
-    CHAOS_RECORD_KEY,
-    PULL_DATA_KEY,
-    donor_key,
-    read_donor_records,
-    split_chaos,
-)
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY, split_chaos
 
 __all__ = ["enable"]
 
@@ -179,37 +175,18 @@ def enable(app: ClientApp, *, party_factory: PartyFactory | None = None) -> Clie
     app._chaos_parties = parties  # type: ignore[attr-defined]
     register(parties)
 
+    own_factory = party_factory is not None and party_factory is not default_party_factory
+
     @app.query("chaos")
     @_answer_config_errors
     def chaos_query(message: Message, context: Context) -> Message:
+        # the party daemon's, when it holds the party (it takes the turn there)
+        if not own_factory:
+            reply = daemon_reply(message, context)
+            if reply is not None:
+                return reply
         with parties.turn(context):  # from the party's build to its save
-            return _chaos_query(parties, message, context)
+            content = message.content if message.has_content() else RecordDict()
+            return Message(chaos_reply(parties, content, context), reply_to=message)
 
     return app
-
-
-def _chaos_query(parties: Parties, message: Message, context: Context) -> Message:
-    """The ``query.chaos`` handler: relay, certify, join and pull messages."""
-    content_in = message.content if message.has_content() else None  # audit material too
-    record = split_chaos(message)
-    first = next(iter(message.content.array_records.values()), None)
-    party = parties(context)
-    request = message.content.get(PULL_DATA_KEY)
-    phase = record.get("phase") if record is not None else None
-    extra: dict[str, ConfigRecord] = {}
-    if record is not None and phase == "join" and isinstance(request, ConfigRecord):
-        # this party is the joiner: it pulls before its receipt goes out below
-        ctl, requests = party.join_step(record, request, read_donor_records(message.content))
-        extra[PULL_DATA_KEY] = ctl
-        for donor, req in requests.items():
-            extra[donor_key(donor)] = req
-    out = party.process(record, first, content_in)
-    content = RecordDict({CHAOS_RECORD_KEY: out})
-    if record is not None and phase == "pull" and isinstance(request, ConfigRecord):
-        served = party.serve(record, request)
-        if served is not None:
-            content[PULL_DATA_KEY] = served
-    for key, rec in extra.items():
-        content[key] = rec
-    party.persist()  # before any envelope of this reply leaves the process
-    return Message(content, reply_to=message)

@@ -31,7 +31,7 @@ from chaos_flwr.store import ReplicaStore
 if TYPE_CHECKING:
     from chaos_flwr.flower.durable import SavedParty
 
-__all__ = ["default_party_factory"]
+__all__ = ["build_party", "default_party_factory"]
 
 #: Highest incarnation a party takes up from its incarnation file (far below the wire's
 #: 2**63 - 1 bound, far above a clock in milliseconds): a larger one is refused on input.
@@ -44,6 +44,18 @@ def default_party_factory(context: Context) -> Party:
     A signed party needs the identity, charter and peer layers; where this build lacks one,
     a :class:`~chaos_flwr.errors.ConfigError` says which (nothing falls back to unsigned).
     """
+    return build_party(context)
+
+
+def build_party(context: Context, *, lifetime: str | None = None) -> Party:
+    """:func:`default_party_factory`, for the SuperNode process life ``lifetime`` (default:
+    the one this process runs under, :func:`~chaos_flwr.flower.durable.lifetime_token`).
+
+    The party daemon builds a party for the SuperNode of the ClientApp that asks it, so a
+    saved state continues the same life (incarnation and sequence numbers kept) rather
+    than starting a new one at every hand-over between the ClientApp and the daemon.
+    """
+    life = _lifetime() if lifetime is None else lifetime
     settings = party_settings(context)
     store = (
         ReplicaStore(settings.state_dir / "replicas", keep_rounds=settings.keep_replicas)
@@ -58,7 +70,7 @@ def default_party_factory(context: Context) -> Party:
     from chaos_flwr.identity import Identity
 
     ident = Identity.load(settings.key_path)
-    saved, same_life = _saved_state(context, settings, str(ident.party_id), ident.sign)
+    saved, same_life = _saved_state(context, settings, str(ident.party_id), life, ident.sign)
     try:
         peer, out = _build_peer(ident, settings, saved, same_life=same_life)
     except ChaosError as exc:  # a saved record that does not verify: start from the relay
@@ -75,7 +87,7 @@ def default_party_factory(context: Context) -> Party:
         store=store,
         keyring=keyring,
         state_dir=settings.state_dir,
-        lifetime=_lifetime(),
+        lifetime=life,
         direct_addr=_direct_server(settings, peer),
     )
     if saved is not None:
@@ -158,6 +170,7 @@ def _saved_state(
     context: Context,
     settings: PartySettings,
     party_id: str,
+    lifetime: str,
     seal: Callable[[bytes], bytes] | None = None,
 ) -> tuple[SavedParty | None, bool]:
     """The party's saved state (a bad or foreign-sealed file is discarded with a warning) and
@@ -169,7 +182,7 @@ def _saved_state(
     from chaos_flwr.flower.durable import load_or_discard
 
     saved = load_or_discard(settings.state_dir, party_id, seal=seal)
-    same = saved is not None and not restarted and saved.lifetime == _lifetime()
+    same = saved is not None and not restarted and saved.lifetime == lifetime
     return saved, same
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "forget_party",
     "party_for",
     "register",
+    "restart_marked",
     "take_restart",
 ]
 
@@ -137,6 +138,12 @@ def forget_party(context: Context) -> None:
     for parties in _ENABLED:
         parties.by_node.pop(key, None)
     _RESTARTED.add(key)
+
+
+def restart_marked(context: Context) -> bool:
+    """Whether this node's next party build is a real restart (:func:`take_restart`, without
+    using the mark up)."""
+    return (context.run_id, context.node_id) in _RESTARTED
 
 
 def take_restart(context: Context) -> bool:
