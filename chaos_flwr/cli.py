@@ -791,6 +791,12 @@ def bench_flower_overhead(
         "--audits",
         help="Chaos unverified, with audits off (0 auditors), 1 auditor and all (no FedAvg runs).",
     ),
+    daemons: bool = typer.Option(
+        False,
+        "--daemons",
+        help="Deployment: every Chaos SuperNode has its party daemon (direct links, and its "
+        "protocol messages answered over the local socket).",
+    ),
 ) -> None:
     """ChaosStrategy over plain FedAvg: round time, time to accuracy, ClientApp work per round,
     trainers per round, accuracy and replica disk (a table, or JSON with --json).
@@ -819,6 +825,7 @@ def bench_flower_overhead(
             timeout_s=timeout_s,
             num_supernodes=supernodes,
             audits=audits,
+            daemons=daemons,
         )
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None

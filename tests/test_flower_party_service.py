@@ -189,6 +189,45 @@ def test_the_clientapp_answers_a_daemon_s_refusal_as_a_config_error(tmp_path: Pa
     assert "this party daemon is" in reply.error.reason
 
 
+def test_a_message_whose_thread_holds_the_turn_is_handled_here_not_deadlocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.flower.client import lock
+
+    monkeypatch.setattr(lock, "FLOWER_PARTY_LOCK_WAIT_S", 2.0)  # a deadlock fails fast
+    w = World(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    with _daemons(w, {0: 0}) as services:
+        w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+        answered = services[0].answered
+        assert answered >= 1
+        # a wrapper (the churn emulation) took the party's turn around the message
+        with lock.party_lock(w.state_root / "party-0"):
+            reply = w.app(_query(w, 0), w.nodes[0].context)
+        assert not reply.has_error(), reply.error.reason if reply.has_error() else ""
+        assert services[0].answered == answered  # handled in this process, under its turn
+        assert daemon_reply(_query(w, 0), w.nodes[0].context) is not None  # and then the daemon's
+        assert services[0].answered == answered + 1
+
+
+def test_the_churn_wrapper_without_a_scenario_leaves_queries_to_the_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.flower.client import lock
+    from chaos_flwr.lab import churn
+
+    monkeypatch.setattr(lock, "FLOWER_PARTY_LOCK_WAIT_S", 2.0)
+    w = World(tmp_path, 3)
+    churn.apply(w.app)  # as the examples do: no scenario in the run config
+    for p in range(3):
+        w.add(p)
+    with _daemons(w, {0: 0, 1: 1, 2: 2}) as services:
+        w.strategy().start(w.grid, _initial(), num_rounds=2, timeout=10)
+    for p in range(3):
+        assert services[p].answered == w.nodes[p].received.count("query.chaos") >= 1
+
+
 def test_a_daemon_that_breaks_off_leaves_the_message_unhandled_here(tmp_path: Path) -> None:
     import socket
     import threading

@@ -235,8 +235,11 @@ Handler = Callable[[Any, Any], Any]
 
 def _wrap(fn: Handler, emulator: _Emulator, parties: Parties | None) -> Handler:
     def wrapped(message: Any, context: Any) -> Any:
+        if emulator.scenario(context) is None:  # no churn: the message as it is (its
+            return fn(message, context)  # query.chaos may go to the party daemon)
         # an action and the message it rides on are one turn of the party (another process
-        # of it saving in between would drop the action: chaos_flwr.flower.client.lock)
+        # of it saving in between would drop the action: chaos_flwr.flower.client.lock); the
+        # message is handled in this process then (the action is in this process's party)
         with parties.turn(context) if parties is not None else contextlib.nullcontext():
             emulator.before(message, context)
             return fn(message, context)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,15 @@ def run_deployment_app(
     startup_timeout_s: float = FLOWER_SUPERLINK_STARTUP_TIMEOUT_S,
     keep_home: Path | None = None,
     clientapps: dict[int, float] | None = None,
+    daemons: bool = False,
 ) -> SimulationRun:
     """Run a Flower app on the deployment engine: a SuperLink and one SuperNode per entry of
     ``node_configs``, all on 127.0.0.1 (insecure, loopback only), stopped by pid afterwards.
+
+    With ``daemons``, every signed SuperNode (a ``chaos-key`` in its entry) gets its party
+    daemon (``chaos-flwr party``, log ``party-<i>.log``) on a free loopback port, started
+    before it and named in its ``chaos-direct-addr``; it stops with the rest (SIGTERM: its
+    totals end its log).
 
     When ``clientapps`` is given, the ClientApp processes below the SuperNodes are sampled
     every :data:`~chaos_flwr.lab.settings.FLOWER_CLIENTAPP_SAMPLE_S` while the run goes, and
@@ -108,6 +115,11 @@ def run_deployment_app(
     try:
         link = spawn(superlink_cmd(port, home / "state.db"), "superlink.log")
         wait_health(port, link, startup_timeout_s, logs / "superlink.log")
+        if daemons:
+            node_configs = [
+                _with_daemon(node_config, i, spawn, logs)
+                for i, node_config in enumerate(node_configs)
+            ]
         nodes = [
             spawn(supernode_cmd(port, node_config), f"supernode-{i}.log").pid
             for i, node_config in enumerate(node_configs)
@@ -130,6 +142,35 @@ def run_deployment_app(
             pids.extend(stop_process_tree(p))
         if keep_home is None:
             shutil.rmtree(home, ignore_errors=True)
+
+
+#: Longest wait for a party daemon to listen, in seconds.
+DEPLOYMENT_DAEMON_START_S: float = 30.0
+
+
+def _with_daemon(
+    node_config: Mapping[str, object],
+    index: int,
+    spawn: Callable[[list[str], str], subprocess.Popen[Any]],
+    logs: Path,
+) -> Mapping[str, object]:
+    """Start the party daemon of a signed SuperNode; its node config naming the daemon."""
+    if "chaos-key" not in node_config:
+        return node_config
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [
+        sys.executable, "-m", "chaos_flwr.cli", "party", "--key", str(node_config["chaos-key"]),
+        "--charter", str(node_config["chaos-charter"]),
+        "--state-dir", str(node_config["chaos-state-dir"]), "--listen", address,
+    ]  # fmt: skip
+    proc = spawn(cmd, f"party-{index}.log")
+    log = logs / f"party-{index}.log"
+    deadline = time.monotonic() + DEPLOYMENT_DAEMON_START_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        if f"serving {address} " in log.read_text("utf-8", "replace"):
+            return {**node_config, "chaos-direct-addr": address}
+        time.sleep(0.1)
+    raise TransportError(f"party daemon {index} did not start; see {log}")
 
 
 def _wait_sampling(

@@ -108,6 +108,7 @@ class OverheadSpec:
     app_dir: Path | None = None
     extra_config: Mapping[str, object] = field(default_factory=dict)
     audits: bool = False
+    daemons: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -118,6 +119,8 @@ class OverheadSpec:
             raise ConfigError(f"num_supernodes must be >= 1, got {self.num_supernodes}")
         if self.audits and not self.signed:
             raise ConfigError("audits need signed parties: drop --no-signed")
+        if self.daemons and (self.engine != "deployment" or not self.signed):
+            raise ConfigError("--daemons needs the deployment engine and signed parties")
 
     @property
     def poll_s(self) -> float:
@@ -153,6 +156,7 @@ def measure_overhead(spec: OverheadSpec) -> dict[str, Any]:
         "poll_interval_s": spec.poll_s,
         "hidden": spec.hidden,
         "signed": spec.signed,
+        "daemons": spec.daemons,
         "repeats": spec.repeats,
         "loadavg": {"before": os.getloadavg()[0]},
     }
@@ -224,6 +228,7 @@ def _one_run(
         run = run_deployment_app(
             app, node_configs=nodes, run_config=cfg, timeout_s=spec.timeout_s,
             keep_home=work / "home", clientapps=clientapps,
+            daemons=spec.daemons and mode == "chaos",
         )  # fmt: skip
         state_root = work / "state"
     if run.returncode != 0 or not run.results:
@@ -317,7 +322,13 @@ def clientapp_figures(
         log.read_text("utf-8", "replace").count("Receiving: ")
         for log in sorted(logs.glob("supernode-*.log"))
     )
+    answered = [
+        int(text.split("local socket: ")[1].split(" ")[0])
+        for log in sorted(logs.glob("party-*.log"))
+        if "local socket: " in (text := log.read_text("utf-8", "replace"))
+    ]
     return {
+        "daemon_messages_answered": sum(answered),
         "clientapp_processes": len(clientapps),
         "clientapp_processes_setup": setup,
         "clientapp_processes_per_round": per_round,

@@ -37,7 +37,13 @@ from pathlib import Path
 
 from chaos_flwr.errors import StoreError
 
-__all__ = ["FLOWER_PARTY_LOCK_POLL_S", "FLOWER_PARTY_LOCK_WAIT_S", "LOCK_FILE", "party_lock"]
+__all__ = [
+    "FLOWER_PARTY_LOCK_POLL_S",
+    "FLOWER_PARTY_LOCK_WAIT_S",
+    "LOCK_FILE",
+    "holds_turn",
+    "party_lock",
+]
 
 LOG = logging.getLogger(__name__)
 
@@ -88,7 +94,7 @@ os.register_at_fork(
 def party_lock(
     state_dir: Path | None,
     *,
-    wait_s: float = FLOWER_PARTY_LOCK_WAIT_S,
+    wait_s: float | None = None,
     poll_s: float = FLOWER_PARTY_LOCK_POLL_S,
 ) -> Iterator[None]:
     """Hold the lock of the party whose state is in ``state_dir`` (module docstring).
@@ -98,7 +104,8 @@ def party_lock(
     state_dir
         The party's state directory (created if missing); ``None``: no lock.
     wait_s
-        Longest wait for another process's turn to end.
+        Longest wait for another process's turn to end; default
+        :data:`FLOWER_PARTY_LOCK_WAIT_S`.
     poll_s
         Pause between tries.
 
@@ -121,7 +128,7 @@ def party_lock(
         _FDS.add(fd)
     owner = os.getpid()
     try:
-        _acquire(fd, state_dir, wait_s, poll_s)
+        _acquire(fd, state_dir, FLOWER_PARTY_LOCK_WAIT_S if wait_s is None else wait_s, poll_s)
         with _GUARD:
             _HELD.add(key)
         try:
@@ -134,6 +141,13 @@ def party_lock(
             with _GUARD:
                 _FDS.discard(fd)
                 os.close(fd)  # releases the flock
+
+
+def holds_turn(state_dir: Path) -> bool:
+    """Whether the calling thread holds the party's lock on ``state_dir`` now (e.g. a churn
+    wrapper took the turn around the message): another process of the party cannot have it."""
+    with _GUARD:
+        return (str(state_dir.resolve()), threading.get_ident()) in _HELD
 
 
 def _open(state_dir: Path) -> int:

@@ -18,7 +18,9 @@ the party it builds from the state directory. Both sides take the same turn, so 
 handle the party at once, and each takes up what the other saved.
 
 No daemon (no socket file, or a stale one) means the ClientApp handles the message itself, as
-before; so does an app enabled with a party factory of its own, or an unsigned run. A daemon
+before; so does an app enabled with a party factory of its own, an unsigned run, and a message
+whose thread already holds the party's turn (a wrapper such as the churn emulation took it
+around the message: the daemon would wait for it). A daemon
 that breaks off mid-request gives the message an error reply (it may have acted on it: the
 ClientApp does not handle it a second time).
 """
@@ -33,7 +35,7 @@ from flwr.app import Context, Message, RecordDict
 
 from chaos_flwr.errors import ConfigError, DecodeError
 from chaos_flwr.flower.client.factory import build_party
-from chaos_flwr.flower.client.lock import party_lock
+from chaos_flwr.flower.client.lock import holds_turn, party_lock
 from chaos_flwr.flower.client.party import Party
 from chaos_flwr.flower.client.query import chaos_reply
 from chaos_flwr.flower.client.registry import Parties, forget_party, restart_marked, take_restart
@@ -99,8 +101,8 @@ def daemon_reply(message: Message, context: Context) -> Message | None:
     if settings.unsigned or settings.state_dir is None:
         return None
     path = settings.state_dir / LOCAL_SOCKET_FILE
-    if not path.exists():
-        return None
+    if not path.exists() or holds_turn(settings.state_dir):
+        return None  # no daemon; or this thread has the turn, so the daemon would wait for it
     from chaos_flwr.flower.durable import lifetime_token
 
     node_config = {
