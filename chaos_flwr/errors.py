@@ -11,6 +11,7 @@ __all__ = [
     "ChaosError",
     "CharterError",
     "ConfigError",
+    "DaemonMismatchError",
     "DecodeError",
     "EncodeError",
     "EndpointError",
@@ -139,6 +140,12 @@ class PartyConfigError(ConfigError):
     def __init__(self, message: str, reasons: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.reasons: dict[int, str] = dict(reasons or {})
+
+
+class DaemonMismatchError(ConfigError):
+    """The party daemon on a state directory's local socket holds another party (another
+    state directory or key) than the message's node names; it did nothing, and the ClientApp
+    handles the message itself."""
 
 
 class ResumeError(ChaosError):

@@ -18,11 +18,10 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from test_flower_lib_join import World, _initial
 
-from chaos_flwr.errors import ConfigError, DecodeError
+from chaos_flwr.errors import DaemonMismatchError, DecodeError
 from chaos_flwr.flower import durable
 from chaos_flwr.flower.client import default_party_factory, factory
 from chaos_flwr.flower.client.service import PartyService, daemon_reply
-from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK
 from chaos_flwr.flower.keys import charter_path, key_path
 from chaos_flwr.flower.local_socket import LOCAL_SOCKET_FILE, LocalServer, LocalSocketError
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY, server_record
@@ -119,6 +118,16 @@ def test_the_daemon_continues_a_life_and_a_new_supernode_life_starts_another(
         after = _saved(w, 0)
         assert after.incarnation > before.incarnation and after.lifetime == "4242:1"
         assert services[0].answered == answered + 1
+        # the SuperNode restarts again and its first message is a train one: the ClientApp
+        # starts the new life (a fresh incarnation) and saves; the daemon, asked next,
+        # continues that life instead of restarting the party a second time
+        monkeypatch.setattr(durable, "lifetime_token", lambda: "4343:1")
+        started = factory.build_party(w.nodes[0].context, lifetime="4343:1")
+        started.persist()
+        assert started.peer.incarnation > after.incarnation  # type: ignore[union-attr]
+        assert daemon_reply(_query(w, 0), w.nodes[0].context) is not None
+        third = _saved(w, 0)
+        assert (third.incarnation, third.lifetime) == (started.peer.incarnation, "4343:1")  # type: ignore[union-attr]
 
 
 def _header(w: World, p: int, **over: Any) -> dict[str, Any]:
@@ -164,29 +173,77 @@ def test_bad_requests_are_refused_with_typed_errors(tmp_path: Path) -> None:
         (_header(w, 0, lifetime="x" * 300), _body(), DecodeError, "lifetime"),
         (_header(w, 0, restart="yes"), _body(), DecodeError, "restart"),
         (_header(w, 0), b"\xff\x00garbage", DecodeError, "does not parse"),
-        (_header(w, 1), _body(), ConfigError, "holds the party of"),  # another state dir
+        (_header(w, 1), _body(), DaemonMismatchError, "holds the party of"),  # another dir
     ]
     other_key = _header(w, 0)
     other_key["node_config"]["chaos-key"] = str(key_path(w.keys, 1))  # this dir, another key
-    bad.append((other_key, _body(), ConfigError, "this party daemon is"))
+    bad.append((other_key, _body(), DaemonMismatchError, "this party daemon is"))
+    files = {f.name: f.stat().st_mtime_ns for f in state.iterdir() if f.is_file()}
     for header, body, error, words in bad:
         with pytest.raises(error, match=words):
             service(header, body)
     assert service.answered == 1
+    # refused before anything was built: the party's own files are as they were
+    assert {f.name: f.stat().st_mtime_ns for f in state.iterdir() if f.is_file()} == files
     assert all(p.party_id == w.pid(0) for p in service.parties.by_node.values())
+    head, _ = service(_header(w, 0, run_id=2), _body())  # a later run: one party held
+    assert head == {"ok": True} and list(service.parties.by_node) == [(2, 7)]
 
 
-def test_the_clientapp_answers_a_daemon_s_refusal_as_a_config_error(tmp_path: Path) -> None:
+def test_a_daemon_of_another_party_is_not_used_and_the_message_handled_here(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     w = World(tmp_path, 3)
     for p in range(3):
         w.add(p)
-    with _daemons(w, {0: 1}):  # party 0's directory, but the daemon of party 1
-        node = w.nodes[0]
-        msg = _query(w, 1)
-        msg.metadata.__dict__["_dst_node_id"] = node.node_id
-        reply = w.app(msg, node.context)
-    assert reply.has_error() and CONFIG_ERROR_MARK in reply.error.reason
-    assert "this party daemon is" in reply.error.reason
+    with _daemons(w, {0: 1}) as services:  # party 0's directory, but the daemon of party 1
+        w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
+        reply = w.app(_query(w, 0), w.nodes[0].context)
+    assert not reply.has_error() and CHAOS_RECORD_KEY in reply.content
+    assert services[0].answered == 0 and "this party daemon is" in caplog.text
+    assert w.party(0).party_id == w.pid(0)
+
+
+def test_a_message_that_fails_in_the_daemon_leaves_no_stale_party_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from chaos_flwr.errors import PolicyError
+    from chaos_flwr.flower.client import service as service_mod
+
+    w = World(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)  # no daemon yet
+    state = w.state_root / "party-0"
+    daemon = PartyService(state, w.pid(0))  # a daemon started now
+    inner = service_mod.chaos_reply
+
+    def fails(parties: Any, content: Any, context: Any) -> Any:
+        parties(context)  # the party is built, then the message fails before its save
+        raise PolicyError("refused")
+
+    monkeypatch.setattr(service_mod, "chaos_reply", fails)
+    with pytest.raises(PolicyError):
+        daemon(_header(w, 0, node_id=w.nodes[0].node_id, lifetime=durable.lifetime_token()),
+               _body())  # fmt: skip
+    monkeypatch.setattr(service_mod, "chaos_reply", inner)
+    # meanwhile a ClientApp signs something and saves (a train message, say)
+    before = _saved(w, 0).seq
+    clientapp = w.party(0)
+    clientapp.disconnect(w.pid(1))  # a link_down it signs: its sequence number moves on
+    clientapp.persist()
+    signed = _saved(w, 0).seq
+    assert signed > before
+    kept = _saved(w, 0).records  # with the link_down it signed
+    head, _ = daemon(
+        _header(w, 0, node_id=w.nodes[0].node_id, lifetime=durable.lifetime_token()), _body()
+    )
+    assert head == {"ok": True}
+    held = next(iter(daemon.parties.by_node.values()))
+    assert held.peer.seq >= signed  # type: ignore[union-attr]  # took up the newer save
+    after = _saved(w, 0)
+    assert after.seq >= signed  # and did not save over it with older numbers
+    assert all(r in after.records for r in kept)  # nor drop what it signed
 
 
 def test_a_message_whose_thread_holds_the_turn_is_handled_here_not_deadlocked(

@@ -2,9 +2,11 @@
 
 Flower's deployment engine starts a ClientApp process for every message: the party is rebuilt
 from its saved state (:func:`~chaos_flwr.flower.client.default_party_factory`), handles the
-message and saves its state again. This benchmark saves a party whose record set holds ``n``
-records (link flaps between two founders, each record signed as the protocol signs it), then,
-in a **fresh Python process** per sample, times:
+message and saves its state again. This benchmark signs ``n`` membership records for a party
+(link flaps between two founders, each record signed as the protocol signs it) and saves it:
+the record frontier keeps only the newest record of each link, so what is saved stays small
+whatever ``n`` (the row's ``records`` says how many were saved; ``n`` was the saved count
+before compaction). Then, in a **fresh Python process** per sample, it times:
 
 * ``rebuild_s``: the factory build (identity, charter, saved state, peer, replica store);
 * ``message_s``: the rebuild plus one relay message (:meth:`Party.process`) and the save that
@@ -56,11 +58,12 @@ def _context(root: Path, partition: int) -> Any:
 
 
 def prepare(root: Path, n: int) -> int:
-    """Save party 0 of a new federation in ``root`` holding about ``n`` records.
+    """Save party 0 of a new federation in ``root`` after signing about ``n`` records (the
+    frontier keeps the newest per link: see the module docstring).
 
     The founders bootstrap; then link records between parties 0 and 1 are signed (``link_up``
-    by both ends, ``link_down`` by one, epochs rising) until the set holds ``n``. Returns the
-    number of records saved.
+    by both ends, ``link_down`` by one, epochs rising) until ``n`` records in all were signed.
+    Returns the number of records saved (held after compaction).
     """
     from chaos_flwr.flower.client import default_party_factory
     from chaos_flwr.flower.keys import key_path, make_federation

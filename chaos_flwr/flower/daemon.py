@@ -18,7 +18,7 @@ What the daemon serves, and to whom: byte ranges and manifests of the replicas i
 ``<state-dir>/replicas`` (only a ``(round, digest)`` it holds), over mutual TLS, to a peer
 whose certificate is bound to a charter key and that is an active member of the party's view,
 and to a restarted ServerApp while the party's grant holds (:mod:`chaos_flwr.flower.grant`).
-The view is the one the party's ClientApps saved last (``<state-dir>/party.state``, checked
+The view is the one the party saved last (``<state-dir>/party.state``, checked
 against the party's own seal), read again whenever that file changes (:class:`SavedView`);
 until one exists it serves nobody. Limits (concurrent requests, request size, reply bytes per
 request and per peer) are the named ``LINK_*`` defaults. It stops on SIGTERM or SIGINT and

@@ -2,10 +2,11 @@
 
 The daemon (:mod:`chaos_flwr.flower.daemon`) gossips with other parties' daemons
 (:mod:`chaos_flwr.gossip`) and writes here the records it holds that the party's saved state
-(``party.state``) lacks; it never writes ``party.state`` itself, so the ClientApp stays the
-one owner of the party's protocol state. Each ClientApp message takes the file up when it
-changed (:func:`take_heard`): every record is verified against the charter exactly as one
-from the relay, so the file gives nothing a peer could not give. Once the party saved them,
+(``party.state``) lacks; its gossip never writes ``party.state`` (the party does, in the
+ClientApp or in the daemon's local service, :mod:`chaos_flwr.flower.client.service`, each in
+the party's turn). Each message the party handles takes the file up when it changed
+(:func:`take_heard`): every record is verified against the charter exactly as one from the
+relay, so the file gives nothing a peer could not give. Once the party saved them,
 the daemon's next write leaves them out.
 
 Format: a codec map ``{"version": 1, "records": [record, ..]}``, written atomically

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -59,6 +60,8 @@ LOCAL_SOCKET_MAX_CONNECTIONS: int = 8
 LOCAL_SOCKET_IO_TIMEOUT_S: float = 30.0
 #: How long a ClientApp waits to connect (a local socket answers in well under a millisecond).
 LOCAL_SOCKET_CONNECT_S: float = 1.0
+#: Longest wait of a stopping daemon for the requests it is handling to finish, in seconds.
+LOCAL_SOCKET_STOP_WAIT_S: float = 60.0
 #: Longest wait of a ClientApp for the daemon's reply, in seconds: the party's turn
 #: (FLOWER_PARTY_LOCK_WAIT_S, 900 s) and the handling itself, a join's pull included.
 LOCAL_SOCKET_REPLY_WAIT_S: float = 1200.0
@@ -191,6 +194,9 @@ def local_call(
                 sock.connect(address)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK, errno.ENOTDIR):
+                return None  # no daemon listens there
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                LOG.warning("chaos-flwr: %s: not this user's party daemon (%s)", path, exc)
                 return None
             raise LocalSocketError(f"{path}: cannot connect to the party daemon: {exc}") from exc
         sock.settimeout(wait)
@@ -236,6 +242,9 @@ class LocalServer:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._inode = -1
+        self._lock_fd = -1
+        self._busy = 0
+        self._idle = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -248,8 +257,7 @@ class LocalServer:
         TransportError
             The socket cannot be made.
         """
-        if _alive(self.path):
-            raise ConfigError(f"{self.path}: another party daemon already answers here")
+        self._hold_daemon_lock()
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)  # a stale socket of a daemon that died
@@ -260,6 +268,7 @@ class LocalServer:
                 sock.bind(address)
         except OSError as exc:
             sock.close()
+            self._release_daemon_lock()
             raise TransportError(f"{self.path}: cannot make the local socket: {exc}") from exc
         finally:
             os.umask(old)
@@ -271,8 +280,34 @@ class LocalServer:
         self._thread = threading.Thread(target=self._accept, name="chaos-local", daemon=True)
         self._thread.start()
 
+    def _hold_daemon_lock(self) -> None:
+        """Hold ``<socket>.lock`` (an ``flock``) while serving: a second daemon is refused
+        before it touches the first one's socket; the kernel drops it when this one dies."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TransportError(f"{lock}: cannot open the daemon's lock: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(
+                    f"{self.path}: another party daemon already answers here"
+                ) from None
+            raise TransportError(f"{lock}: cannot take the daemon's lock: {exc}") from exc
+        self._lock_fd = fd
+
+    def _release_daemon_lock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
     def stop(self) -> None:
-        """Stop accepting, and remove the socket file if it is still this server's."""
+        """Stop accepting, let the requests in hand finish (at most
+        :data:`LOCAL_SOCKET_STOP_WAIT_S`: a reply whose state is saved still goes out), and
+        remove the socket file."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -281,6 +316,9 @@ class LocalServer:
         with contextlib.suppress(OSError):
             if os.lstat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
+        with self._idle:
+            self._idle.wait_for(lambda: self._busy == 0, timeout=LOCAL_SOCKET_STOP_WAIT_S)
+        self._release_daemon_lock()
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -310,10 +348,15 @@ class LocalServer:
                 with contextlib.suppress(OSError):
                     _send(conn, {"error": "LocalSocketError", "message": "busy"}, b"")
                 return
+            with self._idle:
+                self._busy += 1
             try:
                 self._answer(conn)
             finally:
                 self._slots.release()
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(LOCAL_SOCKET_IO_TIMEOUT_S)
@@ -335,7 +378,10 @@ class LocalServer:
             reply = ({"error": "ChaosError", "message": f"internal: {exc!r}"}, b"")
         self._tally(refused=False)
         with contextlib.suppress(OSError):
-            _send(conn, *reply)
+            try:
+                _send(conn, *reply)
+            except OversizeError as exc:  # a reply past the frame's bounds: said, not sent
+                _send(conn, {"error": "OversizeError", "message": str(exc)}, b"")
 
 
 def _same_user(conn: socket.socket) -> bool:
@@ -347,17 +393,3 @@ def _same_user(conn: socket.socket) -> bool:
     except (OSError, AttributeError):
         return False
     return uid in (os.geteuid(), 0)
-
-
-def _alive(path: Path) -> bool:
-    """Whether a daemon accepts connections on ``path`` now."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(LOCAL_SOCKET_CONNECT_S)
-    try:
-        with _addressable(path) as address:
-            sock.connect(address)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()

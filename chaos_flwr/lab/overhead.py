@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -301,6 +302,10 @@ def run_figures(results: Mapping[str, Any]) -> dict[str, Any]:
     return fig
 
 
+#: A party daemon's exit line: messages it answered over its local socket.
+_ANSWERED = re.compile(r"local socket: (\d+) message\(s\) answered")
+
+
 def clientapp_figures(
     results: Mapping[str, Any], clientapps: Mapping[int, float], logs: Path
 ) -> dict[str, Any]:
@@ -323,9 +328,9 @@ def clientapp_figures(
         for log in sorted(logs.glob("supernode-*.log"))
     )
     answered = [
-        int(text.split("local socket: ")[1].split(" ")[0])
+        int(m.group(1))
         for log in sorted(logs.glob("party-*.log"))
-        if "local socket: " in (text := log.read_text("utf-8", "replace"))
+        for m in _ANSWERED.finditer(log.read_text("utf-8", "replace"))
     ]
     return {
         "daemon_messages_answered": sum(answered),

@@ -98,6 +98,7 @@ def build_party(context: Context, *, lifetime: str | None = None) -> Party:
 
             LOG.warning("chaos-flwr: saved party state partly unreadable (%s)", exc)
             party.errors.append(f"StoreError: {exc}")
+    party.note_state_file()  # a save by another process from here on is taken up
     if settings.state_dir is not None and (settings.state_dir / LEFT_MARKER).is_file():
         # it left the federation before this restart: it stays out (delete the marker, or use
         # a fresh state directory, to come back as a joiner)

@@ -160,8 +160,9 @@ def _open(state_dir: Path) -> int:
 
 def _acquire(fd: int, state_dir: Path, wait_s: float, poll_s: float) -> None:
     """Take the flock on ``fd`` within ``wait_s``; a file system without flock is warned
-    about and not locked (the deployment engine needs no lock: it runs one message at a
-    time)."""
+    about and not locked (the deployment engine runs one message at a time, but a party
+    daemon's local service beside it would then go unguarded: keep the state directory on a
+    file system with locks)."""
     t0 = time.monotonic()
     until = t0 + wait_s
     while True:

@@ -181,18 +181,31 @@ class Party(VerifiedRounds):
             self.joining = None
             self.errors.append(f"{exc}; the pull starts again")
 
-    def is_current(self) -> bool:
-        """Whether the state file is still the one this party object last saved (another
-        process of the same party, e.g. a second simulation worker, has not saved since)."""
-        if self._saved_as is None or self.state_dir is None:
-            return True
+    def _file_stamp(self) -> tuple[int, int]:
+        """(inode, mtime) of the party's state file now; ``(-1, -1)`` when there is none."""
         from chaos_flwr.flower.durable import STATE_FILE
 
+        assert self.state_dir is not None
         try:
             st = (self.state_dir / STATE_FILE).stat()
         except OSError:
-            return False
-        return (st.st_ino, st.st_mtime_ns) == self._saved_as
+            return (-1, -1)
+        return (st.st_ino, st.st_mtime_ns)
+
+    def note_state_file(self) -> None:
+        """Take the state file as it is now (or its absence) as the one this party was built
+        from: a save by another process after this makes it not :meth:`is_current`. Called by
+        the factory when it has built the party, within the party's turn."""
+        if self.state_dir is not None and self.peer is not None:
+            self._saved_as = self._file_stamp()
+
+    def is_current(self) -> bool:
+        """Whether the state file is still the one this party object was built from or last
+        saved (another process of the same party, e.g. a second simulation worker, a
+        ClientApp beside the party daemon, has not saved since)."""
+        if self._saved_as is None or self.state_dir is None:
+            return True
+        return self._file_stamp() == self._saved_as
 
     def persist(self) -> None:
         """Save the party's state to its state directory (before a reply leaves the process).
@@ -210,11 +223,13 @@ class Party(VerifiedRounds):
             st = path.stat()
             self._saved_as = (st.st_ino, st.st_mtime_ns)
         except (StoreError, OSError) as exc:
-            self._saved_as = None
             self.errors.append(f"StoreError: {exc}")
             durable.LOG.warning("chaos-flwr: %s", exc)
             with contextlib.suppress(OSError):
                 (self.state_dir / durable.STATE_FILE).unlink()
+            # this object goes on with the numbers it sent; a save by another process since
+            # (a fresh incarnation, as no file is left) makes it take that one up
+            self._saved_as = self._file_stamp()
 
     # -- membership actions (churn scenarios, operators) ----------------------------------------
     def _need_peer(self, action: str) -> PeerProtocol:

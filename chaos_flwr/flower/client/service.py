@@ -15,25 +15,36 @@ runs its party daemon (``chaos-flwr party``), the daemon listens on ``<state-dir
 
 Train and evaluate messages are still handled in the ClientApp process: it trains there, on
 the party it builds from the state directory. Both sides take the same turn, so they never
-handle the party at once, and each takes up what the other saved.
+handle the party at once, and each takes up what the other saved (a party notes the state
+file it was built from and last saved: :meth:`~.party.Party.is_current`). The daemon holds one
+party, the newest run's, built for the SuperNode life the ClientApp names (its lifetime token),
+and drops it when a message fails in it.
 
 No daemon (no socket file, or a stale one) means the ClientApp handles the message itself, as
 before; so does an app enabled with a party factory of its own, an unsigned run, and a message
 whose thread already holds the party's turn (a wrapper such as the churn emulation took it
-around the message: the daemon would wait for it). A daemon
+around the message: the daemon would wait for it), and one the daemon refuses because it holds
+another party (:class:`~chaos_flwr.errors.DaemonMismatchError`, said in a warning). A daemon
 that breaks off mid-request gives the message an error reply (it may have acted on it: the
 ClientApp does not handle it a second time).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
 
-from chaos_flwr.errors import ConfigError, DecodeError
+from chaos_flwr.errors import (
+    ChaosError,
+    ConfigError,
+    DaemonMismatchError,
+    DecodeError,
+    OversizeError,
+)
 from chaos_flwr.flower.client.factory import build_party
 from chaos_flwr.flower.client.lock import holds_turn, party_lock
 from chaos_flwr.flower.client.party import Party
@@ -50,6 +61,8 @@ from chaos_flwr.flower.client.settings import (
 from chaos_flwr.flower.local_socket import LOCAL_SOCKET_FILE, local_call
 
 __all__ = ["OP_QUERY", "PartyService", "daemon_reply"]
+
+LOG = logging.getLogger(__name__)
 
 #: The operation of a ``query.chaos`` message sent to the daemon.
 OP_QUERY = "query.chaos"
@@ -105,13 +118,15 @@ def daemon_reply(message: Message, context: Context) -> Message | None:
         return None  # no daemon; or this thread has the turn, so the daemon would wait for it
     from chaos_flwr.flower.durable import lifetime_token
 
+    assert settings.key_path is not None and settings.charter_path is not None
     node_config = {
         **dict(context.node_config),
-        NODE_KEY: str(settings.key_path),
-        NODE_CHARTER: str(settings.charter_path),
-        NODE_STATE_DIR: str(settings.state_dir),
+        NODE_KEY: str(settings.key_path.resolve()),
+        NODE_CHARTER: str(settings.charter_path.resolve()),
+        NODE_STATE_DIR: str(settings.state_dir.resolve()),
         NODE_KEEP_REPLICAS: settings.keep_replicas,
-    }  # as resolved here: the daemon does not see this process's run config or environment
+    }  # as resolved here: the daemon sees neither this process's run config, environment
+    # nor working directory
     restart = restart_marked(context)
     header = {
         "op": OP_QUERY,
@@ -123,7 +138,11 @@ def daemon_reply(message: Message, context: Context) -> Message | None:
         "restart": restart,
     }
     content = message.content if message.has_content() else RecordDict()
-    reply = local_call(path, header, _encode(content))
+    try:
+        reply = local_call(path, header, _encode(content))
+    except (DaemonMismatchError, OversizeError) as exc:  # refused before anything was done
+        LOG.warning("chaos-flwr: the party daemon at %s is not used: %s", path, exc)
+        return None
     if reply is None:
         return None
     if restart:
@@ -175,6 +194,7 @@ class PartyService:
         self.answered = 0
         self._life = ""
         self._built_with: dict[tuple[int, int], PartySettings] = {}
+        self._key: tuple[int, int] | None = None
         self.parties = Parties(self._build)
 
     def _build(self, context: Context) -> Party:
@@ -188,8 +208,11 @@ class PartyService:
         DecodeError
             The request is malformed (unknown operation, bad field, content that does not
             parse).
+        DaemonMismatchError
+            It names another state directory or another party's key (checked before anything
+            is read or built: the ClientApp then handles the message itself).
         ConfigError
-            It names another state directory or party, or settings that do not build one.
+            Its settings do not build a party.
         """
         if header.get("op") != OP_QUERY:
             raise DecodeError(f"party daemon: unknown operation {header.get('op')!r:.80}")
@@ -201,31 +224,59 @@ class PartyService:
             raise DecodeError("party daemon: restart must be true or false")
         context = _context(header)
         settings = party_settings(context)
+        self._check_own(settings)
+        content = _decode(body)
+        with party_lock(self.state_dir):
+            try:
+                self._take_up(context, settings, life, restart)
+                reply = chaos_reply(self.parties, content, context)
+            except BaseException:
+                self._drop()  # its memory may be ahead of its disk: the next one reloads
+                raise
+            self.answered += 1
+        return {"ok": True}, _encode(reply)
+
+    def _check_own(self, settings: PartySettings) -> None:
+        """Refuse settings that name another state directory or another party's key."""
         named = settings.state_dir.resolve() if settings.state_dir is not None else None
         if settings.unsigned or named != self.state_dir:
-            raise ConfigError(
+            raise DaemonMismatchError(
                 f"this party daemon holds the party of {self.state_dir}; the message's node "
                 f"names {named if not settings.unsigned else 'an unsigned party'}"
             )
-        content = _decode(body)
-        with party_lock(self.state_dir):
-            key = (context.run_id, context.node_id)
-            held = self.parties.by_node.get(key)
-            if restart or (held is not None and held.lifetime != life):
-                forget_party(context)  # a restarted SuperNode or ClientApp: build anew
-                self.parties.by_node.pop(key, None)
-            if self._built_with.get(key) != settings:
-                self.parties.by_node.pop(key, None)  # other settings: the party they build
-            self._life = life
-            party = self.parties(context)
-            self._built_with[key] = settings
-            if party.party_id != self.party_id:
-                self.parties.by_node.pop(key, None)
-                self._built_with.pop(key, None)
-                raise ConfigError(
-                    f"this party daemon is {self.party_id}; the message's node key is "
-                    f"{party.party_id}"
-                )
-            reply = chaos_reply(self.parties, content, context)
-            self.answered += 1
-        return {"ok": True}, _encode(reply)
+        if self._key is not None and self._built_with.get(self._key) == settings:
+            return  # checked when it was built
+        from chaos_flwr.identity import Identity
+
+        assert settings.key_path is not None
+        try:
+            party_id = str(Identity.load(settings.key_path).party_id)
+        except ChaosError as exc:
+            raise ConfigError(f"party daemon: {exc}") from None
+        if party_id != self.party_id:
+            raise DaemonMismatchError(
+                f"this party daemon is {self.party_id}; the message's node key is {party_id}"
+            )
+
+    def _take_up(self, context: Context, settings: PartySettings, life: str, restart: bool) -> None:
+        """Hold the party for this request: the one held, unless the node, its settings or
+        its SuperNode's life changed (then built anew, from the state directory)."""
+        key = (context.run_id, context.node_id)
+        held = self.parties.by_node.get(key)
+        if (
+            key != self._key
+            or self._built_with.get(key) != settings
+            or (held is not None and held.lifetime != life)
+        ):
+            self._drop()  # one party held: the newest run's (a new life takes up its save)
+        if restart:
+            self._drop()
+            forget_party(context)  # the ClientApp's process forgot it: a real restart
+        self._key = key
+        self._life = life
+        self.parties(context)  # the held one, or its newer save (Party.is_current)
+        self._built_with[key] = settings
+
+    def _drop(self) -> None:
+        self.parties.by_node.clear()
+        self._built_with.clear()
