@@ -33,6 +33,14 @@ def _flower_env(flower_env: Path) -> None:
     """Flower offline with a private FLWR_HOME (tests/conftest.py)."""
 
 
+def _world(tmp_path: Path, **kw: Any) -> World:
+    """Three founders, each with its SuperNode."""
+    w = World(tmp_path, 3, **kw)
+    for p in range(3):
+        w.add(p)
+    return w
+
+
 @contextlib.contextmanager
 def _daemons(w: World, parts: dict[int, int]) -> Iterator[dict[int, PartyService]]:
     """In-process party services: state directory of partition p, party of partition parts[p]."""
@@ -82,9 +90,7 @@ def test_a_run_s_protocol_messages_go_to_the_daemons_in_one_life_each(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fresh = _count_incarnations(monkeypatch)
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     with _daemons(w, {0: 0, 1: 1, 2: 2}) as services:
         strategy = w.strategy()
         strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
@@ -101,9 +107,7 @@ def test_a_run_s_protocol_messages_go_to_the_daemons_in_one_life_each(
 def test_the_daemon_continues_a_life_and_a_new_supernode_life_starts_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     with _daemons(w, {0: 0, 1: 1, 2: 2}) as services:
         w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
         before = _saved(w, 0)
@@ -193,9 +197,7 @@ def test_bad_requests_are_refused_with_typed_errors(tmp_path: Path) -> None:
 def test_a_daemon_of_another_party_is_not_used_and_the_message_handled_here(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     with _daemons(w, {0: 1}) as services:  # party 0's directory, but the daemon of party 1
         w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
         reply = w.app(_query(w, 0), w.nodes[0].context)
@@ -210,9 +212,7 @@ def test_a_message_that_fails_in_the_daemon_leaves_no_stale_party_there(
     from chaos_flwr.errors import PolicyError
     from chaos_flwr.flower.client import service as service_mod
 
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)  # no daemon yet
     state = w.state_root / "party-0"
     daemon = PartyService(state, w.pid(0))  # a daemon started now
@@ -252,9 +252,7 @@ def test_a_message_whose_thread_holds_the_turn_is_handled_here_not_deadlocked(
     from chaos_flwr.flower.client import lock
 
     monkeypatch.setattr(lock, "FLOWER_PARTY_LOCK_WAIT_S", 2.0)  # a deadlock fails fast
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     with _daemons(w, {0: 0}) as services:
         w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
         answered = services[0].answered
@@ -289,9 +287,7 @@ def test_a_daemon_that_breaks_off_leaves_the_message_unhandled_here(tmp_path: Pa
     import socket
     import threading
 
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path)
     w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)  # no daemons: in process
     state = w.state_root / "party-0"
     before = (state / durable.STATE_FILE).stat().st_mtime_ns
@@ -326,9 +322,7 @@ def test_an_app_with_its_own_party_factory_does_not_use_the_daemon(tmp_path: Pat
         built.append(context.node_id)
         return default_party_factory(context)
 
-    w = World(tmp_path, 3, factory=own)
-    for p in range(3):
-        w.add(p)
+    w = _world(tmp_path, factory=own)
     with _daemons(w, {0: 0}) as services:
         w.strategy().start(w.grid, _initial(), num_rounds=1, timeout=10)
     assert services[0].answered == 0 and w.nodes[0].node_id in built
