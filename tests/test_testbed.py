@@ -376,6 +376,12 @@ def test_a_joiner_pulls_over_direct_links_between_the_hosts(
         assert "serving 10.77.0." in text and "refused: none" in text
         served += int(text.split("requests, ")[1].split(" bytes")[0])
     assert served >= join["total_bytes"]
+    # each daemon held its party and answered its protocol messages (the donors' hellos; the
+    # joiner's hello and join steps, its pull included) over its local socket
+    for host, least in (("inst1", 1), ("inst2", 1), ("inst3", 2)):
+        text = (logs / f"party-{host}.log").read_text()
+        answered = int(text.split("local socket: ")[1].split(" ")[0])
+        assert answered >= least and " answered, 0 refused" in text, (host, answered)
     assert fig["pids_alive"] == []
     assert _namespaces() <= ns_before
     assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []
