@@ -1133,6 +1133,13 @@ def bench_flower_wan(
         help="Server-loss runs: Chaos (resume through the relay), Chaos with party daemons "
         "(resume over direct links), plain FedAvg with a checkpoint, plain FedAvg.",
     ),
+    sponsors: int = typer.Option(
+        1,
+        "--sponsors",
+        min=0,
+        help="The Chaos runs' charter's admission.sponsors_required: 0 lets the joiner's own "
+        "signed join admit it, so it trains in the round it comes during.",
+    ),
     json_file: str = typer.Option("", "--json-file", help="Also write the JSON figures here."),
     plot: str = typer.Option(
         "",
@@ -1161,7 +1168,8 @@ def bench_flower_wan(
         spec = WanBenchSpec(model_mib=model_mib, rounds=rounds, repeats=repeats, joiner=joiner,
                             placements=where or None, parts=tuple(_split_names(parts) or []),
                             disk_loss=disk_loss, join_modes=tuple(_split_names(join_modes) or []),
-                            loss_variants=tuple(_split_names(loss_variants) or []))  # fmt: skip
+                            loss_variants=tuple(_split_names(loss_variants) or []),
+                            sponsors_required=sponsors)  # fmt: skip
     except ChaosError as exc:
         raise typer.BadParameter(str(exc)) from None
     say = (lambda _m: None) if as_json else typer.echo

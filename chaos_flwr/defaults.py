@@ -198,6 +198,9 @@ FLOWER_JOIN_RETRY_S: float = 10.0
 FLOWER_JOIN_MIN_SHARD_BYTES: int = 1024
 #: Most relay steps (joiner exchange + donor exchange) one joiner pull may take.
 FLOWER_JOIN_MAX_STEPS: int = 16
+#: A node that comes while a round trains, admitted by its own signed records, trains in
+#: that round (``JoinSettings.during_round``, :mod:`chaos_flwr.flower.server.latejoin`).
+FLOWER_JOIN_DURING_ROUND: bool = True
 
 # --- state / store / transfer ----------------------------------------------------------------
 #: Alignment of each array's data inside a serialised state, in bytes (zero-copy numpy views).

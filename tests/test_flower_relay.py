@@ -235,6 +235,41 @@ def test_an_exchange_with_an_answer_by_its_deadline_or_no_stall_bound_ends_at_it
     assert res.missing == {a, b} and 1.0 <= res.elapsed_s < 1.2
 
 
+def test_messages_added_while_an_exchange_waits_are_waited_for_past_its_deadline() -> None:
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    first, late = grid.add_node(app), grid.add_node(app)
+    first.delay_s, late.delay_s = 0.5, 2.5  # the added node answers after the first deadline
+    calls: list[tuple[float, bool]] = []
+
+    def more(ending: bool) -> tuple[list[Message], float]:
+        calls.append((clock(), ending))
+        if len(calls) == 3:  # while waiting: add one message, to be waited for 5 s from now
+            msg = Message(RecordDict(), dst_node_id=late.node_id, message_type=CHAOS_MESSAGE_TYPE)
+            return [msg], 5.0
+        return [], 0.0
+
+    msg = Message(RecordDict(), dst_node_id=first.node_id, message_type=CHAOS_MESSAGE_TYPE)
+    start = clock()
+    res = exchange(
+        grid, [msg], timeout_s=1.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep, more=more
+    )
+    assert set(res.replies) == {first.node_id, late.node_id} and res.missing == set()
+    assert len(res.message_ids) == 2 and set(res.by_message) == set(res.message_ids)
+    added_at = calls[2][0]
+    assert 2.5 <= start + res.elapsed_s - added_at < 2.7  # past the 1 s deadline, until its reply
+    # called after every pull, told when the exchange would end; and once more after adding
+    assert calls[-1][1] and not any(ending for _, ending in calls[:2])
+    # nothing added: the exchange ends at its deadline, as without the hook
+    nobody = exchange(
+        grid, [Message(RecordDict(), dst_node_id=late.node_id, message_type=CHAOS_MESSAGE_TYPE)],
+        timeout_s=1.0, poll_interval_s=0.1, clock=clock, sleep=clock.sleep,
+        more=lambda ending: ([], 0.0),
+    )  # fmt: skip
+    assert nobody.missing == {late.node_id} and 1.0 <= nobody.elapsed_s < 1.2
+
+
 def test_a_reply_that_misses_its_deadline_is_collected_by_a_later_exchange() -> None:
     clock = VClock()
     grid = FakeGrid(clock=clock)

@@ -98,9 +98,9 @@ def test_a_joiner_takes_the_state_from_the_server_in_one_message_and_trains_next
     assert jl.ok and jl.error == "" and jl.source == "server" and jl.server_refused == ""
     assert jl.steps == 1 and jl.donors == [] and jl.bytes_per_donor == {}
     assert jl.digest == rlog.digest and jl.server_round == rlog.server_round == JOIN_AT
-    # it answered round JOIN_AT's certify message (its join request); one exchange carried
-    # the request to its sponsors, one the state to it
-    assert exchanges[rlog.server_round] == 2
+    # it was asked while round JOIN_AT trained (its reply carried its join request, which
+    # reached its sponsors with the round's certify messages): one exchange, the state to it
+    assert exchanges[rlog.server_round] == 1
     # rounds without a joiner add no exchange for joins (churn-free rounds unchanged)
     assert all(n == 0 for r, n in exchanges.items() if r != rlog.server_round)
     party = w.party(FOUNDERS)

@@ -766,7 +766,7 @@ def test_a_certify_on_a_base_without_audits_is_refused_by_every_party(
 ) -> None:
     # a ServerApp that neither sends the audit job nor waits for the audits before certifying
     monkeypatch.setattr(RoundProofs, "audit_job", lambda self, active: None)
-    monkeypatch.setattr(strategy_mod, "_not_certifiable", lambda *args: "")
+    monkeypatch.setattr(strategy_mod, "not_certifiable", lambda *args: "")
     w = _world(tmp_path)
     strategy = w.strategy()
     strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)

@@ -35,13 +35,23 @@ from chaos_flwr.transport.netns import (
     measure_tcp_rate,
     wire_rate_bit_s,
 )
-from chaos_flwr.transport.shaping import parse_profile
+from chaos_flwr.transport.shaping import WanProfile, parse_profile
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "multi_institution"
 _CAN = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 needs_root = pytest.mark.skipif(
     not _CAN, reason="the testbed needs root and iproute2 (ip, tc) for namespaces and tbf"
 )
+
+
+def _four_hosts() -> WanProfile:
+    """A well-connected SuperLink host and three institutions (inst3 joins)."""
+    return parse_profile({"parties": {
+        "superlink": {"up_mb_s": 20.0, "down_mb_s": 20.0},
+        "inst1": {"up_mb_s": 10.0, "down_mb_s": 20.0},
+        "inst2": {"up_mb_s": 5.0, "down_mb_s": 10.0},
+        "inst3": {"up_mb_s": 5.0, "down_mb_s": 20.0},
+    }})  # fmt: skip
 
 
 def _namespaces() -> set[str]:
@@ -207,7 +217,10 @@ def test_keys_no_join_mode_gives_are_named_not_measured() -> None:
     from chaos_flwr.lab.wan_bench import _unmeasured_join_keys
 
     # with daemons and no relay runs, the round ratio is measured against the direct runs
-    assert set(_unmeasured_join_keys(["fedavg", "direct"])) == {"relay_join_s"}
+    assert set(_unmeasured_join_keys(["fedavg", "direct"])) == {
+        "relay_join_s",
+        "relay_train_sent_s",
+    }
     alone = _unmeasured_join_keys(["direct"])  # no FedAvg: no ratio, no plain join
     assert {"plain_join_s", "plain_round_s", "round_overhead_ratio", "chaos_round_s"} <= set(alone)
     assert "direct_join_s" not in alone
@@ -350,12 +363,7 @@ def test_a_joiner_pulls_over_direct_links_between_the_hosts(
     # state over authenticated links straight from the donors' hosts, not through the SuperLink
     from chaos_flwr.lab.wan_bench import _one_run
 
-    profile = parse_profile({"parties": {
-        "superlink": {"up_mb_s": 20.0, "down_mb_s": 20.0},
-        "inst1": {"up_mb_s": 10.0, "down_mb_s": 20.0},
-        "inst2": {"up_mb_s": 5.0, "down_mb_s": 10.0},
-        "inst3": {"up_mb_s": 5.0, "down_mb_s": 20.0},
-    }})  # fmt: skip
+    profile = _four_hosts()
     before_pids, ns_before = set(descendants(os.getpid())), _namespaces()
     spec = WanBenchSpec(model_mib=2.0, rounds=4, joiner="inst3", app_dir=EXAMPLE, timeout_s=240)
     t0 = time.monotonic()
@@ -382,6 +390,36 @@ def test_a_joiner_pulls_over_direct_links_between_the_hosts(
         text = (logs / f"party-{host}.log").read_text()
         answered = int(text.split("local socket: ")[1].split(" ")[0])
         assert answered >= least and " answered, 0 refused" in text, (host, answered)
+    assert fig["pids_alive"] == []
+    assert _namespaces() <= ns_before
+    assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_joiner_its_own_join_admits_trains_in_the_round_it_comes_during(
+    tmp_path: Path, flower_env: Path
+) -> None:
+    # a charter with admission.sponsors_required 0: the joiner's SuperNode starts once round
+    # JOIN_AFTER_ROUND is logged, while the next round trains; the ServerApp asks it, sends it
+    # the state that round trains from, then that round's train message, and waits for it
+    from chaos_flwr.lab.wan_bench import JOIN_AFTER_ROUND, _one_run
+
+    profile = _four_hosts()
+    before_pids, ns_before = set(descendants(os.getpid())), _namespaces()
+    spec = WanBenchSpec(model_mib=2.0, rounds=4, joiner="inst3", app_dir=EXAMPLE, timeout_s=240,
+                        sponsors_required=0)  # fmt: skip
+    fig = _one_run(profile, spec, "superlink", "chaos", tmp_path)
+    came_during = JOIN_AFTER_ROUND + 1
+    log_text = (tmp_path / "bed" / "home" / "logs" / "run.log").read_text()
+    assert fig["joiner_trained_in_round"] == came_during, log_text[-3000:]
+    join = fig["join"]
+    assert join is not None and join["ok"] and join["source"] == "server", join
+    assert join["round"] == came_during and join["total_bytes"] > 2_000_000
+    assert f"trains in round {came_during}, which it came during" in log_text
+    # its first train message went out before that round ended (the join_s mark)
+    assert fig["train_sent_s"] is not None and 0 < fig["train_sent_s"] < fig["join_s"]
     assert fig["pids_alive"] == []
     assert _namespaces() <= ns_before
     assert [p for p in descendants(os.getpid()) if p not in before_pids and alive(p)] == []

@@ -44,10 +44,11 @@ and evaluate messages are still handled in the ClientApp, which trains; both tak
 turn (:mod:`chaos_flwr.flower.client.lock`) and take up what the other saved, so the party
 stays one life (one incarnation) across them. What this saves is the party's rebuild from
 disk (``chaos-flwr bench rebuild``: its ``daemon`` row against ``sealed``), not the ClientApp
-process's start (about 1.2 s of Flower imports here). Not built: the daemon signing, voting
-or countersigning on its own while its SuperNode trains (a SuperNode runs one ClientApp at a
-time, ``tests/test_flower_message_concurrency.py``), which would let a joiner be admitted
-during the round in progress (issue #16).
+process's start (about 1.2 s of Flower imports here). Not built: the daemon countersigning a
+join on its own while its SuperNode trains (a SuperNode runs one ClientApp at a time,
+``tests/test_flower_message_concurrency.py``), which would let a joiner that needs a sponsor
+train in the round in progress; one whose own records admit it already does
+(:mod:`chaos_flwr.flower.server.latejoin`).
 """
 
 from __future__ import annotations

@@ -264,6 +264,11 @@ class _Deadline:
         stall_s = min([stall_s, *(t * STALL_TTL_SHARE for t in ttls if t)])
         return cls(start + length, start + max(length, stall_s), length, frozenset(waiting))
 
+    def extend(self, at: float, waiting: set[int]) -> None:
+        """Wait for ``waiting`` (messages added to the exchange) until ``at`` at least."""
+        self.waiting = frozenset(waiting)
+        self.at, self.end = max(self.at, at), max(self.end, at)
+
     def passed(self, now: float, replied: set[int]) -> bool:
         """Whether to stop at ``now``; ``replied``: the nodes that replied so far (an error
         reply, e.g. a crashed node's, says nothing about a stall of the others)."""
@@ -289,6 +294,7 @@ def exchange(
     sleep: Callable[[float], None] = time.sleep,
     late: Mapping[str, int] | None = None,
     stall_s: float | None = None,
+    more: Callable[[bool], tuple[Sequence[Message], float]] | None = None,
 ) -> ExchangeResult:
     """Push ``messages``, then pull replies until all of ``wait_for`` answered or the deadline.
 
@@ -312,6 +318,13 @@ def exchange(
     stall_s:
         Past the deadline with no reply from ``wait_for``, wait on up to ``stall_s`` from the
         start (:class:`_Deadline`); ``None``: the deadline is final.
+    more:
+        Called after every pull, with whether the exchange would end now (it may run
+        exchanges of its own): messages to add to this exchange and how long to wait for
+        their replies from now. They are pushed, and their destinations waited for (the
+        deadline moves out to cover them, never in); a round uses it to send a train message
+        to a node that came and took the state during training
+        (:mod:`chaos_flwr.flower.server.latejoin`).
     """
     start = clock()
     ids = list(grid.push_messages(messages))
@@ -342,7 +355,18 @@ def exchange(
                 replies.setdefault(node, reply)
                 by_message[mid] = reply
         answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
-        if not outstanding or waiting <= answered or deadline.passed(clock(), set(replies)):
+        done = not outstanding or waiting <= answered or deadline.passed(clock(), set(replies))
+        added, wait_s = more(done) if more is not None else ((), 0.0)
+        if added:  # pushed, then pulled before the end is decided again
+            new_ids = list(grid.push_messages(added))
+            ids.extend(new_ids)
+            for mid, m in zip(new_ids, added, strict=True):
+                node_of_msg[mid] = m.metadata.dst_node_id
+                outstanding.add(mid)
+                waiting.add(m.metadata.dst_node_id)
+            deadline.extend(clock() + wait_s, waiting)
+            continue
+        if done:
             break
         sleep(min(poll_interval_s, max(0.0, deadline.at - clock())))
     missing = {node_of_msg[mid] for mid in outstanding}

@@ -94,6 +94,10 @@ class WanBenchSpec:
 
     ``placements`` maps a placement's name to the host running the SuperLink; a host that is
     also an institution of the profile runs a SuperNode too (the server at an institution).
+    ``sponsors_required`` is the Chaos runs' charter's ``admission.sponsors_required``: with 0
+    the joiner's own signed join admits it, so it can train in the round it comes during
+    (``JoinSettings.during_round``); with 1 (default) a member's countersignature waits for
+    the end of the members' training.
     """
 
     model_mib: float = WAN_BENCH_MODEL_MIB
@@ -107,6 +111,7 @@ class WanBenchSpec:
     disk_loss: bool = True
     join_modes: tuple[str, ...] = JOIN_MODES
     loss_variants: tuple[str, ...] = LOSS_VARIANTS
+    sponsors_required: int = 1
 
     def __post_init__(self) -> None:
         if not self.parts or any(p not in PARTS for p in self.parts):
@@ -119,6 +124,8 @@ class WanBenchSpec:
             )
         if self.rounds < JOIN_AFTER_ROUND + 2:
             raise ConfigError(f"rounds: give at least {JOIN_AFTER_ROUND + 2} (join, then more)")
+        if self.sponsors_required < 0:
+            raise ConfigError(f"sponsors: give 0 or more, got {self.sponsors_required}")
         if self.repeats < 1 or not self.model_mib > 0:
             raise ConfigError("repeats must be >= 1 and model_mib > 0")
 
@@ -205,7 +212,8 @@ def _one_run(
     if signed == "chaos":  # signed parties; the joiner's key is allowlisted, not a founder
         from chaos_flwr.flower.keys import load_federation, make_federation
 
-        keys = make_federation(work / "keys", n, founders=n - 1, seed="flower-wan")
+        keys = make_federation(work / "keys", n, founders=n - 1, seed="flower-wan",
+                               sponsors_required=spec.sponsors_required)  # fmt: skip
         joiner_id = load_federation(keys).party_ids[n - 1]
     nodes = node_configs(n, keys, work / "state")
     cfg = run_config(run_spec, keys, work, n - 1)
@@ -250,6 +258,7 @@ def _one_run(
     return {
         "model_bytes": int(results.get("model_bytes") or 0),
         "join_s": float(first["time"]) - t_join if first is not None else None,
+        "train_sent_s": _train_sent_s(results, t_join),
         "joiner_trained_in_round": trained_in,
         "round_wall_s": walls,
         "rounds_finished": len(walls),  # fewer than asked: rounds were not certified
@@ -260,6 +269,14 @@ def _one_run(
         "events": events,
         "join": _join_figures(results, joiner_id),
     }
+
+
+def _train_sent_s(results: Mapping[str, Any], t_join: float) -> float | None:
+    """Seconds from the joiner's SuperNode start to the ServerApp's push of its first train
+    message (the first train message to a node that had none before), in either mode."""
+    times = [float(t) for t in dict(results.get("first_train_to") or {}).values()]
+    later = [t for t in times if t > t_join]
+    return min(later) - t_join if later else None
 
 
 def _join_figures(results: Mapping[str, Any], joiner_id: str | None) -> dict[str, Any] | None:
@@ -298,14 +315,21 @@ def overhead_ratio(
     return {"ratio": _median([p["ratio"] for p in pairs]), "pairs": pairs}
 
 
-_JOIN_KEYS = ("plain_join_s", "relay_join_s", "direct_join_s", "join_lower_bound_s",
+_JOIN_KEYS = ("plain_join_s", "relay_join_s", "direct_join_s", "plain_train_sent_s",
+              "relay_train_sent_s", "direct_train_sent_s", "join_lower_bound_s",
               "plain_join_lower_bound_s", "direct_join_lower_bound_s", "direct_pull_s",
               "plain_round_s", "chaos_round_s", "round_overhead_ratio")  # fmt: skip
 #: The join keys each join mode gives.
 _MODE_KEYS = {
-    "fedavg": ("plain_join_s", "plain_round_s", "round_overhead_ratio"),
-    "chaos": ("relay_join_s", "chaos_round_s", "round_overhead_ratio"),
-    "direct": ("direct_join_s", "direct_pull_s", "chaos_round_s", "round_overhead_ratio"),
+    "fedavg": ("plain_join_s", "plain_train_sent_s", "plain_round_s", "round_overhead_ratio"),
+    "chaos": ("relay_join_s", "relay_train_sent_s", "chaos_round_s", "round_overhead_ratio"),
+    "direct": (
+        "direct_join_s",
+        "direct_train_sent_s",
+        "direct_pull_s",
+        "chaos_round_s",
+        "round_overhead_ratio",
+    ),
 }
 
 
@@ -355,8 +379,9 @@ def _join_part(
             fig = _one_run(profile, spec, server, mode, run_dir)
             # each run's figures stay on disk too: a long bench stopped midway keeps them
             (run_dir / "figure.json").write_text(json.dumps(fig), encoding="utf-8")
-            say(f"  joiner trained after {fig['join_s']} s (round {fig['joiner_trained_in_round']})"
-                f", churn-free round {fig['churn_free_round_s']} s")  # fmt: skip
+            say(f"  joiner's first train message after {fig['train_sent_s']} s; it trained after "
+                f"{fig['join_s']} s (round {fig['joiner_trained_in_round']}), churn-free round "
+                f"{fig['churn_free_round_s']} s")  # fmt: skip
             runs[mode].append(fig)
     model = next(r[-1]["model_bytes"] for r in runs.values() if r)
     bounds = join_bounds(profile, server, spec.joiner, _institutions(profile), model)
@@ -369,6 +394,9 @@ def _join_part(
         "plain_join_s": _median([r["join_s"] for r in runs["fedavg"]]),
         "relay_join_s": _median([r["join_s"] for r in runs["chaos"]]),
         "direct_join_s": _median([r["join_s"] for r in runs["direct"]]),
+        "plain_train_sent_s": _median([r.get("train_sent_s") for r in runs["fedavg"]]),
+        "relay_train_sent_s": _median([r.get("train_sent_s") for r in runs["chaos"]]),
+        "direct_train_sent_s": _median([r.get("train_sent_s") for r in runs["direct"]]),
         "join_lower_bound_s": bounds["relay"],
         "direct_join_lower_bound_s": bounds["direct"],
         "direct_pull_s": _median([(r["join"] or {}).get("pull_s") for r in runs["direct"]]),
@@ -458,6 +486,7 @@ def measure_flower_wan(
         "repeats": spec.repeats,
         "joiner": spec.joiner,
         "join_after_round": JOIN_AFTER_ROUND,
+        "sponsors_required": spec.sponsors_required,
         "loadavg": {"before": os.getloadavg()[0]},
         "placements": {},
         "not_measured": {

@@ -34,11 +34,9 @@ from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
-from flwr.supercore.run import Run
 
 from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
 from chaos_flwr.errors import ChaosError, DecodeError, PartyConfigError
@@ -53,6 +51,7 @@ from chaos_flwr.flower.schema import (
     with_chaos,
 )
 from chaos_flwr.flower.server.deadlines import ReplyTimes
+from chaos_flwr.flower.server.grids import TimedGrid
 from chaos_flwr.flower.server.logs import RoundLog
 from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
 from chaos_flwr.flower.server.settings import PhaseSettings
@@ -62,8 +61,8 @@ from chaos_flwr.receipts import Receipt, receipt_verifies
 
 __all__ = [
     "Courier",
-    "EligibleGrid",
     "LateReply",
+    "MoreMessages",
     "PhaseSpec",
     "ReceiptVerifier",
     "keyring_verifier",
@@ -75,6 +74,11 @@ FLOWER_MAX_EVIDENCE_PER_ROUND: int = 64
 
 #: ``(party, round, digest, receipt blob) -> True`` if the receipt is that party's signature.
 ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
+
+#: Called while an exchange waits, with the exchange's envelopes-taken table (node -> the
+#: envelopes its messages carry) and whether it would end now: messages to add and how long
+#: to wait for them.
+MoreMessages = Callable[[dict[int, list[bytes]], bool], tuple[list[Message], float]]
 
 #: Distinct reasons (and nodes per reason) a :class:`PartyConfigError` message spells out; the
 #: rest are counted.
@@ -127,64 +131,6 @@ def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
         return receipt_verifies(keys, party, server_round, digest, receipt)
 
     return verify
-
-
-class EligibleGrid(Grid):
-    """A view of a Grid that lists only the eligible nodes (what the inner strategy samples)."""
-
-    def __init__(self, grid: Grid, nodes: list[int]) -> None:
-        self._grid = grid
-        self._nodes = list(nodes)
-
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self._nodes)
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        return (NodeInfo(node_id=n) for n in self._nodes)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
-
-
-class _TimedGrid(EligibleGrid):
-    """A Grid that notes when each reply was first pulled (reply-to message id -> clock)."""
-
-    def __init__(self, grid: Grid, clock: Callable[[], float]) -> None:
-        super().__init__(grid, [])
-        self._clock = clock
-        self.seen: dict[str, float] = {}
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = list(self._grid.pull_messages(message_ids))
-        now = self._clock()
-        for reply in replies:
-            self.seen.setdefault(reply.metadata.reply_to_message_id, now)
-        return replies
 
 
 @dataclass(frozen=True)
@@ -440,8 +386,11 @@ class Courier:
         *,
         timeout: float,
         log_: RoundLog,
+        more: MoreMessages | None = None,
     ) -> ExchangeResult:
-        """Run one deadline-bounded exchange; absorb the parties' Chaos records."""
+        """Run one deadline-bounded exchange; absorb the parties' Chaos records. ``more``
+        adds messages while it waits (``relay.exchange``): it is given ``taken`` to file the
+        envelopes they carry."""
         dst = [m.metadata.dst_node_id for m in msgs]
         addressed = set(dst)
         # suspects are not waited for, unless every addressed node is one: then nothing would
@@ -452,8 +401,18 @@ class Courier:
         for m in msgs:
             kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
         deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for))
-        timed = _TimedGrid(grid, self.clock)
+        timed = TimedGrid(grid, self.clock)
         pushed_at = self.clock()
+        added: list[Message] = []
+
+        def add(ending: bool) -> tuple[list[Message], float]:
+            assert more is not None
+            extra, wait_s = more(taken, ending)
+            added.extend(extra)
+            for m in extra:
+                kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
+            return extra, wait_s
+
         res = relay_exchange(
             timed,
             msgs,
@@ -464,9 +423,13 @@ class Courier:
             sleep=self.sleep,
             late=self._late,
             stall_s=self.times.stall_bound(timeout) if wait_for - self.suspects else None,
+            more=add if more is not None else None,
         )
+        pushed = dict(zip(res.message_ids, dst, strict=False))  # pushed with the exchange
+        dst += [m.metadata.dst_node_id for m in added]
         node_of_msg = dict(zip(res.message_ids, dst, strict=True))
-        self._time_replies(res, timed.seen, pushed_at, node_of_msg, kinds, deadline)
+        addressed |= {m.metadata.dst_node_id for m in added}
+        self._time_replies(res, timed.seen, pushed_at, pushed, kinds, deadline)
         self._take_late(res, addressed, log_)
         absorbed: set[int] = set()
         for mid in res.message_ids:
@@ -621,8 +584,10 @@ class Courier:
         *,
         timeout: float,
         log_: RoundLog,
+        more: MoreMessages | None = None,
     ) -> tuple[list[Message], float]:
-        """Run one exchange; return the inner strategy's replies (Chaos records removed).
+        """Run one exchange; return the inner strategy's replies (Chaos records removed),
+        those to the messages ``more`` added while it waited last (:meth:`exchange`).
 
         Known nodes the inner strategy did not address get a ``query.chaos`` message (in the
         train phase only those that need one: :meth:`_has_news`); it carries ``spec.arrays``
@@ -656,12 +621,13 @@ class Courier:
             )
             log_.audited = sent_to
             log_.audit_bytes = len(sent_to) * updates_size(spec.audit.updates)
-        res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_)
+        res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_, more=more)
         # the inner strategy sees its replies in the order of its own messages, as Flower's
         # send_and_receive gives them when all replies are in
         inner_order = [m.metadata.dst_node_id for m in inner_msgs]
         inner_replies = [res.replies[n] for n in inner_order if n in res.replies]
-        return inner_replies, res.elapsed_s
+        added = [res.by_message.get(mid) for mid in res.message_ids[len(msgs) :]]
+        return inner_replies + [r for r in added if r is not None], res.elapsed_s
 
     def _has_news(self, node: int) -> bool:
         """Whether a node the inner strategy did not sample needs a relay query in the train

@@ -18,10 +18,15 @@ joiners, one with the donors), so two joiners take as many exchanges as one.
 **Before a round** (:meth:`JoinRelay.newcomers_first`): a node connected when a round starts
 whose party the relay has never heard from (a SuperNode that came between rounds) is asked,
 admitted and given the state the round trains on before the round's train messages go out,
-so it trains in that round, as a plain FedAvg node connected then is sampled in it. A node
-that comes during training is asked with the round's certify messages and takes the state in
-that round's join, as above, so it trains in the next round: the first round a plain FedAvg
-node that came during training is sampled in.
+so it trains in that round, as a plain FedAvg node connected then is sampled in it.
+
+**During training** (:meth:`JoinRelay.during_round`, called by
+:class:`~.latejoin.LateJoiners`): a node that comes while the round trains is asked at once;
+if its own records admit it (no sponsor to wait for: the members are training) it takes the
+state the round trains from, from the ServerApp, and trains in that round. Otherwise its join
+request reaches its sponsors with the round's certify messages and it takes the state in that
+round's join, as above, so it trains in the next round: the first round a plain FedAvg node
+that came during training is sampled in.
 
 Either way nothing is sent in a round without a joiner: a churn-free round's messages are
 unchanged.
@@ -45,7 +50,8 @@ from chaos_flwr.flower.schema import (
     start_record,
     take_record,
 )
-from chaos_flwr.flower.server.courier import Courier, EligibleGrid, PhaseSpec
+from chaos_flwr.flower.server.courier import Courier, PhaseSpec
+from chaos_flwr.flower.server.grids import EligibleGrid
 from chaos_flwr.flower.server.logs import JoinLog, RoundLog, read_join_stats
 from chaos_flwr.flower.server.settings import JOIN_SOURCE_AUTO, JOIN_SOURCE_PEERS, JoinSettings
 from chaos_flwr.planner import Donor as PlanDonor
@@ -259,6 +265,69 @@ class JoinRelay:
         if not newcomers:
             return 0.0
         t0 = self.clock()
+        self._ask(grid, newcomers, rnd, digest, rlog, timeout)
+        if any(n in party_of for n in newcomers):
+            state = state_of()
+            self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)
+        return self.clock() - t0
+
+    def during_round(
+        self,
+        grid: Grid,
+        newcomers: list[int],
+        rnd: int,
+        digest: bytes,
+        rlog: RoundLog,
+        timeout: float,
+        state_of: Callable[[], TrainingState],
+    ) -> list[int]:
+        """While a round trains: ask ``newcomers`` (nodes that came during training) and send
+        the certified state ``(rnd, digest)`` the round trains from to those the signed view
+        already lists as active. Returns the nodes that took it up (their receipts name it).
+
+        Nothing here waits on a member: they are training (a SuperNode runs one ClientApp
+        at a time), so only a newcomer whose own records admit it (a founder, or a charter
+        whose ``admission.sponsors_required`` is 0) is taken now, and the state comes from the
+        ServerApp's copy, checked by the joiner against the holders' receipts. The others
+        are admitted with the round's certify and take its state in its join, as before.
+        """
+        courier = self.courier
+        if courier.view is None:
+            return []
+        self._ask(grid, newcomers, rnd, digest, rlog, timeout)
+        active, party_of = courier.view.active(), courier.relay.party_of
+        joiners = [
+            (n, p)
+            for n in newcomers
+            if (p := party_of.get(n)) is not None and p in active and n not in courier.suspects
+        ]
+        holders = courier.holding(grid.get_node_ids(), rnd, digest)
+        donors = [d for d in holders if courier.holders[d][0] in active][: self.settings.max_donors]
+        joiners = [(n, p) for n, p in joiners if n not in holders]
+        if not joiners or not donors:
+            return []
+        state = state_of()
+        self._total = state.serialized_size()
+        spec = PhaseSpec("join", rnd, digest)
+        taken, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog)
+        rlog.joins.extend(taken)
+        for jl in taken:
+            log(
+                INFO, "Chaos: %s came during round %d's training and took round %d (%d bytes) "
+                "from the ServerApp in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
+                jl.pull_s,
+            )  # fmt: skip
+        return courier.holding([jl.node for jl in taken], rnd, digest)
+
+    def _ask(
+        self, grid: Grid, newcomers: list[int], rnd: int, digest: bytes, rlog: RoundLog,
+        timeout: float,
+    ) -> None:  # fmt: skip
+        """One exchange with ``newcomers`` only (their replies carry their parties' records
+        and join requests), waited for at most :data:`FLOWER_NEWCOMER_WAIT_S`; marks the
+        slow ones :attr:`silent` (:meth:`newcomers_first`)."""
+        courier, party_of = self.courier, self.courier.relay.party_of
+        t0 = self.clock()
         # the exchange waits for these only (a suspect is waited for when all are suspects)
         waited = {n for n in newcomers if n not in courier.suspects} or set(newcomers)
         timed = _Arrivals(grid, newcomers, self.clock)
@@ -274,10 +343,6 @@ class JoinRelay:
                 slow = n in waited or n not in rlog.missing
             if slow:
                 self.silent.add(n)
-        if any(n in party_of for n in newcomers):
-            state = state_of()
-            self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)
-        return self.clock() - t0
 
     def _admit(self, grid: Grid, rnd: int, digest: bytes, rlog: RoundLog, timeout: float) -> None:
         """Carry a newcomer's join request to its sponsors now, not with the next round.

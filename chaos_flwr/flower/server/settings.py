@@ -19,6 +19,7 @@ from chaos_flwr.defaults import (
     FLOWER_DEADLINE_FLOOR_S,
     FLOWER_DEADLINE_MARGIN,
     FLOWER_DEADLINE_QUANTILE,
+    FLOWER_JOIN_DURING_ROUND,
     FLOWER_JOIN_MAX_DONORS,
     FLOWER_JOIN_MAX_STEPS,
     FLOWER_JOIN_MIN_SHARD_BYTES,
@@ -176,6 +177,12 @@ class JoinSettings:
     max_steps:
         Most relay steps before the pull is given up; default
         :data:`~chaos_flwr.defaults.FLOWER_JOIN_MAX_STEPS`.
+    during_round:
+        A node that comes while a round trains, and whose own signed records admit it (a
+        founder, or a charter with ``admission.sponsors_required: 0``), takes the state the
+        round trains from (the ServerApp's copy) and trains in that round
+        (:mod:`~chaos_flwr.flower.server.latejoin`); not with ``source="peers"``. Default
+        :data:`~chaos_flwr.defaults.FLOWER_JOIN_DURING_ROUND`.
 
     Raises
     ------
@@ -187,11 +194,16 @@ class JoinSettings:
     max_donors: int = FLOWER_JOIN_MAX_DONORS
     max_steps: int = FLOWER_JOIN_MAX_STEPS
     source: str = JOIN_DEFAULT_SOURCE
+    during_round: bool = FLOWER_JOIN_DURING_ROUND
 
     def __post_init__(self) -> None:
         if self.source not in JOIN_SOURCES:
             raise ConfigError(
                 f"JoinSettings.source must be one of {', '.join(JOIN_SOURCES)}; got {self.source!r}"
+            )
+        if not isinstance(self.during_round, bool):
+            raise ConfigError(
+                f"JoinSettings.during_round must be a bool, got {self.during_round!r}"
             )
         for name in ("min_shard_bytes", "max_donors", "max_steps"):
             _positive_int("JoinSettings", name, getattr(self, name))

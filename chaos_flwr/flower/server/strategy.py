@@ -18,7 +18,8 @@ on them, so a churn-free round costs about what the inner strategy's round costs
    ServerApp when the relay is the only path (they check it against the holders' receipts),
    else pulled from its holders (:mod:`.joins`, :attr:`JoinSettings.source`). A node that
    came between rounds is admitted and takes the state before the round's training, so it
-   trains in that round (:meth:`~.joins.JoinRelay.newcomers_first`; only then).
+   trains in that round (:meth:`~.joins.JoinRelay.newcomers_first`); one that comes during
+   training and whose own records admit it does too (:mod:`.latejoin`).
 
 Replies are stripped of their Chaos record before the inner strategy aggregates them, so the
 inner strategy sees exactly what it would have seen without Chaos.
@@ -53,15 +54,17 @@ from chaos_flwr.defaults import FLOWER_ELIDE_HELD_ARRAYS
 from chaos_flwr.errors import ResumeError
 from chaos_flwr.flower.held import elide_held
 from chaos_flwr.flower.relay import Relay
+from chaos_flwr.flower.server.audits import audit_again, not_certifiable
 from chaos_flwr.flower.server.courier import (
     Courier,
-    EligibleGrid,
     PhaseSpec,
     ReceiptVerifier,
     keyring_verifier,
     min_nodes,
 )
+from chaos_flwr.flower.server.grids import EligibleGrid
 from chaos_flwr.flower.server.joins import JoinRelay
+from chaos_flwr.flower.server.latejoin import LateJoiners
 from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
 from chaos_flwr.flower.server.proofs import Chosen, RoundProofs
 from chaos_flwr.flower.server.pull import PullReport
@@ -69,6 +72,7 @@ from chaos_flwr.flower.server.resume import Resumed, Resumer
 from chaos_flwr.flower.server.sampling import LostCertify, eligible_nodes, genesis_takers
 from chaos_flwr.flower.server.settings import (
     FLAT_KEYS,
+    JOIN_SOURCE_PEERS,
     RESUME_FRESH,
     RESUME_REQUIRE,
     JoinSettings,
@@ -338,7 +342,11 @@ class ChaosStrategy(Strategy):
         verified = self.courier.proofs is not None
         # verified rounds: a round is its base + 1 (parties that signed the numbers between
         # refuse them and catch up above); unverified: above every round any party signed
-        first = self._next_round(held) if verified else max(held.server_round, self.round_floor) + 1
+        first = (
+            _next_round(self.courier, held)
+            if verified
+            else max(held.server_round, self.round_floor) + 1
+        )
         if first > num_rounds:
             log(
                 WARNING,
@@ -349,7 +357,7 @@ class ChaosStrategy(Strategy):
         for attempt in range(first, num_rounds + 1):
             # verified rounds: a round is its base + 1, so a round that was not certified
             # (nobody trained, too few signed updates, its base's audit missing) is tried again
-            rnd = self._next_round(held) if verified else attempt
+            rnd = _next_round(self.courier, held) if verified else attempt
             if rnd > num_rounds:
                 break
             log(INFO, "")
@@ -365,13 +373,6 @@ class ChaosStrategy(Strategy):
         for line in io.StringIO(str(run.result)):
             log(INFO, "\t%s", line.strip("\n"))
         return run.result
-
-    def _next_round(self, held: _Held) -> int:
-        """A verified round's number: its base + 1, or, after a rollback, above the round
-        the parties rolled back from (they never sign that number again)."""
-        proofs = self.courier.proofs
-        top = proofs.top_refuted() if proofs is not None else -1
-        return max(held.server_round, top) + 1
 
     def _refuted(self, rnd: int, digest: bytes) -> bool:
         """Whether a rota auditor signed round ``rnd``'s state false."""
@@ -525,7 +526,7 @@ class ChaosStrategy(Strategy):
         )
         courier.certified(rnd)
         rlog.holders = courier.holder_parties(rnd, digest)
-        _audit_again(courier, self.view, run, rnd, digest)
+        audit_again(courier, self.view, grid, run.timeout, rnd, digest)
         size = state.serialized_size()
         if self._refuted(rnd, digest):  # nobody is to pull a false aggregate
             log(WARNING, "Chaos: round %d was audited false by its auditor", rnd)
@@ -556,6 +557,7 @@ class ChaosStrategy(Strategy):
                                 timeout=run.timeout, rlog=rlog, lost=held.lost)
         )  # fmt: skip
         train_msgs: list[Message] = []
+        late: LateJoiners | None = None
         if len(eligible) < need:
             self.courier.check_enough(known, need)
             rlog.skipped = f"train: {len(eligible)} eligible nodes < {need} required"
@@ -566,6 +568,7 @@ class ChaosStrategy(Strategy):
                     rnd, held.arrays, run.train_config, EligibleGrid(run.grid, eligible)
                 )
             )
+            late = _late_joiners(self, run, rlog, known, held, train_msgs)
             if self.elide_held and held.genesis is None and self.view is not None:
                 # each receiver holds exactly this state (its verified receipt names it)
                 train_msgs = [
@@ -581,15 +584,16 @@ class ChaosStrategy(Strategy):
                 "certify", held.server_round, held.digest, held.arrays, fields=held.genesis
             )
         train_replies, rlog.train_s = self.courier.phase(
-            run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog
+            run.grid, train_msgs, known, spec, timeout=run.timeout, log_=rlog, more=late
         )
+        rlog.trained += late.nodes if late is not None else []
         chosen: list[Chosen] = []
         if proofs is not None and train_msgs:
             members = self.view.members() if self.view is not None else {}
             gone = {p for status, ids in members.items() if status != "active" for p in ids}
             chosen = proofs.select(rnd, base, self.relay.party_of, train_replies, gone)
             train_replies = [c.reply for c in chosen]
-            why = _not_certifiable(proofs, base, active, len(chosen))
+            why = not_certifiable(proofs, base, active, len(chosen))
             if why:
                 rlog.skipped = why
                 log(WARNING, "Chaos: round %d is not certified (%s); it is tried again", rnd, why)
@@ -615,6 +619,14 @@ class ChaosStrategy(Strategy):
         self.rounds.append(rlog)
 
 
+def _next_round(courier: Courier, held: _Held) -> int:
+    """A verified round's number: its base + 1, or, after a rollback, above the round the
+    parties rolled back from (they never sign that number again)."""
+    proofs = courier.proofs
+    top = proofs.top_refuted() if proofs is not None else -1
+    return max(held.server_round, top) + 1
+
+
 def _newcomers_first(
     relay: JoinRelay, grid: Grid, held: _Held, rlog: RoundLog, timeout: float
 ) -> float:
@@ -630,6 +642,31 @@ def _newcomers_first(
     return relay.newcomers_first(grid, held.server_round, held.digest, rlog, timeout, state)
 
 
+def _late_joiners(
+    strategy: ChaosStrategy, run: _Run, rlog: RoundLog, known: list[int], held: _Held,
+    train_msgs: list[Message],
+) -> LateJoiners | None:  # fmt: skip
+    """The train exchange's hook that lets a node that comes during training train in the
+    round (:mod:`.latejoin`), when :attr:`JoinSettings.during_round` allows it and the
+    ServerApp holds a certified state the parties hold (not before round 1 of a fresh start)."""
+    joins = strategy.joins
+    if not joins.during_round or joins.source == JOIN_SOURCE_PEERS or not train_msgs:
+        return None
+    if strategy.view is None or held.genesis is not None:
+        return None
+
+    def state() -> TrainingState:  # hashes to held.digest, as the parties hold it
+        return certified_state(held.arrays, held.server_round, held.strategy_state)
+
+    spec = PhaseSpec("relay", held.server_round, held.digest)
+    return LateJoiners(
+        strategy.join_relay, strategy.courier, run.grid, known,
+        base=(held.server_round, held.digest, held.arrays), state_of=state,
+        template=train_msgs[0], spec=spec, rlog=rlog, timeout=run.timeout,
+        elide=strategy.elide_held, clock=strategy.courier.clock,
+    )  # fmt: skip
+
+
 def _receivers(courier: Courier, grid: Grid, candidates: set[int]) -> set[int]:
     """Who gets the new state: live, non-suspect ``candidates``; if none, every live node
     (nobody holds the previous state, e.g. every node missed the last deadline: there is no
@@ -638,44 +675,6 @@ def _receivers(courier: Courier, grid: Grid, candidates: set[int]) -> set[int]:
     nodes_now = set(grid.get_node_ids())
     receivers = {n for n in candidates & nodes_now if n not in suspects}
     return receivers or {n for n in nodes_now if n not in suspects} or set(nodes_now)
-
-
-def _not_certifiable(
-    proofs: RoundProofs, base: tuple[int, bytes], active: list[str], updates: int
-) -> str:
-    """Why a round on ``base`` with ``updates`` signed updates cannot be certified ("": it can)."""
-    if updates < proofs.min_updates:
-        return f"{updates} signed update(s) < {proofs.min_updates} the charter asks for"
-    verdict = proofs.verdict(base[0], base[1], active)
-    if verdict is False:
-        return f"round {base[0]} was audited false"
-    if verdict is None:
-        return f"the audit of round {base[0]} has not come in"
-    return ""
-
-
-def _audit_again(
-    courier: Courier, view: ServerView | None, run: _Run, rnd: int, digest: bytes
-) -> None:
-    """When no audit of the round came back with its certify replies (its auditor crashed,
-    or a differing view put another party on the rota), ask again at once, the spare rota
-    position too: an exchange with the auditors only, and only on that event, so the state
-    is final before the next round (and before any kill of this ServerApp)."""
-    proofs = courier.proofs
-    if proofs is None or view is None:
-        return
-    job = proofs.audit_job(sorted(view.active()))
-    if job is None:
-        return
-    spec = PhaseSpec("relay", rnd, digest, audit=job)
-    known = list(run.grid.get_node_ids())
-    courier.phase(run.grid, [], known, spec, timeout=run.timeout, log_=RoundLog(rnd))
-    verdict = proofs.verdict(rnd, digest, sorted(view.active()))
-    log(
-        INFO, "Chaos: the audit of round %d, asked again of %s: %s", rnd,
-        ", ".join(sorted(job.parties)),
-        {True: "final", False: "REFUTED", None: "did not come in"}[verdict],
-    )  # fmt: skip
 
 
 def _round0_log(courier: Courier, held: _Held, rlog: RoundLog) -> RoundLog:

@@ -31,6 +31,7 @@ class CountingGrid(Grid):
         self.rounds: list[Counter[str]] = []
         self.trainers: list[set[int]] = []
         self.first_train_at: float | None = None  # wall clock (time.time) of the first train push
+        self.first_train_to: dict[int, float] = {}  # node -> wall clock of its first train push
         self._round = 1
 
     # -- counting -----------------------------------------------------------------------------
@@ -49,6 +50,8 @@ class CountingGrid(Grid):
             kind = msg.metadata.message_type
             if kind == TRAIN and self.first_train_at is None:
                 self.first_train_at = time.time()
+            if kind == TRAIN:
+                self.first_train_to.setdefault(msg.metadata.dst_node_id, time.time())
             if self.first_train_at is None:
                 self.setup[kind] += 1
             else:
@@ -67,6 +70,7 @@ class CountingGrid(Grid):
             "messages_per_round": [dict(c) for c in self.rounds],
             "trainers_per_round": [len(t) for t in self.trainers],
             "first_train_at": self.first_train_at,
+            "first_train_to": {str(n): t for n, t in sorted(self.first_train_to.items())},
         }
 
     # -- the Grid, delegated ------------------------------------------------------------------

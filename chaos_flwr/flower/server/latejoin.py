@@ -1,0 +1,152 @@
+"""Late joiners: a node that comes while a round trains is admitted, takes the state the round
+trains from, and trains in that round.
+
+Flower samples a round's trainers when the round starts: a SuperNode that connects during
+training is first sampled in the next round, and a plain FedAvg joiner trains one round later
+than it could have. While the train exchange waits for its replies, :class:`LateJoiners` looks
+for nodes that came since it started (at most every :data:`FLOWER_LATE_JOIN_LOOK_S`). It asks
+them, and each whose own signed records already admit it (a founder, or a charter whose
+``admission.sponsors_required`` is 0: the members are training and cannot countersign now)
+takes the certified state the round trains from, from the ServerApp's copy, checked against
+the holders' receipts (:meth:`~.joins.JoinRelay.during_round`). It then gets the round's
+train instruction (the content of the inner strategy's first train message of the round, with
+the model left out: it holds it) and the exchange waits for its reply too, so the inner
+strategy aggregates its update with the others'.
+
+Costs, and limits: nothing is sent in a round where no node comes (a look is a
+``get_node_ids`` call); a round with a late joiner lasts until its update is in, bounded by
+its deadline (a node with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by
+the run's timeout), so a joiner that comes near the end of training lengthens that round by
+about its own training. A strategy that sends each node a different instruction gives the
+late joiner the first node's. Off with ``JoinSettings(during_round=False)`` or with
+``source="peers"`` (the state then only comes from the holders, who are training).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from logging import INFO
+
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from chaos_flwr.flower.held import elide_held
+from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
+from chaos_flwr.flower.server.courier import Courier, PhaseSpec, message_kind
+from chaos_flwr.flower.server.joins import JoinRelay
+from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.state import TrainingState
+
+__all__ = ["FLOWER_LATE_JOIN_LOOK_S", "LateJoiners"]
+
+#: Seconds between two looks for nodes that came while a round trains (each look is one
+#: ``Grid.get_node_ids`` call; asking a node that came is the work, done once per node).
+FLOWER_LATE_JOIN_LOOK_S: float = 1.0
+
+
+class LateJoiners:
+    """The train exchange's ``more`` hook (module docstring): train messages for the nodes
+    that came during training and took the state it trains from.
+
+    Parameters
+    ----------
+    joins, courier, grid:
+        The join relay (asks and sends the state), the courier (wraps the messages) and the
+        ServerApp's Grid.
+    known:
+        The nodes the train exchange addresses or asks (they are not looked at here).
+    base:
+        ``(round, digest, arrays)`` of the certified state the round trains from.
+    state_of:
+        Builds that state (it must hash to the digest); called only when a node is admitted.
+    template:
+        The inner strategy's first train message of the round, before any Chaos change.
+    spec:
+        The train exchange's phase spec (the relay record its messages carry).
+    rlog, timeout:
+        The round's log and the run's bound of every exchange.
+    elide:
+        Leave the model out of the late train messages (the receiver holds it, by its receipt).
+    clock:
+        The ServerApp's clock.
+
+    Attributes
+    ----------
+    nodes:
+        The nodes sent a train message by this hook, in order.
+    """
+
+    def __init__(
+        self,
+        joins: JoinRelay,
+        courier: Courier,
+        grid: Grid,
+        known: list[int],
+        *,
+        base: tuple[int, bytes, ArrayRecord],
+        state_of: Callable[[], TrainingState],
+        template: Message,
+        spec: PhaseSpec,
+        rlog: RoundLog,
+        timeout: float,
+        elide: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._joins, self._courier, self._grid = joins, courier, grid
+        self._base, self._state_of, self._template = base, state_of, template
+        self._spec, self._rlog, self._timeout, self._elide = spec, rlog, timeout, elide
+        self._clock = clock
+        self._known = set(known)  # addressed or asked already: never asked here
+        self._looked = clock()  # the exchange has just been set up: look in a while
+        self.nodes: list[int] = []
+
+    def __call__(self, taken: dict[int, list[bytes]], ending: bool) -> tuple[list[Message], float]:
+        """Look for nodes that came (every :data:`FLOWER_LATE_JOIN_LOOK_S`, and once more
+        when the exchange would end); return train messages for those that took the state,
+        and the wait their replies need (``([], 0.0)`` when none did)."""
+        now = self._clock()
+        if now - self._looked < FLOWER_LATE_JOIN_LOOK_S and not ending:
+            return [], 0.0
+        self._looked = now
+        courier, joins = self._courier, self._joins
+        skip = self._known | set(courier.config_errors) | joins.silent
+        came = [n for n in self._grid.get_node_ids() if n not in skip]
+        if not came:
+            return [], 0.0
+        self._known.update(came)
+        rnd, digest, arrays = self._base
+        ready = joins.during_round(
+            self._grid, came, rnd, digest, self._rlog, self._timeout, self._state_of
+        )
+        msgs: list[Message] = []
+        for node in ready:
+            inner = _retarget(self._template, node)
+            if self._elide:
+                inner = elide_held(inner, arrays, rnd, digest)
+            msg, taken[node] = courier.message(node, self._spec, inner=inner)
+            msgs.append(msg)
+            self.nodes.append(node)
+            log(
+                INFO, "Chaos: node %d (%s) trains in round %d, which it came during",
+                node, courier.relay.party_of.get(node, "?"), self._rlog.server_round,
+            )  # fmt: skip
+        if not msgs:
+            return [], 0.0
+        wait = max(courier.times.deadline(message_kind(m), m.metadata.dst_node_id) for m in msgs)
+        return msgs, min(wait, self._timeout)
+
+
+def _retarget(message: Message, node: int) -> Message:
+    """``message``'s instruction (type, group, lifetime, content without a Chaos record) to
+    ``node``."""
+    md = message.metadata
+    content = RecordDict({k: v for k, v in message.content.items() if k != CHAOS_RECORD_KEY})
+    return Message(
+        content,
+        dst_node_id=node,
+        message_type=md.message_type,
+        group_id=md.group_id or None,
+        ttl=md.ttl,
+    )
