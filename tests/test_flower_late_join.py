@@ -15,6 +15,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.charter import load_charter
+from chaos_flwr.errors import ConfigError
 from chaos_flwr.flower.client import default_party_factory, enable, party_for
 from chaos_flwr.flower.keys import charter_path, load_federation, make_federation
 from chaos_flwr.flower.server import ChaosStrategy, JoinSettings, PhaseSettings, RoundLog
@@ -49,7 +50,8 @@ class World:
     """``FOUNDERS`` founders; one allowlisted SuperNode connects during round ``JOIN_IN``'s
     training (while the first founder trains)."""
 
-    def __init__(self, tmp: Path, sponsors_required: int) -> None:
+    def __init__(self, tmp: Path, sponsors_required: int, misconfigured: bool = False) -> None:
+        self.misconfigured = misconfigured
         self.keys = make_federation(
             tmp / "fed", FOUNDERS + 1, founders=FOUNDERS, seed="late",
             sponsors_required=sponsors_required,
@@ -81,7 +83,11 @@ class World:
             p = int(ctx.node_config["partition-id"])
             self.trained_by.setdefault(rnd, []).append(p)
             if rnd == JOIN_IN and FOUNDERS not in self.nodes:
-                self.add(FOUNDERS)  # the joiner's SuperNode connects mid-training
+                if self.misconfigured:  # a SuperNode started without its Chaos settings
+                    bad = {"partition-id": FOUNDERS}
+                    self.nodes[FOUNDERS] = self.grid.add_node(self.app, node_config=bad)
+                else:
+                    self.add(FOUNDERS)  # the joiner's SuperNode connects mid-training
             arrays = {n: a.numpy() for n, a in msg.content["arrays"].items()}
             out = {n: Array(a) for n, a in _trained(arrays, p + 1, rnd).items()}
             return Message(
@@ -169,3 +175,34 @@ def test_otherwise_the_joiner_trains_in_the_next_round_as_before(
     assert party.held_round == ROUNDS
     for name, arr in expected.items():
         np.testing.assert_allclose(party.held_arrays[name].numpy(), arr, rtol=1e-5, atol=1e-6)
+
+
+def test_a_misconfigured_node_that_comes_during_training_does_not_stop_the_run(
+    tmp_path: Path,
+) -> None:
+    world = World(tmp_path, sponsors_required=0, misconfigured=True)
+    strategy = world.run()
+    bad = world.nodes[FOUNDERS].node_id
+    # asked alone while round 2 trained, it answered that its settings are wrong: the run
+    # goes on with the founders (a newcomer-only exchange does not stop it)
+    assert [r.server_round for r in strategy.rounds if r.server_round > 0] == [1, 2, 3]
+    assert all(r.digest and not r.skipped for r in strategy.rounds if r.server_round > 0)
+    assert "node_config 'chaos-key' is missing" in strategy.courier.config_errors[bad]
+    assert all(bad not in r.trained for r in strategy.rounds)
+
+
+def test_no_late_joiner_for_a_differential_privacy_wrapper_or_peers_only() -> None:
+    from flwr.serverapp.strategy import DifferentialPrivacyServerSideFixedClipping
+
+    from chaos_flwr.flower.server.latejoin import late_joins_allowed
+
+    fedavg = FedAvg()
+    dp = DifferentialPrivacyServerSideFixedClipping(
+        fedavg, noise_multiplier=0.1, clipping_norm=1.0, num_sampled_clients=3
+    )
+    assert late_joins_allowed(fedavg, JoinSettings())
+    assert not late_joins_allowed(dp, JoinSettings())  # noise for exactly 3 sampled nodes
+    assert not late_joins_allowed(fedavg, JoinSettings(source="peers"))
+    assert not late_joins_allowed(fedavg, JoinSettings(during_round=False))
+    with pytest.raises(ConfigError, match="during_round must be a bool"):
+        JoinSettings(during_round="yes")  # type: ignore[arg-type]

@@ -270,6 +270,50 @@ def test_messages_added_while_an_exchange_waits_are_waited_for_past_its_deadline
     assert nobody.missing == {late.node_id} and 1.0 <= nobody.elapsed_s < 1.2
 
 
+def test_an_added_message_neither_ends_a_stall_nor_is_cut_by_its_grace() -> None:
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    app = _query_app()
+    a, b, joiner = grid.add_node(app), grid.add_node(app), grid.add_node(app)
+    a.delay_s, b.delay_s = 4.0, 4.2  # both past the 1 s deadline: a stall (bound 10 s)
+    joiner.delay_s = 0.2  # its added message is answered at once...
+    sent: list[float] = []
+
+    def more(ending: bool) -> tuple[list[Message], float]:
+        if sent:
+            return [], 0.0
+        sent.append(clock())
+        msg = Message(RecordDict(), dst_node_id=joiner.node_id, message_type=CHAOS_MESSAGE_TYPE)
+        return [msg], 0.5
+
+    msgs = [Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE)
+            for n in (a, b)]  # fmt: skip
+    res = exchange(grid, msgs, timeout_s=1.0, poll_interval_s=0.1, clock=clock,
+                   sleep=clock.sleep, stall_s=10.0, more=more)  # fmt: skip
+    # ...and that does not end the trainers' stall: both are waited for and answer
+    assert set(res.replies) == {a.node_id, b.node_id, joiner.node_id} and res.missing == set()
+    # an added message waited for longer than the grace after the stall's first answer
+    clock2 = VClock()
+    grid2 = FakeGrid(clock=clock2)
+    a2, b2, late = grid2.add_node(app), grid2.add_node(app), grid2.add_node(app)
+    a2.delay_s, b2.delay_s, late.delay_s = 4.0, 4.1, 6.0
+
+    def more2(ending: bool) -> tuple[list[Message], float]:
+        if clock2() < 2.0 or len(grid2_added) == 1:
+            return [], 0.0
+        grid2_added.append(1)
+        msg = Message(RecordDict(), dst_node_id=late.node_id, message_type=CHAOS_MESSAGE_TYPE)
+        return [msg], 20.0
+
+    grid2_added: list[int] = []
+    msgs2 = [Message(RecordDict(), dst_node_id=n.node_id, message_type=CHAOS_MESSAGE_TYPE)
+             for n in (a2, b2)]  # fmt: skip
+    res2 = exchange(grid2, msgs2, timeout_s=1.0, poll_interval_s=0.1, clock=clock2,
+                    sleep=clock2.sleep, stall_s=10.0, more=more2)  # fmt: skip
+    assert set(res2.replies) == {a2.node_id, b2.node_id, late.node_id} and res2.missing == set()
+    assert res2.elapsed_s > 8.0  # the added node answered 6 s after its push, past the grace
+
+
 def test_a_reply_that_misses_its_deadline_is_collected_by_a_later_exchange() -> None:
     clock = VClock()
     grid = FakeGrid(clock=clock)

@@ -264,11 +264,6 @@ class _Deadline:
         stall_s = min([stall_s, *(t * STALL_TTL_SHARE for t in ttls if t)])
         return cls(start + length, start + max(length, stall_s), length, frozenset(waiting))
 
-    def extend(self, at: float, waiting: set[int]) -> None:
-        """Wait for ``waiting`` (messages added to the exchange) until ``at`` at least."""
-        self.waiting = frozenset(waiting)
-        self.at, self.end = max(self.at, at), max(self.end, at)
-
     def passed(self, now: float, replied: set[int]) -> bool:
         """Whether to stop at ``now``; ``replied``: the nodes that replied so far (an error
         reply, e.g. a crashed node's, says nothing about a stall of the others)."""
@@ -321,63 +316,93 @@ def exchange(
     more:
         Called after every pull, with whether the exchange would end now (it may run
         exchanges of its own): messages to add to this exchange and how long to wait for
-        their replies from now. They are pushed, and their destinations waited for (the
-        deadline moves out to cover them, never in); a round uses it to send a train message
-        to a node that came and took the state during training
+        their replies from now. They are pushed and their destinations waited for until then
+        (or until they answer), besides the exchange's own: its deadline and stall still go by
+        ``wait_for`` alone, and never end the wait for them sooner. A round uses it to send a
+        train message to a node that came and took the state during training
         (:mod:`chaos_flwr.flower.server.latejoin`).
     """
     start = clock()
-    ids = list(grid.push_messages(messages))
-    node_of_msg = {mid: m.metadata.dst_node_id for mid, m in zip(ids, messages, strict=True)}
-    outstanding = set(node_of_msg)
-    waiting = set(node_of_msg.values()) if wait_for is None else set(wait_for)
-    replies, by_message = dict[int, Message](), dict[str, Message]()
-    errors, reasons = dict[int, int](), dict[int, str]()  # node -> error code, its reason
+    waiting = {m.metadata.dst_node_id for m in messages} if wait_for is None else set(wait_for)
+    ex = _Pulls(grid, late)
+    ex.push(messages)
     deadline = _Deadline.starting(start, timeout_s, stall_s, messages, waiting)
-    late_out, late_replies = dict(late or {}), dict[int, Message]()
-    while outstanding:
-        asked = [m for m in ids if m in outstanding] + list(late_out)
-        for reply in grid.pull_messages(asked):
-            mid = reply.metadata.reply_to_message_id
-            if mid in late_out:
-                lnode = late_out.pop(mid)
-                if not reply.has_error():
-                    late_replies[lnode] = reply
-                continue
-            node = node_of_msg.get(mid)
-            if node is None or mid not in outstanding:
-                continue
-            outstanding.discard(mid)
-            if reply.has_error():
-                errors[node] = int(reply.error.code)
-                reasons[node] = str(reply.error.reason or "")
-            else:
-                replies.setdefault(node, reply)
-                by_message[mid] = reply
-        answered = (set(replies) | set(errors)) - {node_of_msg[m] for m in outstanding}
-        done = not outstanding or waiting <= answered or deadline.passed(clock(), set(replies))
+    added_until = start  # the messages ``more`` added are waited for until then
+    while ex.outstanding:
+        ex.pull()
+        answered = ex.answered()
+        now = clock()
+        done = waiting <= answered or deadline.passed(now, set(ex.replies))
+        done = not ex.outstanding or (done and (ex.added <= answered or now >= added_until))
         added, wait_s = more(done) if more is not None else ((), 0.0)
         if added:  # pushed, then pulled before the end is decided again
-            new_ids = list(grid.push_messages(added))
-            ids.extend(new_ids)
-            for mid, m in zip(new_ids, added, strict=True):
-                node_of_msg[mid] = m.metadata.dst_node_id
-                outstanding.add(mid)
-                waiting.add(m.metadata.dst_node_id)
-            deadline.extend(clock() + wait_s, waiting)
+            ex.push(added, extra=True)
+            added_until = max(added_until, clock() + wait_s)
             continue
         if done:
             break
-        sleep(min(poll_interval_s, max(0.0, deadline.at - clock())))
-    missing = {node_of_msg[mid] for mid in outstanding}
-    return ExchangeResult(
-        replies,
-        errors,
-        missing,
-        clock() - start,
-        missing_ids={mid: node_of_msg[mid] for mid in outstanding},
-        late=late_replies,
-        message_ids=ids,
-        by_message=by_message,
-        reasons=reasons,
-    )
+        until = max(deadline.at, added_until if ex.added - answered else deadline.at)
+        sleep(min(poll_interval_s, max(0.0, until - clock())))
+    return ex.result(clock() - start)
+
+
+class _Pulls:
+    """What one :func:`exchange` pushed and what came back (its loop's state)."""
+
+    def __init__(self, grid: Grid, late: Mapping[str, int] | None) -> None:
+        self.grid = grid
+        self.ids: list[str] = []
+        self.node_of_msg: dict[str, int] = {}
+        self.outstanding: set[str] = set()
+        self.added: set[int] = set()  # destinations of the messages ``more`` added
+        self.replies, self.by_message = dict[int, Message](), dict[str, Message]()
+        self.errors, self.reasons = dict[int, int](), dict[int, str]()
+        self.late_out, self.late_replies = dict(late or {}), dict[int, Message]()
+
+    def push(self, messages: Sequence[Message], *, extra: bool = False) -> None:
+        new_ids = list(self.grid.push_messages(messages))
+        self.ids.extend(new_ids)
+        for mid, m in zip(new_ids, messages, strict=True):
+            self.node_of_msg[mid] = m.metadata.dst_node_id
+            self.outstanding.add(mid)
+            if extra:
+                self.added.add(m.metadata.dst_node_id)
+
+    def pull(self) -> None:
+        asked = [m for m in self.ids if m in self.outstanding] + list(self.late_out)
+        for reply in self.grid.pull_messages(asked):
+            mid = reply.metadata.reply_to_message_id
+            if mid in self.late_out:
+                lnode = self.late_out.pop(mid)
+                if not reply.has_error():
+                    self.late_replies[lnode] = reply
+                continue
+            node = self.node_of_msg.get(mid)
+            if node is None or mid not in self.outstanding:
+                continue
+            self.outstanding.discard(mid)
+            if reply.has_error():
+                self.errors[node] = int(reply.error.code)
+                self.reasons[node] = str(reply.error.reason or "")
+            else:
+                self.replies.setdefault(node, reply)
+                self.by_message[mid] = reply
+
+    def answered(self) -> set[int]:
+        """Nodes all of whose messages were answered (a reply or an error)."""
+        pending = {self.node_of_msg[m] for m in self.outstanding}
+        return (set(self.replies) | set(self.errors)) - pending
+
+    def result(self, elapsed_s: float) -> ExchangeResult:
+        outstanding = self.outstanding
+        return ExchangeResult(
+            self.replies,
+            self.errors,
+            {self.node_of_msg[mid] for mid in outstanding},
+            elapsed_s,
+            missing_ids={mid: self.node_of_msg[mid] for mid in outstanding},
+            late=self.late_replies,
+            message_ids=self.ids,
+            by_message=self.by_message,
+            reasons=self.reasons,
+        )

@@ -273,7 +273,8 @@ def _one_run(
 
 def _train_sent_s(results: Mapping[str, Any], t_join: float) -> float | None:
     """Seconds from the joiner's SuperNode start to the ServerApp's push of its first train
-    message (the first train message to a node that had none before), in either mode."""
+    message (the first train message to a node that had none before), in either mode: every
+    founder is sampled in round 1 (fraction 1.0), so that node is the joiner's."""
     times = [float(t) for t in dict(results.get("first_train_to") or {}).values()]
     later = [t for t in times if t > t_join]
     return min(later) - t_join if later else None

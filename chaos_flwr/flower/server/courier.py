@@ -39,8 +39,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
 
 from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
-from chaos_flwr.errors import ChaosError, DecodeError, PartyConfigError
-from chaos_flwr.flower.client.settings import CONFIG_ERROR_MARK
+from chaos_flwr.errors import ChaosError, DecodeError
 from chaos_flwr.flower.relay import ExchangeResult, Relay
 from chaos_flwr.flower.relay import exchange as relay_exchange
 from chaos_flwr.flower.schema import (
@@ -53,6 +52,7 @@ from chaos_flwr.flower.schema import (
 from chaos_flwr.flower.server.deadlines import ReplyTimes
 from chaos_flwr.flower.server.grids import TimedGrid
 from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.misconfig import config_reason, misconfigured
 from chaos_flwr.flower.server.proofs import AuditJob, RoundProofs
 from chaos_flwr.flower.server.settings import PhaseSettings
 from chaos_flwr.flower.server.view import ServerView
@@ -80,43 +80,6 @@ ReceiptVerifier = Callable[[str, int, bytes, bytes], bool]
 #: to wait for them.
 MoreMessages = Callable[[dict[int, list[bytes]], bool], tuple[list[Message], float]]
 
-#: Distinct reasons (and nodes per reason) a :class:`PartyConfigError` message spells out; the
-#: rest are counted.
-CONFIG_ERRORS_SHOWN = 3
-
-
-def _config_reason(node: int, reason: str) -> str | None:
-    """``"<who>: <what>"`` of an error reply that says the node's settings are wrong (the
-    ClientApp wrapper's ``<mark>: node N (partition-id P): ...`` or Flower's
-    ``<class '...ConfigError'>:<'...'>``), else ``None``."""
-    if CONFIG_ERROR_MARK not in reason:
-        return None
-    text = reason.split(CONFIG_ERROR_MARK, 1)[1]
-    text = text.removeprefix("'>").removeprefix(":").removeprefix("<'").strip()
-    lines = text.removesuffix("'>").strip().splitlines()
-    line = lines[0] if lines else CONFIG_ERROR_MARK
-    return line if line.startswith(f"node {node}") else f"node {node}: {line}"
-
-
-def _misconfigured(reasons: Mapping[int, str], total: int, why: str) -> PartyConfigError:
-    """The error that stops the run: how many nodes, why it cannot go on, each distinct
-    reason once with the nodes that gave it."""
-    groups: dict[str, list[str]] = {}
-    for node in sorted(reasons):
-        who, _, what = reasons[node].partition(": ")
-        groups.setdefault(what, []).append(who)
-    lines = [
-        f"{len(reasons)} of {total} nodes cannot take part because of their configuration, "
-        f"so the ServerApp stops ({why}):"
-    ]
-    for what, whos in list(groups.items())[:CONFIG_ERRORS_SHOWN]:
-        more = len(whos) - CONFIG_ERRORS_SHOWN
-        named = ", ".join(whos[:CONFIG_ERRORS_SHOWN]) + (f" and {more} more" if more > 0 else "")
-        lines.append(f"  {named}: {what}")
-    if len(groups) > CONFIG_ERRORS_SHOWN:
-        lines.append(f"  ... and {len(groups) - CONFIG_ERRORS_SHOWN} more reasons")
-    return PartyConfigError("\n".join(lines), dict(reasons))
-
 
 def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
     """A receipt verifier from a ``party id -> raw Ed25519 public key`` keyring (the charter's).
@@ -131,6 +94,39 @@ def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
         return receipt_verifies(keys, party, server_round, digest, receipt)
 
     return verify
+
+
+class _Added:
+    """A ``more`` hook of one exchange (:meth:`Courier.exchange`): the messages it added,
+    each node's push time and wait, and when it first held the exchange's pulls up for longer
+    than a poll (its own exchanges): replies first pulled after that are not timed."""
+
+    def __init__(
+        self,
+        more: MoreMessages,
+        taken: dict[int, list[bytes]],
+        kinds: dict[int, str],
+        clock: Callable[[], float],
+        poll_s: float,
+    ) -> None:
+        self._more, self._taken, self._kinds = more, taken, kinds
+        self._clock, self._poll_s = clock, poll_s
+        self.messages: list[Message] = []
+        self.sent: dict[int, tuple[float, float]] = {}
+        self.busy_since = float("inf")
+
+    def __call__(self, ending: bool) -> tuple[list[Message], float]:
+        t0 = self._clock()
+        extra, wait_s = self._more(self._taken, ending)
+        now = self._clock()
+        if now - t0 > self._poll_s:
+            self.busy_since = min(self.busy_since, t0)
+        self.messages.extend(extra)
+        for m in extra:
+            node = m.metadata.dst_node_id
+            self._kinds.setdefault(node, message_kind(m))
+            self.sent[node] = (now, wait_s)
+        return extra, wait_s
 
 
 @dataclass(frozen=True)
@@ -387,10 +383,13 @@ class Courier:
         timeout: float,
         log_: RoundLog,
         more: MoreMessages | None = None,
+        stop_on_config: bool = True,
     ) -> ExchangeResult:
         """Run one deadline-bounded exchange; absorb the parties' Chaos records. ``more``
         adds messages while it waits (``relay.exchange``): it is given ``taken`` to file the
-        envelopes they carry."""
+        envelopes they carry. ``stop_on_config``: raise :class:`PartyConfigError` when every
+        node addressed answered that its settings are wrong (not for an exchange with
+        newcomers only: a stray misconfigured node must not stop the run)."""
         dst = [m.metadata.dst_node_id for m in msgs]
         addressed = set(dst)
         # suspects are not waited for, unless every addressed node is one: then nothing would
@@ -403,16 +402,7 @@ class Courier:
         deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for))
         timed = TimedGrid(grid, self.clock)
         pushed_at = self.clock()
-        added: list[Message] = []
-
-        def add(ending: bool) -> tuple[list[Message], float]:
-            assert more is not None
-            extra, wait_s = more(taken, ending)
-            added.extend(extra)
-            for m in extra:
-                kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
-            return extra, wait_s
-
+        add = _Added(more, taken, kinds, self.clock, self.phases.poll_interval_s) if more else None
         res = relay_exchange(
             timed,
             msgs,
@@ -423,13 +413,21 @@ class Courier:
             sleep=self.sleep,
             late=self._late,
             stall_s=self.times.stall_bound(timeout) if wait_for - self.suspects else None,
-            more=add if more is not None else None,
+            more=add,
         )
-        pushed = dict(zip(res.message_ids, dst, strict=False))  # pushed with the exchange
-        dst += [m.metadata.dst_node_id for m in added]
+        # timed: the exchange's own messages whose replies no work of ``more`` held up
+        pushed = dict(zip(res.message_ids, dst, strict=False))
+        if add is not None:
+            pushed = {m: n for m, n in pushed.items() if timed.seen.get(m, 0.0) < add.busy_since}
+            dst += [m.metadata.dst_node_id for m in add.messages]
+            addressed |= {m.metadata.dst_node_id for m in add.messages}
         node_of_msg = dict(zip(res.message_ids, dst, strict=True))
-        addressed |= {m.metadata.dst_node_id for m in added}
         self._time_replies(res, timed.seen, pushed_at, pushed, kinds, deadline)
+        if add is not None:  # an added message that goes unanswered: its own push and wait
+            for mid in res.message_ids[len(msgs) :]:
+                if mid in self._sent:
+                    at, wait = add.sent[node_of_msg[mid]]
+                    self._sent[mid] = (at, kinds.get(node_of_msg[mid], ""), wait)
         self._take_late(res, addressed, log_)
         absorbed: set[int] = set()
         for mid in res.message_ids:
@@ -442,7 +440,7 @@ class Courier:
             self.absorb(node, answer, {} if node in absorbed else taken, log_)
             absorbed.add(node)
         for node, code in res.errors.items():
-            reason = _config_reason(node, res.reasons.get(node, ""))
+            reason = config_reason(node, res.reasons.get(node, ""))
             if reason is not None:
                 self.config_errors[node] = reason
             self.suspects.add(node)
@@ -457,8 +455,8 @@ class Courier:
         if self.view is not None:
             live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
             self.view.settle(live)
-        if addressed and addressed <= set(self.config_errors) & set(res.errors):
-            raise _misconfigured(
+        if stop_on_config and addressed and addressed <= set(self.config_errors) & set(res.errors):
+            raise misconfigured(
                 {n: self.config_errors[n] for n in addressed},
                 len(addressed),
                 "no node could answer",
@@ -476,7 +474,7 @@ class Courier:
         """
         bad = {n: self.config_errors[n] for n in known if n in self.config_errors}
         if bad and len(known) - len(bad) < need:
-            raise _misconfigured(bad, len(known), f"the inner strategy needs {need} nodes to train")
+            raise misconfigured(bad, len(known), f"the inner strategy needs {need} nodes to train")
 
     def _time_replies(
         self,
@@ -585,6 +583,7 @@ class Courier:
         timeout: float,
         log_: RoundLog,
         more: MoreMessages | None = None,
+        stop_on_config: bool = True,
     ) -> tuple[list[Message], float]:
         """Run one exchange; return the inner strategy's replies (Chaos records removed),
         those to the messages ``more`` added while it waited last (:meth:`exchange`).
@@ -621,7 +620,9 @@ class Courier:
             )
             log_.audited = sent_to
             log_.audit_bytes = len(sent_to) * updates_size(spec.audit.updates)
-        res = self.exchange(grid, msgs, taken, timeout=timeout, log_=log_, more=more)
+        res = self.exchange(
+            grid, msgs, taken, timeout=timeout, log_=log_, more=more, stop_on_config=stop_on_config
+        )
         # the inner strategy sees its replies in the order of its own messages, as Flower's
         # send_and_receive gives them when all replies are in
         inner_order = [m.metadata.dst_node_id for m in inner_msgs]

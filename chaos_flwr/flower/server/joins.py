@@ -283,7 +283,8 @@ class JoinRelay:
     ) -> list[int]:
         """While a round trains: ask ``newcomers`` (nodes that came during training) and send
         the certified state ``(rnd, digest)`` the round trains from to those the signed view
-        already lists as active. Returns the nodes that took it up (their receipts name it).
+        already lists as active. Returns the active ones that hold it now (that took it up,
+        or already held it: a founder's SuperNode restarted with its state directory).
 
         Nothing here waits on a member: they are training (a SuperNode runs one ClientApp
         at a time), so only a newcomer whose own records admit it (a founder, or a charter
@@ -303,13 +304,15 @@ class JoinRelay:
         ]
         holders = courier.holding(grid.get_node_ids(), rnd, digest)
         donors = [d for d in holders if courier.holders[d][0] in active][: self.settings.max_donors]
+        held = [n for n, _ in joiners if n in holders]
         joiners = [(n, p) for n, p in joiners if n not in holders]
         if not joiners or not donors:
-            return []
+            return held
         state = state_of()
         self._total = state.serialized_size()
         spec = PhaseSpec("join", rnd, digest)
-        taken, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog)
+        then = "it takes the round's state in the round's join"
+        taken, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog, then)
         rlog.joins.extend(taken)
         for jl in taken:
             log(
@@ -317,7 +320,7 @@ class JoinRelay:
                 "from the ServerApp in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
                 jl.pull_s,
             )  # fmt: skip
-        return courier.holding([jl.node for jl in taken], rnd, digest)
+        return held + courier.holding([jl.node for jl in taken], rnd, digest)
 
     def _ask(
         self, grid: Grid, newcomers: list[int], rnd: int, digest: bytes, rlog: RoundLog,
@@ -333,7 +336,7 @@ class JoinRelay:
         timed = _Arrivals(grid, newcomers, self.clock)
         spec = PhaseSpec("relay", rnd, digest)
         wait = min(timeout, FLOWER_NEWCOMER_WAIT_S)
-        courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog)
+        courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog, stop_on_config=False)
         for n in newcomers:
             if n in party_of:
                 continue
@@ -422,6 +425,7 @@ class JoinRelay:
         state: TrainingState,
         timeout: float,
         rlog: RoundLog,
+        then: str = "it pulls it from the holders",
     ) -> tuple[list[JoinLog], dict[int, str]]:
         """One exchange: every joiner gets the certified state in its join message and takes
         it up (its receipt comes back with the reply) or refuses it. Returns the logs of
@@ -434,7 +438,9 @@ class JoinRelay:
         for node, _ in joiners:
             msg, taken[node] = self.courier.message(node, spec, RecordDict({PULL_DATA_KEY: ctl}))
             msgs.append(msg)
-        res = self.courier.exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+        res = self.courier.exchange(
+            grid, msgs, taken, timeout=timeout, log_=rlog, stop_on_config=False
+        )
         done: list[JoinLog] = []
         refused: dict[int, str] = {}
         for node, party in joiners:
@@ -451,8 +457,8 @@ class JoinRelay:
                 done.append(jl)
                 continue
             log(
-                WARNING, "Chaos: %s refused the state the ServerApp sent for round %d (%s); "
-                "it pulls it from the holders", party, spec.server_round, refused[node],
+                WARNING, "Chaos: %s refused the state the ServerApp sent for round %d (%s); %s",
+                party, spec.server_round, refused[node], then,
             )  # fmt: skip
         return done, refused
 

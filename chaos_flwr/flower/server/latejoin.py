@@ -18,8 +18,10 @@ Costs, and limits: nothing is sent in a round where no node comes (a look is a
 its deadline (a node with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by
 the run's timeout), so a joiner that comes near the end of training lengthens that round by
 about its own training. A strategy that sends each node a different instruction gives the
-late joiner the first node's. Off with ``JoinSettings(during_round=False)`` or with
-``source="peers"`` (the state then only comes from the holders, who are training).
+late joiner the first node's. Off with ``JoinSettings(during_round=False)``, with
+``source="peers"`` (the state then only comes from the holders, who are training), and for
+Flower's differential-privacy wrappers (their noise and accounting are for the number of
+nodes sampled, and they refuse a different number of replies).
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ from logging import INFO
 
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    Strategy,
+)
 from flwr.supercore import log
 
 from chaos_flwr.flower.held import elide_held
@@ -37,13 +46,32 @@ from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 from chaos_flwr.flower.server.courier import Courier, PhaseSpec, message_kind
 from chaos_flwr.flower.server.joins import JoinRelay
 from chaos_flwr.flower.server.logs import RoundLog
+from chaos_flwr.flower.server.settings import JOIN_SOURCE_PEERS, JoinSettings
 from chaos_flwr.state import TrainingState
 
-__all__ = ["FLOWER_LATE_JOIN_LOOK_S", "LateJoiners"]
+__all__ = ["COUNTED_STRATEGIES", "FLOWER_LATE_JOIN_LOOK_S", "LateJoiners", "late_joins_allowed"]
 
 #: Seconds between two looks for nodes that came while a round trains (each look is one
 #: ``Grid.get_node_ids`` call; asking a node that came is the work, done once per node).
 FLOWER_LATE_JOIN_LOOK_S: float = 1.0
+#: Inner strategies whose aggregation is for exactly the nodes sampled (Flower's
+#: differential-privacy wrappers: noise and accounting for that count; they refuse more
+#: replies): no late joiner trains in their rounds.
+COUNTED_STRATEGIES = (
+    DifferentialPrivacyClientSideAdaptiveClipping,
+    DifferentialPrivacyClientSideFixedClipping,
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+)
+
+
+def late_joins_allowed(inner: Strategy, settings: JoinSettings) -> bool:
+    """Whether a node that comes during training may train in the round: ``during_round`` is
+    on, the state may come from the ServerApp (not ``source="peers"``), and the inner strategy
+    is not one of :data:`COUNTED_STRATEGIES`."""
+    if not settings.during_round or settings.source == JOIN_SOURCE_PEERS:
+        return False
+    return not isinstance(inner, COUNTED_STRATEGIES)
 
 
 class LateJoiners:
@@ -55,8 +83,9 @@ class LateJoiners:
     joins, courier, grid:
         The join relay (asks and sends the state), the courier (wraps the messages) and the
         ServerApp's Grid.
-    known:
-        The nodes the train exchange addresses or asks (they are not looked at here).
+    known, trainers:
+        The nodes the train exchange addresses or asks (they are not looked at here), and
+        those the inner strategy sent a train message.
     base:
         ``(round, digest, arrays)`` of the certified state the round trains from.
     state_of:
@@ -84,6 +113,7 @@ class LateJoiners:
         courier: Courier,
         grid: Grid,
         known: list[int],
+        trainers: list[int],
         *,
         base: tuple[int, bytes, ArrayRecord],
         state_of: Callable[[], TrainingState],
@@ -99,6 +129,9 @@ class LateJoiners:
         self._spec, self._rlog, self._timeout, self._elide = spec, rlog, timeout, elide
         self._clock = clock
         self._known = set(known)  # addressed or asked already: never asked here
+        # parties the round's train messages went to (a restarted SuperNode's new node is not
+        # sent a second instruction for its party)
+        self._trainers = {courier.relay.party_of.get(n) for n in trainers}
         self._looked = clock()  # the exchange has just been set up: look in a while
         self.nodes: list[int] = []
 
@@ -122,6 +155,10 @@ class LateJoiners:
         )
         msgs: list[Message] = []
         for node in ready:
+            party = courier.relay.party_of.get(node)
+            if party in self._trainers:
+                continue
+            self._trainers.add(party)
             inner = _retarget(self._template, node)
             if self._elide:
                 inner = elide_held(inner, arrays, rnd, digest)
@@ -130,7 +167,7 @@ class LateJoiners:
             self.nodes.append(node)
             log(
                 INFO, "Chaos: node %d (%s) trains in round %d, which it came during",
-                node, courier.relay.party_of.get(node, "?"), self._rlog.server_round,
+                node, party, self._rlog.server_round,
             )  # fmt: skip
         if not msgs:
             return [], 0.0

@@ -64,7 +64,7 @@ from chaos_flwr.flower.server.courier import (
 )
 from chaos_flwr.flower.server.grids import EligibleGrid
 from chaos_flwr.flower.server.joins import JoinRelay
-from chaos_flwr.flower.server.latejoin import LateJoiners
+from chaos_flwr.flower.server.latejoin import LateJoiners, late_joins_allowed
 from chaos_flwr.flower.server.logs import RoundLog, RoundLogs
 from chaos_flwr.flower.server.proofs import Chosen, RoundProofs
 from chaos_flwr.flower.server.pull import PullReport
@@ -72,7 +72,6 @@ from chaos_flwr.flower.server.resume import Resumed, Resumer
 from chaos_flwr.flower.server.sampling import LostCertify, eligible_nodes, genesis_takers
 from chaos_flwr.flower.server.settings import (
     FLAT_KEYS,
-    JOIN_SOURCE_PEERS,
     RESUME_FRESH,
     RESUME_REQUIRE,
     JoinSettings,
@@ -649,10 +648,9 @@ def _late_joiners(
     """The train exchange's hook that lets a node that comes during training train in the
     round (:mod:`.latejoin`), when :attr:`JoinSettings.during_round` allows it and the
     ServerApp holds a certified state the parties hold (not before round 1 of a fresh start)."""
-    joins = strategy.joins
-    if not joins.during_round or joins.source == JOIN_SOURCE_PEERS or not train_msgs:
+    if not train_msgs or strategy.view is None or held.genesis is not None:
         return None
-    if strategy.view is None or held.genesis is not None:
+    if not late_joins_allowed(strategy.inner, strategy.joins):
         return None
 
     def state() -> TrainingState:  # hashes to held.digest, as the parties hold it
@@ -661,6 +659,7 @@ def _late_joiners(
     spec = PhaseSpec("relay", held.server_round, held.digest)
     return LateJoiners(
         strategy.join_relay, strategy.courier, run.grid, known,
+        [m.metadata.dst_node_id for m in train_msgs],
         base=(held.server_round, held.digest, held.arrays), state_of=state,
         template=train_msgs[0], spec=spec, rlog=rlog, timeout=run.timeout,
         elide=strategy.elide_held, clock=strategy.courier.clock,
