@@ -59,13 +59,24 @@ from chaos_flwr.planner import lower_bound
 from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
 from chaos_flwr.state import TrainingState
 
-__all__ = ["FLOWER_NEWCOMER_RETRY_S", "FLOWER_NEWCOMER_WAIT_S", "JoinRelay"]
+__all__ = [
+    "FLOWER_LATE_JOIN_ASK_S",
+    "FLOWER_NEWCOMER_RETRY_S",
+    "FLOWER_NEWCOMER_WAIT_S",
+    "JoinRelay",
+]
 
 #: Longest wait (seconds) for the replies of the newcomers asked before a round's training
 #: (:meth:`JoinRelay.newcomers_first`): a newcomer that answers later is admitted with the
 #: round's certify and trains in the next round, so a node that never answers delays a round
 #: by this much at most (and only while it is connected and unknown).
 FLOWER_NEWCOMER_WAIT_S: float = 15.0
+#: Longest wait (seconds) for the replies of the nodes asked while a round trains
+#: (:meth:`JoinRelay.during_round`). A fresh SuperNode's first message starts its SuperExec and
+#: a ClientApp process: 23 s on the testbed's 2 loaded cores while four institutions trained.
+#: The wait holds up only the train exchange's next pull, so it delays the round only when
+#: the trainers finish within it, by at most this much, once per node that never answers.
+FLOWER_LATE_JOIN_ASK_S: float = 60.0
 #: An unknown node whose error reply to that query came within this many seconds is asked
 #: again before the next round (asking it is cheap); a slower one is not waited for again.
 FLOWER_NEWCOMER_RETRY_S: float = 1.0
@@ -265,7 +276,7 @@ class JoinRelay:
         if not newcomers:
             return 0.0
         t0 = self.clock()
-        self._ask(grid, newcomers, rnd, digest, rlog, timeout)
+        self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_NEWCOMER_WAIT_S))
         if any(n in party_of for n in newcomers):
             state = state_of()
             self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)
@@ -295,7 +306,7 @@ class JoinRelay:
         courier = self.courier
         if courier.view is None:
             return []
-        self._ask(grid, newcomers, rnd, digest, rlog, timeout)
+        self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_LATE_JOIN_ASK_S))
         active, party_of = courier.view.active(), courier.relay.party_of
         joiners = [
             (n, p)
@@ -324,18 +335,17 @@ class JoinRelay:
 
     def _ask(
         self, grid: Grid, newcomers: list[int], rnd: int, digest: bytes, rlog: RoundLog,
-        timeout: float,
+        wait: float,
     ) -> None:  # fmt: skip
         """One exchange with ``newcomers`` only (their replies carry their parties' records
-        and join requests), waited for at most :data:`FLOWER_NEWCOMER_WAIT_S`; marks the
-        slow ones :attr:`silent` (:meth:`newcomers_first`)."""
+        and join requests), waited for at most ``wait`` seconds; marks the slow ones
+        :attr:`silent` (:meth:`newcomers_first`)."""
         courier, party_of = self.courier, self.courier.relay.party_of
         t0 = self.clock()
         # the exchange waits for these only (a suspect is waited for when all are suspects)
         waited = {n for n in newcomers if n not in courier.suspects} or set(newcomers)
         timed = _Arrivals(grid, newcomers, self.clock)
         spec = PhaseSpec("relay", rnd, digest)
-        wait = min(timeout, FLOWER_NEWCOMER_WAIT_S)
         courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog, stop_on_config=False)
         for n in newcomers:
             if n in party_of:

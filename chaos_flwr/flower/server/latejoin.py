@@ -13,15 +13,16 @@ train instruction (the content of the inner strategy's first train message of th
 the model left out: it holds it) and the exchange waits for its reply too, so the inner
 strategy aggregates its update with the others'.
 
-Costs, and limits: nothing is sent in a round where no node comes (a look is a
-``get_node_ids`` call); a round with a late joiner lasts until its update is in, bounded by
-its deadline (a node with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by
-the run's timeout), so a joiner that comes near the end of training lengthens that round by
-about its own training. A strategy that sends each node a different instruction gives the
-late joiner the first node's. Off with ``JoinSettings(during_round=False)``, with
-``source="peers"`` (the state then only comes from the holders, who are training), and for
-Flower's differential-privacy wrappers (their noise and accounting are for the number of
-nodes sampled, and they refuse a different number of replies).
+Costs, and limits: nothing is sent in a round where no node comes (a look is a ``get_node_ids``
+call); a round with a late joiner lasts until its update is in, bounded by its deadline (a node
+with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by the run's timeout), so a
+joiner that comes near the end of training lengthens that round by about its own training;
+asking a node that never answers holds the exchange's next pull up for
+:data:`~.joins.FLOWER_LATE_JOIN_ASK_S` once. A strategy that sends each node a different
+instruction gives the late joiner the first node's. Off with
+``JoinSettings(during_round=False)``, with ``source="peers"`` (the state then only comes from
+the holders, who are training), and for Flower's differential-privacy wrappers (their noise and
+accounting are for the number of nodes sampled, and they refuse a different number of replies).
 """
 
 from __future__ import annotations
