@@ -125,16 +125,34 @@ async def _timed_pull(
             await c.close()
 
 
+ATTEMPTS = 3  # a shared 2-core machine can stall one attempt; the link itself never speeds up
+
+
+def _best_of(
+    profile: dict[str, object], senders: list[str], nbytes: int, low: float, high: float
+) -> list[float]:
+    """Pull up to ``ATTEMPTS`` times; every attempt must take at least ``low`` seconds (the
+    shaper never lets bytes through faster than the link) and one must end by ``high``."""
+    times: list[float] = []
+    for _ in range(ATTEMPTS):
+        seconds, sizes = asyncio.run(_timed_pull(profile, senders, nbytes))
+        assert sizes == [nbytes] * len(senders)
+        assert seconds >= low, f"{seconds:.3f} s is faster than the link allows ({low:.3f} s)"
+        times.append(seconds)
+        if seconds <= high:
+            break
+    return times
+
+
 @pytest.mark.parametrize("mb_s", [5.0, 20.0])
 def test_uplink_rate_is_within_10_percent(mb_s: float) -> None:
     nbytes = int(mb_s * 1e6 * 0.6)  # 0.6 s of data: 3 MB at 5 MB/s, 12 MB at 20 MB/s
     profile = {"parties": {"j": {}, "d": {"up_mb_s": mb_s}}}
-    seconds, sizes = asyncio.run(_timed_pull(profile, ["d"], nbytes))
-    assert sizes == [nbytes]
     # the bucket starts full (one burst of credit): the ideal time is (n - burst) / rate
     ideal = (nbytes - 64 * 1024) / (mb_s * 1e6)
-    achieved = nbytes / seconds / 1e6
-    assert 0.9 * ideal <= seconds <= 1.1 * ideal, f"achieved {achieved:.2f} MB/s for {mb_s}"
+    times = _best_of(profile, ["d"], nbytes, 0.9 * ideal, 1.1 * ideal)
+    achieved = [round(nbytes / t / 1e6, 2) for t in times]
+    assert min(times) <= 1.1 * ideal, f"achieved {achieved} MB/s for {mb_s}"
 
 
 def test_downlink_is_shared_by_concurrent_senders() -> None:
@@ -142,10 +160,9 @@ def test_downlink_is_shared_by_concurrent_senders() -> None:
     profile = {
         "parties": {"j": {"down_mb_s": 10}, "d1": {"up_mb_s": 50}, "d2": {"up_mb_s": 50}},
     }
-    seconds, sizes = asyncio.run(_timed_pull(profile, ["d1", "d2"], nbytes))
-    assert sizes == [nbytes, nbytes]
     ideal = 2 * nbytes / 10e6  # the joiner's 10 MB/s downlink is the bottleneck
-    assert 0.9 * ideal <= seconds <= 1.15 * ideal
+    times = _best_of(profile, ["d1", "d2"], nbytes, 0.9 * ideal, 1.15 * ideal)
+    assert min(times) <= 1.15 * ideal, f"took {times} s against {ideal:.3f} s"
 
 
 def test_latency_is_paid_once_per_direction() -> None:
