@@ -141,6 +141,9 @@ def test_a_joiner_admitted_by_its_own_records_trains_in_the_round_it_came_during
     assert joiner in rlog.trained and joiner not in _round(strategy, 1).trained
     (jl,) = [j for j in rlog.joins if j.node == joiner]
     assert jl.ok and jl.source == "server" and jl.server_round == JOIN_IN - 1
+    # asking it during training is timed in the round it came during, and only there
+    assert rlog.ask_s > 0.0
+    assert all(r.ask_s == 0.0 for r in strategy.rounds if r is not rlog)
     assert sorted(world.trained_by[JOIN_IN]) == [*founders, FOUNDERS]
     # its update is in round 2's aggregate: the run's arrays are FedAvg's with it in round 2
     expected = _expected({1: founders, 2: [*founders, FOUNDERS], 3: [*founders, FOUNDERS]})

@@ -306,7 +306,9 @@ class JoinRelay:
         courier = self.courier
         if courier.view is None:
             return []
+        t0 = self.clock()
         self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_LATE_JOIN_ASK_S))
+        rlog.ask_s += self.clock() - t0
         active, party_of = courier.view.active(), courier.relay.party_of
         joiners = [
             (n, p)

@@ -167,7 +167,8 @@ class RoundLog:
         Wall time of the train exchange, the certify exchange and the joiners' pulls.
     ask_s:
         Wall time of asking the suspects once more before training, when too few nodes were
-        eligible, and of sending the base's certify again to nodes it missed (0: neither).
+        eligible, of sending the base's certify again to nodes it missed, and of asking the
+        nodes that came during training (0: none of these).
     skipped:
         Why training was skipped, if it was.
     members:
