@@ -1159,8 +1159,7 @@ def bench_flower_wan(
 
     from chaos_flwr.errors import ChaosError
     from chaos_flwr.lab.testbed import load_testbed_profile
-    from chaos_flwr.lab.wan_bench import WanBenchSpec, measure_flower_wan, wan_table
-    from chaos_flwr.lab.wan_plot import WAN_TIMELINE_PNG, plot_timeline, timeline_rows
+    from chaos_flwr.lab.wan_bench import WanBenchSpec, measure_flower_wan
 
     try:
         wan = load_testbed_profile(profile)
@@ -1178,6 +1177,15 @@ def bench_flower_wan(
             fig = measure_flower_wan(wan, spec, Path(work_dir) if work_dir else Path(tmp), say=say)
         except ChaosError as exc:
             _fail(exc)
+    _emit_wan_figures(fig, json_file=json_file, plot=plot, as_json=as_json)
+
+
+def _emit_wan_figures(fig: dict[str, Any], *, json_file: str, plot: str, as_json: bool) -> None:
+    """Plot the testbed timeline, then write and print the figures of ``bench flower-wan``."""
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.lab.wan_bench import wan_table
+    from chaos_flwr.lab.wan_plot import WAN_TIMELINE_PNG, plot_timeline, timeline_rows
+
     default_plot = (Path(json_file).parent if json_file else Path.cwd()) / WAN_TIMELINE_PNG
     try:
         fig["plot"] = str(plot_timeline(timeline_rows(fig), Path(plot) if plot else default_plot))

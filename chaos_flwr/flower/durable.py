@@ -420,3 +420,13 @@ def load_or_discard(
         with contextlib.suppress(OSError):
             os.replace(state_dir / STATE_FILE, state_dir / f"{STATE_FILE}.bad")
         return None
+
+
+def state_file_stamp(state_dir: Path) -> tuple[int, int]:
+    """(inode, mtime in ns) of ``<state_dir>/party.state`` now; ``(-1, -1)`` when there is
+    none. A save by another process changes it (:func:`save` renames a new file over)."""
+    try:
+        st = (state_dir / STATE_FILE).stat()
+    except OSError:
+        return (-1, -1)
+    return (st.st_ino, st.st_mtime_ns)

@@ -21,8 +21,9 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from chaos_flwr import codec
 from chaos_flwr.defaults import FLOWER_JOIN_RETRY_S
 from chaos_flwr.errors import ChaosError, ConfigError, StoreError
-from chaos_flwr.flower import gossipfile, grant
+from chaos_flwr.flower import durable, gossipfile, grant
 from chaos_flwr.flower.client import donor, endpoint, joiner, proofs, witness
+from chaos_flwr.flower.client.autolink import links_to_ask
 from chaos_flwr.flower.client.joiner import JoinerPull
 from chaos_flwr.flower.client.settings import LEFT_MARKER
 from chaos_flwr.flower.client.verified import VerifiedRounds
@@ -33,7 +34,6 @@ from chaos_flwr.state import TrainingState, from_array_record, to_array_record
 from chaos_flwr.store import ReplicaStore
 
 if TYPE_CHECKING:
-    from chaos_flwr.flower.durable import SavedParty
     from chaos_flwr.receipts import Equivocation, ReceiptLedger
     from chaos_flwr.rounds import RoundGuard
     from chaos_flwr.transport.tls import LinkCredentials
@@ -118,15 +118,13 @@ class Party(VerifiedRounds):
     gossip_seen: tuple[int, int, int] | None = field(default=None, repr=False)
 
     # -- durable state (chaos_flwr.flower.durable) -----------------------------------------------
-    def saved(self) -> SavedParty:
+    def saved(self) -> durable.SavedParty:
         """What this party must keep until its next message (see :mod:`.durable`)."""
-        from chaos_flwr.flower.durable import SavedParty, ledger_receipts
-
         peer = self.peer
         replay_of = getattr(peer, "replay_state", None)
         replay = replay_of() if replay_of is not None else {}
         records = getattr(peer, "records", None)
-        return SavedParty(
+        return durable.SavedParty(
             party_id=self.party_id,
             lifetime=self.lifetime,
             incarnation=int(getattr(peer, "incarnation", 0)),
@@ -138,14 +136,14 @@ class Party(VerifiedRounds):
             links_asked=sorted(self._links_asked),
             joining=None if self.joining is None else self.joining.to_value(),
             joins_done=[dict(c.items()) for c in self.joins_done],
-            receipts=ledger_receipts(self._ledger),
+            receipts=durable.ledger_receipts(self._ledger),
             evidence=[ev.encode() for ev in self.evidence],
             evidence_sent=self._evidence_sent,
             charter=bytes(getattr(peer, "federation_tag", b"")),
             rounds=self._rounds_saved(),
         )
 
-    def take_up(self, saved: SavedParty, *, same_life: bool) -> None:
+    def take_up(self, saved: durable.SavedParty, *, same_life: bool) -> None:
         """Take up a saved state: the ledger and evidence always; when ``same_life`` also the
         pending envelopes and the join progress (a real restart starts those afresh).
 
@@ -181,23 +179,12 @@ class Party(VerifiedRounds):
             self.joining = None
             self.errors.append(f"{exc}; the pull starts again")
 
-    def _file_stamp(self) -> tuple[int, int]:
-        """(inode, mtime) of the party's state file now; ``(-1, -1)`` when there is none."""
-        from chaos_flwr.flower.durable import STATE_FILE
-
-        assert self.state_dir is not None
-        try:
-            st = (self.state_dir / STATE_FILE).stat()
-        except OSError:
-            return (-1, -1)
-        return (st.st_ino, st.st_mtime_ns)
-
     def note_state_file(self) -> None:
         """Take the state file as it is now (or its absence) as the one this party was built
         from: a save by another process after this makes it not :meth:`is_current`. Called by
         the factory when it has built the party, within the party's turn."""
         if self.state_dir is not None and self.peer is not None:
-            self._saved_as = self._file_stamp()
+            self._saved_as = durable.state_file_stamp(self.state_dir)
 
     def is_current(self) -> bool:
         """Whether the state file is still the one this party object was built from or last
@@ -205,7 +192,7 @@ class Party(VerifiedRounds):
         ClientApp beside the party daemon, has not saved since)."""
         if self._saved_as is None or self.state_dir is None:
             return True
-        return self._file_stamp() == self._saved_as
+        return durable.state_file_stamp(self.state_dir) == self._saved_as
 
     def persist(self) -> None:
         """Save the party's state to its state directory (before a reply leaves the process).
@@ -216,12 +203,9 @@ class Party(VerifiedRounds):
         """
         if self.state_dir is None or self.peer is None:
             return
-        from chaos_flwr.flower import durable
-
         try:
-            path = durable.save(self.state_dir, self.saved(), seal=self.signer)
-            st = path.stat()
-            self._saved_as = (st.st_ino, st.st_mtime_ns)
+            durable.save(self.state_dir, self.saved(), seal=self.signer)
+            self._saved_as = durable.state_file_stamp(self.state_dir)
         except (StoreError, OSError) as exc:
             self.errors.append(f"StoreError: {exc}")
             durable.LOG.warning("chaos-flwr: %s", exc)
@@ -229,7 +213,7 @@ class Party(VerifiedRounds):
                 (self.state_dir / durable.STATE_FILE).unlink()
             # this object goes on with the numbers it sent; a save by another process since
             # (a fresh incarnation, as no file is left) makes it take that one up
-            self._saved_as = self._file_stamp()
+            self._saved_as = durable.state_file_stamp(self.state_dir)
 
     # -- membership actions (churn scenarios, operators) ----------------------------------------
     def _need_peer(self, action: str) -> PeerProtocol:
@@ -381,40 +365,12 @@ class Party(VerifiedRounds):
         return witness.check_receipts(self, record)
 
     def _auto_links(self, now: float) -> list[OutgoingLike]:
-        """A member links up with every active member it has no live link with (the lower id
-        asks; a link someone took down stays down). Links are what :meth:`disconnect` drops
-        and what the monitor's failure votes follow."""
+        """A member links up with every active member it has no live link with
+        (:func:`~chaos_flwr.flower.client.autolink.links_to_ask`)."""
         peer = self.peer
         if not self.auto_link or peer is None or self.left or not getattr(peer, "is_member", 0):
             return []
-        records = getattr(peer, "records", None)
-        connect = getattr(peer, "connect", None)
-        if records is None or connect is None:
-            return []
-        mine = getattr(peer, "incarnation", 0)
-        # asked under incarnations that are gone can never match again: drop them (bounded)
-        self._links_asked = {
-            k
-            for k in self._links_asked
-            if k[2] == mine and getattr(records.member(k[0]), "incarnation", 0) == k[1]
-        }
-        out: list[OutgoingLike] = []
-        for other in records.view().active():
-            if other <= self.party_id:
-                continue
-            link = records.link(self.party_id, other)
-            if link is not None and (link.live or link.state != "up"):
-                continue
-            m = records.member(other)
-            key = (other, getattr(m, "incarnation", 0), getattr(peer, "incarnation", 0))
-            if key in self._links_asked:
-                continue
-            self._links_asked.add(key)
-            try:
-                out.extend(connect(other, now))
-            except ChaosError as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-        return out
+        return links_to_ask(peer, self.party_id, self._links_asked, self.errors, now)
 
     def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
         """A non-member asks for a sponsored join when it hears from the relay.

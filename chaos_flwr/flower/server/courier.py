@@ -429,6 +429,24 @@ class Courier:
                     at, wait = add.sent[node_of_msg[mid]]
                     self._sent[mid] = (at, kinds.get(node_of_msg[mid], ""), wait)
         self._take_late(res, addressed, log_)
+        self._settle(res, node_of_msg, taken, log_)
+        if stop_on_config and addressed and addressed <= set(self.config_errors) & set(res.errors):
+            raise misconfigured(
+                {n: self.config_errors[n] for n in addressed},
+                len(addressed),
+                "no node could answer",
+            )
+        return res
+
+    def _settle(
+        self,
+        res: ExchangeResult,
+        node_of_msg: dict[str, int],
+        taken: dict[int, list[bytes]],
+        log_: RoundLog,
+    ) -> None:
+        """Absorb an exchange's replies; mark nodes that failed or stayed silent as suspects
+        and give back the envelopes they were handed; settle the view on who is live."""
         absorbed: set[int] = set()
         for mid in res.message_ids:
             answer = res.by_message.get(mid)
@@ -455,13 +473,6 @@ class Courier:
         if self.view is not None:
             live = {p for n, p in self.relay.party_of.items() if n not in self.suspects}
             self.view.settle(live)
-        if stop_on_config and addressed and addressed <= set(self.config_errors) & set(res.errors):
-            raise misconfigured(
-                {n: self.config_errors[n] for n in addressed},
-                len(addressed),
-                "no node could answer",
-            )
-        return res
 
     def check_enough(self, known: list[int], need: int) -> None:
         """Stop the run when misconfigured nodes leave fewer than ``need`` nodes that could

@@ -339,20 +339,7 @@ class ChaosStrategy(Strategy):
                 run.result.evaluate_metrics_serverapp[0] = res0
         held = self._begin(run, initial_arrays)
         verified = self.courier.proofs is not None
-        # verified rounds: a round is its base + 1 (parties that signed the numbers between
-        # refuse them and catch up above); unverified: above every round any party signed
-        first = (
-            _next_round(self.courier, held)
-            if verified
-            else max(held.server_round, self.round_floor) + 1
-        )
-        if first > num_rounds:
-            log(
-                WARNING,
-                "Chaos: no rounds left: the run starts above round %d and num_rounds=%d is the "
-                "last round number (absolute, not a count); give num_rounds=%d or more to train",
-                first - 1, num_rounds, first,
-            )  # fmt: skip
+        first = _first_round(self.courier, held, self.round_floor, num_rounds)
         for attempt in range(first, num_rounds + 1):
             # verified rounds: a round is its base + 1, so a round that was not certified
             # (nobody trained, too few signed updates, its base's audit missing) is tried again
@@ -624,6 +611,24 @@ def _next_round(courier: Courier, held: _Held) -> int:
     proofs = courier.proofs
     top = proofs.top_refuted() if proofs is not None else -1
     return max(held.server_round, top) + 1
+
+
+def _first_round(courier: Courier, held: _Held, round_floor: int, num_rounds: int) -> int:
+    """The run's first round number: with verified rounds a round is its base + 1 (parties
+    that signed the numbers between refuse them and catch up above); unverified, above every
+    round any party signed. Warns when that is above ``num_rounds`` (nothing to train)."""
+    if courier.proofs is not None:
+        first = _next_round(courier, held)
+    else:
+        first = max(held.server_round, round_floor) + 1
+    if first > num_rounds:
+        log(
+            WARNING,
+            "Chaos: no rounds left: the run starts above round %d and num_rounds=%d is the "
+            "last round number (absolute, not a count); give num_rounds=%d or more to train",
+            first - 1, num_rounds, first,
+        )  # fmt: skip
+    return first
 
 
 def _newcomers_first(
