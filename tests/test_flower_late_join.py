@@ -104,9 +104,14 @@ class World:
         enable(app, party_factory=default_party_factory)
         return app
 
-    def run(self, during_round: bool = True) -> ChaosStrategy:
+    def run(self, during_round: bool = True, fraction_train: float = 1.0) -> ChaosStrategy:
         strategy = ChaosStrategy(
-            FedAvg(min_available_nodes=2, min_train_nodes=2, min_evaluate_nodes=2),
+            FedAvg(
+                fraction_train=fraction_train,
+                min_available_nodes=2,
+                min_train_nodes=2,
+                min_evaluate_nodes=2,
+            ),
             charter=self.charter,
             phases=PhaseSettings(phase_timeout_s=2.0),
             joins=JoinSettings(during_round=during_round),
@@ -178,6 +183,21 @@ def test_otherwise_the_joiner_trains_in_the_next_round_as_before(
     assert party.held_round == ROUNDS
     for name, arr in expected.items():
         np.testing.assert_allclose(party.held_arrays[name].numpy(), arr, rtol=1e-5, atol=1e-6)
+
+
+def test_a_strategy_that_samples_a_subset_keeps_its_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    world = World(tmp_path, sponsors_required=0)
+    strategy = world.run(fraction_train=0.5)  # FedAvg samples 2 of the 3 founders
+    joiner = world.nodes[FOUNDERS].node_id
+    rlog = _round(strategy, JOIN_IN)
+    assert len(rlog.trained) == 2 and joiner not in rlog.trained
+    assert len(world.trained_by[JOIN_IN]) == 2
+    # admitted all the same: it takes the round's state in its join, to be sampled from
+    (jl,) = [j for j in rlog.joins if j.node == joiner]
+    assert jl.ok and jl.server_round == JOIN_IN
 
 
 def test_a_misconfigured_node_that_comes_during_training_does_not_stop_the_run(

@@ -60,6 +60,11 @@ class PeerProtocol(Protocol):
     def tick(self, now: float) -> Sequence[OutgoingLike]: ...
 
 
+#: Node ids a party was bound to before its current one that the relay still knows
+#: (:meth:`Relay.give_back` to a node a restart replaced reaches its party); oldest go first.
+FLOWER_RELAY_FORMER_NODES: int = 1024
+
+
 @dataclass
 class Relay:
     """Routes opaque envelopes between party ids over Flower node ids, fairly per sender.
@@ -95,12 +100,18 @@ class Relay:
     # receiver -> sender -> its envelopes; and receiver -> envelopes given back (served first)
     _queues: dict[str, dict[str, deque[bytes]]] = field(default_factory=dict)
     _returned: dict[str, deque[bytes]] = field(default_factory=dict)
+    # node id a party left for another -> that party (bounded: FLOWER_RELAY_FORMER_NODES)
+    _former: dict[int, str] = field(default_factory=dict)
 
     def bind(self, party: str, node_id: int) -> None:
         """Record that ``party`` is reachable on ``node_id`` (a later claim replaces it)."""
         old = self.node_of.get(party)
         if old is not None and old != node_id:
             self.party_of.pop(old, None)
+            self._former[old] = party
+            while len(self._former) > FLOWER_RELAY_FORMER_NODES:
+                del self._former[next(iter(self._former))]
+        self._former.pop(node_id, None)
         prev = self.party_of.get(node_id)
         if prev is not None and prev != party:
             self.node_of.pop(prev, None)
@@ -158,8 +169,10 @@ class Relay:
         return out
 
     def give_back(self, node_id: int, envelopes: Sequence[bytes]) -> None:
-        """Put undelivered envelopes back at the head of the party's queue (in order)."""
-        party = self.party_of.get(node_id)
+        """Put undelivered envelopes back at the head of the queue of the party they were
+        taken for (in order): the party on ``node_id``, or the one that was on it before a
+        restart moved that party to another node while they were out."""
+        party = self.party_of.get(node_id) or self._former.get(node_id)
         if party is None or not envelopes:
             return
         q = self._returned.setdefault(party, deque())

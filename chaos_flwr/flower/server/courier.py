@@ -27,6 +27,7 @@ strategy's minimum, a :class:`~chaos_flwr.errors.PartyConfigError` names them an
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -97,30 +98,31 @@ def keyring_verifier(keyring: Mapping[str, bytes]) -> ReceiptVerifier:
 
 
 class _Added:
-    """A ``more`` hook of one exchange (:meth:`Courier.exchange`): the messages it added,
-    each node's push time and wait, and when it first held the exchange's pulls up for longer
-    than a poll (its own exchanges): replies first pulled after that are not timed."""
+    """A ``more`` hook of one exchange (:meth:`Courier.exchange`): the messages it added and
+    each node's push time and wait. When it holds the exchange's pulls up for longer than a
+    poll (its own exchanges), the replies the next pull brings to messages pushed before are
+    not timed (:attr:`TimedGrid.held_until`): they may have come while it ran."""
 
     def __init__(
         self,
         more: MoreMessages,
         taken: dict[int, list[bytes]],
         kinds: dict[int, str],
+        timed: TimedGrid,
         clock: Callable[[], float],
         poll_s: float,
     ) -> None:
-        self._more, self._taken, self._kinds = more, taken, kinds
+        self._more, self._taken, self._kinds, self._timed = more, taken, kinds, timed
         self._clock, self._poll_s = clock, poll_s
         self.messages: list[Message] = []
         self.sent: dict[int, tuple[float, float]] = {}
-        self.busy_since = float("inf")
 
     def __call__(self, ending: bool) -> tuple[list[Message], float]:
         t0 = self._clock()
         extra, wait_s = self._more(self._taken, ending)
         now = self._clock()
         if now - t0 > self._poll_s:
-            self.busy_since = min(self.busy_since, t0)
+            self._timed.held_until = now
         self.messages.extend(extra)
         for m in extra:
             node = m.metadata.dst_node_id
@@ -402,7 +404,8 @@ class Courier:
         deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for))
         timed = TimedGrid(grid, self.clock)
         pushed_at = self.clock()
-        add = _Added(more, taken, kinds, self.clock, self.phases.poll_interval_s) if more else None
+        poll_s = self.phases.poll_interval_s
+        add = _Added(more, taken, kinds, timed, self.clock, poll_s) if more else None
         res = relay_exchange(
             timed,
             msgs,
@@ -415,19 +418,23 @@ class Courier:
             stall_s=self.times.stall_bound(timeout) if wait_for - self.suspects else None,
             more=add,
         )
-        # timed: the exchange's own messages whose replies no work of ``more`` held up
-        pushed = dict(zip(res.message_ids, dst, strict=False))
+        sent_at = dict.fromkeys(res.message_ids, pushed_at)
         if add is not None:
-            pushed = {m: n for m, n in pushed.items() if timed.seen.get(m, 0.0) < add.busy_since}
             dst += [m.metadata.dst_node_id for m in add.messages]
             addressed |= {m.metadata.dst_node_id for m in add.messages}
         node_of_msg = dict(zip(res.message_ids, dst, strict=True))
-        self._time_replies(res, timed.seen, pushed_at, pushed, kinds, deadline)
-        if add is not None:  # an added message that goes unanswered: its own push and wait
+        # timed: replies that no work of ``more`` held up, each from its own message's push
+        for mid in res.message_ids[len(msgs) :]:
+            sent_at[mid] = add.sent[node_of_msg[mid]][0] if add is not None else pushed_at
+        timed_ids = {
+            m: n for m, n in node_of_msg.items() if timed.held.get(m, -math.inf) <= sent_at[m]
+        }
+        self._time_replies(res, timed.seen, sent_at, timed_ids, kinds, deadline)
+        if add is not None:  # an added message that goes unanswered: its own wait
             for mid in res.message_ids[len(msgs) :]:
                 if mid in self._sent:
-                    at, wait = add.sent[node_of_msg[mid]]
-                    self._sent[mid] = (at, kinds.get(node_of_msg[mid], ""), wait)
+                    node = node_of_msg[mid]
+                    self._sent[mid] = (sent_at[mid], kinds.get(node, ""), add.sent[node][1])
         self._take_late(res, addressed, log_)
         self._settle(res, node_of_msg, taken, log_)
         if stop_on_config and addressed and addressed <= set(self.config_errors) & set(res.errors):
@@ -491,7 +498,7 @@ class Courier:
         self,
         res: ExchangeResult,
         seen: Mapping[str, float],
-        pushed_at: float,
+        sent_at: Mapping[str, float],
         node_of_msg: Mapping[str, int],
         kinds: Mapping[int, str],
         deadline: float,
@@ -500,7 +507,7 @@ class Courier:
         history; log the nodes dropped for lateness and, when it comes, their measured time."""
         for mid, node in node_of_msg.items():
             if mid in res.by_message and mid in seen:
-                self.times.observe(kinds[node], node, seen[mid] - pushed_at)
+                self.times.observe(kinds[node], node, seen[mid] - sent_at[mid])
         for node, reply in res.late.items():
             mid = reply.metadata.reply_to_message_id
             sent = self._sent.pop(mid, None)
@@ -518,7 +525,7 @@ class Courier:
         for mid in [m for m in self._sent if m not in self._late]:
             del self._sent[mid]  # superseded or forgotten: no longer pulled
         for mid, node in res.missing_ids.items():
-            self._sent[mid] = (pushed_at, kinds.get(node, ""), deadline)
+            self._sent[mid] = (sent_at[mid], kinds.get(node, ""), deadline)
             if node in self.suspects:
                 continue  # a suspect is not waited for: its silence is no news
             log(

@@ -56,16 +56,26 @@ class EligibleGrid(Grid):
 
 
 class TimedGrid(EligibleGrid):
-    """A Grid that notes when each reply was first pulled (reply-to message id -> clock)."""
+    """A Grid that notes when each reply was first pulled (reply-to message id -> clock).
+
+    Set :attr:`held_until` when the pulls were held up until then (other work ran between
+    two): a reply the next pull brings first may have come any time before, so it goes to
+    :attr:`held` with that time (a message pushed before it is not to be timed by it)."""
 
     def __init__(self, grid: Grid, clock: Callable[[], float]) -> None:
         super().__init__(grid, [])
         self._clock = clock
         self.seen: dict[str, float] = {}
+        self.held: dict[str, float] = {}
+        self.held_until: float | None = None
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         replies = list(self._grid.pull_messages(message_ids))
         now = self._clock()
         for reply in replies:
-            self.seen.setdefault(reply.metadata.reply_to_message_id, now)
+            mid = reply.metadata.reply_to_message_id
+            if mid not in self.seen and self.held_until is not None:
+                self.held[mid] = self.held_until
+            self.seen.setdefault(mid, now)
+        self.held_until = None
         return replies

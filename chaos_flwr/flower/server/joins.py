@@ -35,7 +35,7 @@ unchanged.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
@@ -291,11 +291,15 @@ class JoinRelay:
         rlog: RoundLog,
         timeout: float,
         state_of: Callable[[], TrainingState],
+        training: Collection[str | None] = (),
     ) -> list[int]:
         """While a round trains: ask ``newcomers`` (nodes that came during training) and send
         the certified state ``(rnd, digest)`` the round trains from to those the signed view
         already lists as active. Returns the active ones that hold it now (that took it up,
-        or already held it: a founder's SuperNode restarted with its state directory).
+        or already held it: a founder's SuperNode restarted with its state directory). A
+        newcomer whose party is in ``training`` (its train message went to the node it was on
+        before a restart) is sent nothing: it does not train again in this round, and the
+        round's join gives it the state the round certifies.
 
         Nothing here waits on a member: they are training (a SuperNode runs one ClientApp
         at a time), so only a newcomer whose own records admit it (a founder, or a charter
@@ -313,7 +317,10 @@ class JoinRelay:
         joiners = [
             (n, p)
             for n in newcomers
-            if (p := party_of.get(n)) is not None and p in active and n not in courier.suspects
+            if (p := party_of.get(n)) is not None
+            and p in active
+            and p not in training
+            and n not in courier.suspects
         ]
         holders = courier.holding(grid.get_node_ids(), rnd, digest)
         donors = [d for d in holders if courier.holders[d][0] in active][: self.settings.max_donors]

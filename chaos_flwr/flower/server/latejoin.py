@@ -18,8 +18,12 @@ call); a round with a late joiner lasts until its update is in, bounded by its d
 with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by the run's timeout), so a
 joiner that comes near the end of training lengthens that round by about its own training;
 asking a node that never answers holds the exchange's next pull up for
-:data:`~.joins.FLOWER_LATE_JOIN_ASK_S` once. A strategy that sends each node a different
-instruction gives the late joiner the first node's. Off with
+:data:`~.joins.FLOWER_LATE_JOIN_ASK_S` once. Nothing is added once the run's timeout has
+passed since the exchange began, and each added wait ends by then. A newcomer whose party
+already has the round's train message (its SuperNode restarted) is sent nothing. A strategy
+that sends each node a different instruction gives the late joiner the first node's; one that
+samples a subset of the eligible nodes (``fraction_train`` below 1) keeps its sample, and the
+newcomer is sampled from the next round. Off with
 ``JoinSettings(during_round=False)``, with ``source="peers"`` (the state then only comes from
 the holders, who are training), and for Flower's differential-privacy wrappers (their noise and
 accounting are for the number of nodes sampled, and they refuse a different number of replies).
@@ -134,6 +138,8 @@ class LateJoiners:
         # sent a second instruction for its party)
         self._trainers = {courier.relay.party_of.get(n) for n in trainers}
         self._looked = clock()  # the exchange has just been set up: look in a while
+        # the run's bound of an exchange holds for this one too: nothing is added after it
+        self._until = self._looked + timeout
         self.nodes: list[int] = []
 
     def __call__(self, taken: dict[int, list[bytes]], ending: bool) -> tuple[list[Message], float]:
@@ -141,7 +147,7 @@ class LateJoiners:
         when the exchange would end); return train messages for those that took the state,
         and the wait their replies need (``([], 0.0)`` when none did)."""
         now = self._clock()
-        if now - self._looked < FLOWER_LATE_JOIN_LOOK_S and not ending:
+        if (now - self._looked < FLOWER_LATE_JOIN_LOOK_S and not ending) or now >= self._until:
             return [], 0.0
         self._looked = now
         courier, joins = self._courier, self._joins
@@ -152,8 +158,14 @@ class LateJoiners:
         self._known.update(came)
         rnd, digest, arrays = self._base
         ready = joins.during_round(
-            self._grid, came, rnd, digest, self._rlog, self._timeout, self._state_of
-        )
+            self._grid, came, rnd, digest, self._rlog, self._timeout, self._state_of,
+            training=self._trainers,
+        )  # fmt: skip
+        left = self._until - self._clock()
+        if ready and left <= 0:  # they hold the state: they train in the next round
+            log(INFO, "Chaos: nodes %s came too late to train in round %d", ready,
+                self._rlog.server_round)  # fmt: skip
+            return [], 0.0
         msgs: list[Message] = []
         for node in ready:
             party = courier.relay.party_of.get(node)
@@ -173,7 +185,7 @@ class LateJoiners:
         if not msgs:
             return [], 0.0
         wait = max(courier.times.deadline(message_kind(m), m.metadata.dst_node_id) for m in msgs)
-        return msgs, min(wait, self._timeout)
+        return msgs, min(wait, left)
 
 
 def _retarget(message: Message, node: int) -> Message:

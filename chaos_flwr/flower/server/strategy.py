@@ -554,7 +554,7 @@ class ChaosStrategy(Strategy):
                     rnd, held.arrays, run.train_config, EligibleGrid(run.grid, eligible)
                 )
             )
-            late = _late_joiners(self, run, rlog, known, held, train_msgs)
+            late = _late_joiners(self, run, rlog, known, held, train_msgs, len(eligible))
             if self.elide_held and held.genesis is None and self.view is not None:
                 # each receiver holds exactly this state (its verified receipt names it)
                 train_msgs = [
@@ -648,12 +648,16 @@ def _newcomers_first(
 
 def _late_joiners(
     strategy: ChaosStrategy, run: _Run, rlog: RoundLog, known: list[int], held: _Held,
-    train_msgs: list[Message],
+    train_msgs: list[Message], eligible: int,
 ) -> LateJoiners | None:  # fmt: skip
     """The train exchange's hook that lets a node that comes during training train in the
-    round (:mod:`.latejoin`), when :attr:`JoinSettings.during_round` allows it and the
-    ServerApp holds a certified state the parties hold (not before round 1 of a fresh start)."""
+    round (:mod:`.latejoin`), when :attr:`JoinSettings.during_round` allows it, the ServerApp
+    holds a certified state the parties hold (not before round 1 of a fresh start) and the
+    inner strategy sent every eligible node a train message (one that samples a subset, e.g.
+    ``fraction_train`` below 1, keeps its sample: the newcomer is sampled from next round)."""
     if not train_msgs or strategy.view is None or held.genesis is not None:
+        return None
+    if len(train_msgs) < eligible:
         return None
     if not late_joins_allowed(strategy.inner, strategy.joins):
         return None
