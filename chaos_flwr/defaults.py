@@ -157,6 +157,19 @@ GOSSIP_FILE_MAX_BYTES: int = 8 * 1024 * 1024
 # --- authenticated direct links (flower/direct.py, transport/tls.py) -----------------------------
 #: Link requests a donor serves at once; more are refused with LinkBusyError (bounds memory).
 LINK_MAX_CONCURRENT_REQUESTS: int = 4
+#: Link requests one party may have in service at one donor at once (a pull and a gossip
+#: exchange); more: LinkBusyError. So no one party holds every slot.
+LINK_MAX_CONCURRENT_PER_PEER: int = 2
+#: Seconds a link server waits for the request message of a call whose dialler it has
+#: authenticated; then the call is cut (TransportError) and its slot freed.
+LINK_REQUEST_READ_S: float = 10.0
+#: Seconds a link server gives a connection to finish its TLS handshake.
+LINK_HANDSHAKE_S: float = 10.0
+#: Seconds a link connection with no call in progress stays open (the dialler reconnects).
+LINK_IDLE_CONNECTION_S: float = 300.0
+#: Channels a link dialler keeps open at most (least recently used closed first); a party's
+#: channel is also closed when it is dialled at a new endpoint.
+LINK_DIALER_MAX_CHANNELS: int = 64
 #: Largest link request message a donor reads (bytes); larger: RequestTooLargeError.
 LINK_MAX_REQUEST_BYTES: int = 64 * 1024
 #: Most reply bytes one link request may ask for; more: ReplyTooLargeError (no amplification).

@@ -495,9 +495,8 @@ class ReplicaStore:
         """
         path = self.path_of(round_)
         if not path.exists():
-            raise StoreError(
-                f"round: {round_} is not stored in {self.directory}; have {self.rounds()}"
-            )
+            # no path in the message: a link server sends it to the peer that asked
+            raise StoreError(f"round: {round_} is not stored by this party; have {self.rounds()}")
         return Replica(path, verify=verify)
 
     def get(self, round_: int) -> TrainingState:

@@ -47,6 +47,7 @@ from chaos_flwr.errors import (
 )
 from chaos_flwr.flower.direct import BytesSource, DirectServer, LinkLimits
 from chaos_flwr.flower.fetch import fetch_ranges
+from chaos_flwr.identity import Identity
 from chaos_flwr.membership import Record, RecordSet
 from chaos_flwr.transport import tls
 from chaos_flwr.transport.links import LinkDialer
@@ -337,6 +338,92 @@ def test_per_peer_window_quota_refuses_with_link_quota_error() -> None:
         server.stop()
 
 
+def _stalled_calls(address: str, serve_cert: bytes, creds: LinkCredentials, n: int) -> Any:
+    """Open ``n`` link calls as ``creds``' holder that never send their request; return the
+    channel, the calls and a task per call that reads its outcome."""
+    import grpc
+    import grpc.aio
+
+    channel = grpc.aio.secure_channel(
+        address,
+        grpc.ssl_channel_credentials(
+            root_certificates=tls.serve_cert_pem_of(serve_cert),
+            private_key=creds.key_pem,
+            certificate_chain=creds.dial_cert_pem,
+        ),
+        options=[("grpc.ssl_target_name_override", tls.LINK_SERVER_NAME)],
+    )
+    never = asyncio.Event()
+
+    async def nothing() -> Any:  # the request never comes
+        await never.wait()
+        yield b""
+
+    call = channel.stream_stream("/chaos.Link/Call")
+    calls = [call(nothing()) for _ in range(n)]
+    return channel, calls, [asyncio.ensure_future(c.read()) for c in calls]
+
+
+async def _outcome(task: Any) -> str:
+    """The error class a stalled call ended with (its grpc details' prefix), or
+    ``"stalled"`` if it had not ended in 5 s."""
+    import grpc.aio
+
+    try:
+        await asyncio.wait_for(task, 5.0)
+    except TimeoutError:
+        return "stalled"
+    except grpc.aio.AioRpcError as exc:
+        return (exc.details() or "").partition(":")[0]
+    return "served"
+
+
+def test_a_dialler_that_never_sends_its_request_holds_no_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chaos_flwr.transport import links
+
+    monkeypatch.setattr(links, "LINK_REQUEST_READ_S", 1.0)
+    rs = records()
+    a = ident("a")
+    creds = LinkCredentials.create(a, FED)
+    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), link=access("a", rs, creds))
+    address = server.start()
+    cert = creds.serve_cert_der
+    ask = codec.encode({"round": ROUND, "digest": DIGEST, "start": [0], "end": [10]})
+    outsider = LinkCredentials.create(Identity.from_seed("outsider", "x"), FED)
+
+    async def go() -> tuple[list[str], list[str], bytes, bytes]:
+        # a dialler no charter party vouches for: every call refused as it starts, so the
+        # 8 calls (grpc's whole backstop) do not lock the members out
+        ch1, _, out_tasks = _stalled_calls(address, cert, outsider, 8)
+        # a member holds at most LINK_MAX_CONCURRENT_PER_PEER slots, each until its read ends
+        ch2, _, c_tasks = _stalled_calls(address, cert, LinkCredentials.create(ident("c"), FED), 3)
+        dialer = LinkDialer(LinkCredentials.create(ident("b"), FED))
+        try:
+            outsiders = [await _outcome(t) for t in out_tasks]
+            served_b = await dialer.request(address, cert, ask, timeout=5.0)
+            members = [await _outcome(t) for t in c_tasks]
+            served_after = await dialer.request(address, cert, ask, timeout=5.0)
+            return outsiders, members, served_b, served_after
+        finally:
+            await dialer.close()
+            await ch1.close()
+            await ch2.close()
+
+    try:
+        rs.add(endpoint_record(a, address, creds))
+        outsiders, members, served_b, served_after = asyncio.run(go())
+    finally:
+        server.stop()
+    assert set(outsiders) <= {"LinkAuthError", "NotMemberError"} and len(outsiders) == 8
+    assert sorted(members) == ["LinkBusyError", "TransportError", "TransportError"]
+    assert codec.decode(served_b)["data"][0] == DATA[:10] == codec.decode(served_after)["data"][0]
+    refused = server.refusals()
+    assert refused.get("LinkAuthError", 0) + refused.get("NotMemberError", 0) == 8
+    assert refused["LinkBusyError"] == 1 and refused["TransportError"] == 2
+
+
 @pytest.mark.slow
 def test_a_flood_of_concurrent_requests_is_refused_busy_and_memory_stays_bounded() -> None:
     d = Donor(up_mb_s=200.0)  # paced replies (>= 20 ms per 4 MiB): the requests overlap
@@ -357,18 +444,23 @@ def test_a_flood_of_concurrent_requests_is_refused_busy_and_memory_stays_bounded
         watcher.start()
 
         async def flood() -> list[Any]:
-            dialer = LinkDialer(creds)
+            # three members, 16 requests each (one party alone has at most
+            # LINK_MAX_CONCURRENT_PER_PEER in service)
+            dialers = [LinkDialer(c) for c in (creds, *(LinkCredentials.create(ident(n), FED)
+                                                        for n in ("b", "c")))]  # fmt: skip
             try:
                 return await asyncio.gather(
                     *(
                         dialer.request(d.address, d.record.body["cert"], codec.encode(ask),
                                        timeout=30.0)
-                        for _ in range(48)
+                        for dialer in dialers
+                        for _ in range(16)
                     ),
                     return_exceptions=True,
                 )  # fmt: skip
             finally:
-                await dialer.close()
+                for dialer in dialers:
+                    await dialer.close()
 
         try:
             results = asyncio.run(flood())
@@ -411,3 +503,39 @@ def test_links_over_ipv6_and_a_host_name_from_signed_endpoints(listen: str) -> N
         assert rs.endpoint(pid) is not None and rs.endpoint(pid).address == signed  # type: ignore[union-attr]
     finally:
         server.stop()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_dialler_keeps_one_channel_per_party_and_a_bounded_number_in_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chaos_flwr.errors import ChaosError
+    from chaos_flwr.transport import links
+
+    monkeypatch.setattr(links, "LINK_DIALER_MAX_CHANNELS", 5)
+    cert = LinkCredentials.create(ident("a"), FED).serve_cert_der
+
+    async def go() -> tuple[int, int]:
+        dialer = LinkDialer(LinkCredentials.create(ident("b"), FED))
+        try:
+            for _ in range(12):  # party a moves to a new endpoint before every dial
+                with pytest.raises(ChaosError):
+                    await dialer.request(
+                        f"127.0.0.1:{_closed_port()}", cert, b"x", timeout=2.0, party="a"
+                    )
+            one_party = len(dialer._channels)
+            for _ in range(12):  # endpoints no party is named for
+                with pytest.raises(ChaosError):
+                    await dialer.request(f"127.0.0.1:{_closed_port()}", cert, b"x", timeout=2.0)
+            return one_party, len(dialer._channels)
+        finally:
+            await dialer.close()
+
+    assert asyncio.run(go()) == (1, 5)

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from link_world import FED, ident, policy
 from test_direct_links import _cert_with
 
+from chaos_flwr import codec
 from chaos_flwr.errors import ChaosError, DecodeError, LinkAuthError, NotMemberError
 from chaos_flwr.membership import parse_address
 from chaos_flwr.transport.tls import (
     BINDING_OID,
     LINK_SERVER_NAME,
     LinkCredentials,
+    binding_expires,
     serve_cert_pem_of,
     spki_digest,
     verify_dial_cert,
@@ -61,6 +66,35 @@ def test_bindings_are_refused_for_another_federation_key_or_party() -> None:
         serve_cert_pem_of(b"\x30\x03\x02\x01\x00")
     with pytest.raises(LinkAuthError):
         serve_cert_pem_of(b"\x00" * 5000)
+
+
+def test_a_stolen_link_key_is_refused_once_its_binding_expires() -> None:
+    year_ago = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=365)
+    old = LinkCredentials.create(ident("b"), FED, now=year_ago)  # e.g. from an old backup
+    expires = binding_expires(old.dial_cert_pem)
+    assert expires is not None and expires < time.time()
+    with pytest.raises(LinkAuthError, match="expired"):
+        verify_dial_cert(old.dial_cert_pem, FED, KEYS)
+    # its binding copied into a fresh certificate for the same (stolen) key, valid for a day:
+    # the binding signs its own expiry, so it is still refused
+    binding = x509.load_pem_x509_certificate(old.dial_cert_pem).extensions
+    raw = binding.get_extension_for_oid(BINDING_OID).value
+    assert isinstance(raw, x509.UnrecognizedExtension)
+    key = serialization.load_pem_private_key(old.key_pem, password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    with pytest.raises(LinkAuthError, match="expired"):
+        verify_dial_cert(_cert_with(raw.value, key, "b"), FED, KEYS)
+    # a later expiry written into the copied binding breaks its signature
+    value = codec.decode(raw.value)
+    forged = codec.encode({**value, "expires": int(time.time()) + 86400})
+    with pytest.raises(LinkAuthError, match="does not verify"):
+        verify_dial_cert(_cert_with(forged, key, "b"), FED, KEYS)
+    # the current one verifies until its expiry, not after
+    now_exp = binding_expires(B.dial_cert_pem)
+    assert now_exp is not None
+    assert verify_dial_cert(B.dial_cert_pem, FED, KEYS, now=now_exp) == ident("b").party_id
+    with pytest.raises(LinkAuthError, match="expired"):
+        verify_dial_cert(B.dial_cert_pem, FED, KEYS, now=now_exp + 1)
 
 
 @FUZZ

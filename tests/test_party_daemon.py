@@ -7,6 +7,7 @@ The daemon itself, as a real process serving a joiner over mutual TLS, is tested
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import stat
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from chaos_flwr import codec
 from chaos_flwr.charter import load_charter
 from chaos_flwr.errors import ConfigError, DecodeError, PolicyError
 from chaos_flwr.flower import durable
@@ -110,6 +112,17 @@ def test_unusable_link_credentials_are_replaced(fed: Path, tmp_path: Path) -> No
     dead = LinkCredentials.create(ident, "fed", now=old - datetime.timedelta(days=2))
     linkfile._publish(tmp_path, dead, replace=True)
     assert link_credentials(tmp_path, ident, "fed") not in (dead, fresh)
+    # made before bindings carried their expiry (no peer accepts them): replaced by anyone
+    from cryptography.hazmat.primitives import serialization
+    from test_direct_links import _cert_with
+
+    cur = link_credentials(tmp_path, ident, "fed")
+    key = serialization.load_pem_private_key(cur.key_pem, password=None)
+    legacy_binding = codec.encode({"party": ident.party_id, "sig": b"\x00" * 64})
+    legacy = dataclasses.replace(cur, dial_cert_pem=_cert_with(legacy_binding, key, "v1"))
+    linkfile._publish(tmp_path, legacy, replace=True)
+    renewed = link_credentials(tmp_path, ident, "fed")
+    assert renewed != legacy and read_link_file(tmp_path) == renewed
     # malformed: refused with a typed error on read, replaced when needed
     (tmp_path / LINK_FILE).write_bytes(b"\x00garbage")
     with pytest.raises(DecodeError):

@@ -386,7 +386,7 @@ def _senders(
 
 
 async def _link_send(dialer: LinkDialer, ep: EndpointInfo, req: bytes, timeout: float) -> bytes:
-    return await dialer.request(ep.address, ep.cert, req, timeout=timeout)
+    return await dialer.request(ep.address, ep.cert, req, timeout=timeout, party=ep.party_id)
 
 
 def fetch_ranges(

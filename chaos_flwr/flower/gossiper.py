@@ -157,7 +157,9 @@ class Gossiper:
     async def _ask(self, dialer: LinkDialer, party: str, ep: EndpointInfo, req: bytes) -> int:
         self.asked += 1
         try:
-            raw = await dialer.request(ep.address, ep.cert, req, timeout=self.timeout_s)
+            raw = await dialer.request(
+                ep.address, ep.cert, req, timeout=self.timeout_s, party=ep.party_id
+            )
             value = codec.decode(raw, max_bytes=LINK_MAX_REPLY_FRAME_BYTES)
             with self.saved.lock:
                 new = int(self.saved.gossip.on_reply(party, value, self.clock()))

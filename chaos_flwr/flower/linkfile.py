@@ -32,7 +32,7 @@ from cryptography import x509
 from chaos_flwr import codec
 from chaos_flwr.errors import ChaosError, ConfigError, DecodeError
 from chaos_flwr.localfile import read_local_file
-from chaos_flwr.transport.tls import LinkCredentials
+from chaos_flwr.transport.tls import LinkCredentials, binding_expires
 
 __all__ = ["LINK_FILE", "link_credentials", "read_link_file"]
 
@@ -116,6 +116,8 @@ def read_link_file(state_dir: Path) -> LinkCredentials | None:
 
 def _usable(creds: LinkCredentials | None, party_id: str, federation: str, renew: bool) -> bool:
     if creds is None or (creds.party_id, creds.federation) != (party_id, federation):
+        return False
+    if binding_expires(creds.dial_cert_pem) is None:  # an older binding: no peer accepts it
         return False
     left = _expires_at(creds) - datetime.datetime.now(datetime.UTC)
     return left.total_seconds() > (LINK_RENEW_BEFORE_S if renew else 0.0)

@@ -10,8 +10,13 @@ pins the serve certificate that record carries.
 Every refusal is a :class:`~chaos_flwr.errors.ChaosError` subclass: the server sends its class
 name in the grpc status details (``"LinkBusyError: ..."``) and the dialler raises the same
 class (:func:`typed_error`). Limits enforced here: requests served at once
-(``LINK_MAX_CONCURRENT_REQUESTS``; grpc's own RPC limit at twice that is a backstop) and the
-request message size (``LINK_MAX_REQUEST_BYTES``, refused by grpc before it is read).
+(``LINK_MAX_CONCURRENT_REQUESTS``; grpc's own RPC limit at twice that is a backstop), and per
+party (``LINK_MAX_CONCURRENT_PER_PEER``); the request message size
+(``LINK_MAX_REQUEST_BYTES``, refused by grpc before it is read). The dialler is checked as
+the call starts, before its request is read (a stream handler), so a dialler no party vouches
+for is refused at once and cannot hold a slot by never sending its request; an authenticated
+one has ``LINK_REQUEST_READ_S`` to send it. A TLS handshake has ``LINK_HANDSHAKE_S``; a
+connection with no call in progress is closed after ``LINK_IDLE_CONNECTION_S``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ import grpc
 import grpc.aio
 
 from ..defaults import (
+    LINK_DIALER_MAX_CHANNELS,
+    LINK_HANDSHAKE_S,
+    LINK_IDLE_CONNECTION_S,
+    LINK_MAX_CONCURRENT_PER_PEER,
     LINK_MAX_CONCURRENT_REQUESTS,
     LINK_MAX_REPLY_BYTES,
     LINK_MAX_REPLY_FRAME_BYTES,
@@ -33,6 +42,7 @@ from ..defaults import (
     LINK_MAX_TRACKED_PEERS,
     LINK_PEER_WINDOW_BYTES,
     LINK_PEER_WINDOW_S,
+    LINK_REQUEST_READ_S,
     TRANSPORT_CHUNK_BYTES,
     TRANSPORT_STOP_GRACE_S,
 )
@@ -196,6 +206,7 @@ class LinkServer:
         self._max_request = max_request_bytes
         self._chunk = chunk_bytes
         self._active = 0
+        self._active_of: dict[str, int] = {}
         self._server: grpc.aio.Server | None = None
         self._handler: LinkHandler | None = None
         self.address: str | None = None
@@ -216,9 +227,13 @@ class LinkServer:
             ("grpc.max_receive_message_length", self._max_request),
             ("grpc.max_send_message_length", max(self._chunk, 1) + 1024),
             ("grpc.so_reuseport", 0),
+            ("grpc.server_handshake_timeout_ms", int(LINK_HANDSHAKE_S * 1000)),
+            ("grpc.max_connection_idle_ms", int(LINK_IDLE_CONNECTION_S * 1000)),
         ]
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=2 * self._max_concurrent)
-        rpc = grpc.unary_stream_rpc_method_handler(
+        # a stream handler runs as the call starts: the dialler is checked before its request
+        # is read (the dialler's unary-stream call is the same on the wire)
+        rpc = grpc.stream_stream_rpc_method_handler(
             self._serve, request_deserializer=None, response_serializer=None
         )
         server.add_generic_rpc_handlers(
@@ -264,23 +279,50 @@ class LinkServer:
         self._authorize(party)
         return party
 
+    def _admit(self, party: str) -> None:
+        """Take a slot for ``party``'s call, or refuse it (:class:`LinkBusyError`)."""
+        if self._active >= self._max_concurrent:
+            raise LinkBusyError(
+                f"this donor already serves {self._max_concurrent} link requests; retry"
+            )
+        if self._active_of.get(party, 0) >= LINK_MAX_CONCURRENT_PER_PEER:
+            raise LinkBusyError(
+                f"this donor already serves {LINK_MAX_CONCURRENT_PER_PEER} link requests of "
+                f"{party}; retry"
+            )
+        self._active += 1
+        self._active_of[party] = self._active_of.get(party, 0) + 1
+        self.peak_concurrent = max(self.peak_concurrent, self._active)
+
+    def _release(self, party: str) -> None:
+        self._active -= 1
+        left = self._active_of.pop(party, 1) - 1
+        if left > 0:
+            self._active_of[party] = left
+
+    async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        """The call's one request message, within ``LINK_REQUEST_READ_S``."""
+        try:
+            request = await asyncio.wait_for(context.read(), LINK_REQUEST_READ_S)
+        except TimeoutError:
+            raise TransportError(f"no request within {LINK_REQUEST_READ_S:g} s") from None
+        if not isinstance(request, bytes):  # the dialler closed without a request
+            raise DecodeError("the call carried no request")
+        return request
+
     async def _serve(
-        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+        self, _requests: object, context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         try:
             party = self._peer(context)
-            if self._active >= self._max_concurrent:
-                raise LinkBusyError(
-                    f"this donor already serves {self._max_concurrent} link requests; retry"
-                )
+            self._admit(party)
         except ChaosError as exc:
             await context.abort(*self._refuse(exc))
             return
-        self._active += 1
-        self.peak_concurrent = max(self.peak_concurrent, self._active)
         try:
             assert self._handler is not None
             try:
+                request = await self._read(context)
                 reply = await self._handler(party, request)
             except ChaosError as exc:
                 await context.abort(*self._refuse(exc))
@@ -294,7 +336,7 @@ class LinkServer:
                     await self._shaper.pace_send(party, len(chunk))
                 yield chunk
         finally:
-            self._active -= 1
+            self._release(party)
 
     async def close(self) -> None:
         """Stop serving (a short grace for calls in flight)."""
@@ -319,11 +361,21 @@ class LinkDialer:
     ) -> None:
         self.creds = creds
         self._max = max_reply_bytes
+        # (address, serve certificate) -> channel, least recently used first
         self._channels: dict[tuple[str, bytes], grpc.aio.Channel] = {}
+        self._key_of: dict[str, tuple[str, bytes]] = {}  # party -> its channel's key
 
-    def _channel(self, address: str, cert_der: bytes) -> grpc.aio.Channel:
+    async def _channel(self, address: str, cert_der: bytes, party: str) -> grpc.aio.Channel:
+        """The channel to ``address``; closes ``party``'s channel to an endpoint it left, and
+        the least recently used past ``LINK_DIALER_MAX_CHANNELS``."""
         key = (address, cert_der)
-        channel = self._channels.get(key)
+        stale: list[grpc.aio.Channel] = []
+        old = self._key_of.get(party) if party else None
+        if old is not None and old != key and old in self._channels:
+            stale.append(self._channels.pop(old))
+        if party:
+            self._key_of[party] = key
+        channel = self._channels.pop(key, None)
         if channel is None:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=serve_cert_pem_of(cert_der),
@@ -337,11 +389,20 @@ class LinkDialer:
                 ("grpc.enable_http_proxy", 0),
             ]
             channel = grpc.aio.secure_channel(address, creds, options=options)
-            self._channels[key] = channel
+        self._channels[key] = channel
+        while len(self._channels) > LINK_DIALER_MAX_CHANNELS:
+            stale.append(self._channels.pop(next(iter(self._channels))))
+        live = set(self._channels)
+        self._key_of = {p: k for p, k in self._key_of.items() if k in live}
+        for gone in stale:
+            await gone.close()
         return channel
 
-    async def request(self, address: str, cert_der: bytes, data: bytes, *, timeout: float) -> bytes:
-        """Send ``data`` to the link server at ``address`` that must hold ``cert_der``'s key.
+    async def request(
+        self, address: str, cert_der: bytes, data: bytes, *, timeout: float, party: str = ""
+    ) -> bytes:
+        """Send ``data`` to the link server at ``address`` that must hold ``cert_der``'s key
+        (``party``'s endpoint, when given: its channel to an older endpoint is closed).
 
         Raises
         ------
@@ -351,7 +412,8 @@ class LinkDialer:
             :func:`typed_error`); a reply above ``max_reply_bytes`` is a
             :class:`~chaos_flwr.errors.ReplyTooLargeError`.
         """
-        stub = self._channel(address, cert_der).unary_stream(
+        channel = await self._channel(address, cert_der, party)
+        stub = channel.unary_stream(
             _METHOD, request_serializer=_identity, response_deserializer=_identity
         )
         parts: list[bytes] = []

@@ -16,10 +16,12 @@ P-256 key (made with ``cryptography``) and two X.509 certificates for it.
     is issued by one fixed, **public** root (:func:`link_root_pem`; its private key is derived
     from a published constant). That root proves nothing, and is not meant to: it only lets
     grpc accept the chain. Authentication is the binding, a non-critical X.509 extension
-    (:data:`BINDING_OID`) holding ``{party, sig}``, where ``sig`` is the party's Ed25519
-    signature (its charter key) over the federation, the party id and the SHA-256 of the
-    certificate's SubjectPublicKeyInfo. After the handshake the server reads the peer
-    certificate from grpc's auth context and checks the binding (:func:`verify_dial_cert`):
+    (:data:`BINDING_OID`) holding ``{party, sig, expires}``, where ``sig`` is the party's
+    Ed25519 signature (its charter key) over the federation, the party id, the SHA-256 of the
+    certificate's SubjectPublicKeyInfo and ``expires`` (the certificates' end, unix seconds:
+    after it the binding is refused, so a stolen link key cannot be re-certified for longer).
+    After the handshake the server reads the peer certificate from grpc's auth context and
+    checks the binding (:func:`verify_dial_cert`):
     TLS proved the peer holds the certificate's private key, the binding proves a charter
     party vouched for that key. A binding copied into another certificate names another key
     and fails; a copied certificate is useless without its private key.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -61,7 +64,7 @@ __all__ = [
 LINK_SERVER_NAME = "chaos-link.invalid"
 #: OID of the binding extension (a UUID OID, ITU-T X.667: no registry needed).
 BINDING_OID = x509.ObjectIdentifier("2.25.248047372734617305627716012655263915649")
-_BINDING_DOMAIN = b"chaos-flwr/link-binding/v1\x00"
+_BINDING_DOMAIN = b"chaos-flwr/link-binding/v2\x00"
 _ROOT_DOMAIN = b"chaos-flwr/public-link-root/v1\x00"
 _ROOT_NAME = "chaos-flwr public link root (not a trust anchor)"
 _BINDING_MAX_BYTES = 1024
@@ -87,11 +90,27 @@ def peer_spki(pem: bytes) -> bytes | None:
         return None
 
 
-def binding_bytes(federation: str, party_id: str, spki: bytes) -> bytes:
-    """The exact bytes a party signs to bind a link key (``spki``: its SHA-256) to itself."""
+def binding_bytes(federation: str, party_id: str, spki: bytes, expires: int) -> bytes:
+    """The exact bytes a party signs to bind a link key (``spki``: its SHA-256) to itself
+    until ``expires`` (unix seconds: its certificates' end; a binding is refused after it, so
+    a stolen link key is good no longer, whatever certificate it is copied into)."""
     return _BINDING_DOMAIN + codec.encode(
-        {"federation": federation, "party": party_id, "spki": spki}
+        {"federation": federation, "party": party_id, "spki": spki, "expires": expires}
     )
+
+
+def binding_expires(dial_cert_pem: bytes) -> int | None:
+    """When the binding a dial certificate carries expires (``None``: no binding of this
+    format, e.g. one made before bindings carried their expiry: to be replaced)."""
+    try:
+        cert = x509.load_pem_x509_certificate(dial_cert_pem)
+        ext = cert.extensions.get_extension_for_oid(BINDING_OID).value
+        raw = ext.value if isinstance(ext, x509.UnrecognizedExtension) else b""
+        value = codec.decode(raw, max_bytes=_BINDING_MAX_BYTES)
+    except (ValueError, x509.ExtensionNotFound, ChaosError):
+        return None
+    expires = value.get("expires") if isinstance(value, dict) else None
+    return expires if isinstance(expires, int) and not isinstance(expires, bool) else None
 
 
 _CA_USAGE = x509.KeyUsage(
@@ -188,8 +207,9 @@ class LinkCredentials:
                 serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
             )
         ).digest()
-        sig = identity.sign(binding_bytes(federation, identity.party_id, digest))
-        binding = codec.encode({"party": identity.party_id, "sig": sig})
+        expires = int((at + datetime.timedelta(seconds=LINK_CERT_VALIDITY_S)).timestamp())
+        sig = identity.sign(binding_bytes(federation, identity.party_id, digest, expires))
+        binding = codec.encode({"party": identity.party_id, "sig": sig, "expires": expires})
         dial = (
             _validity(x509.CertificateBuilder(), at)
             .subject_name(_name(identity.party_id))
@@ -240,7 +260,9 @@ def serve_cert_pem_of(der: bytes) -> bytes:
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
-def verify_dial_cert(pem: bytes, federation: str, keyring: dict[str, bytes]) -> str:
+def verify_dial_cert(
+    pem: bytes, federation: str, keyring: dict[str, bytes], *, now: float | None = None
+) -> str:
     """The party a (handshake-proven) dial certificate is bound to.
 
     Parameters
@@ -252,13 +274,15 @@ def verify_dial_cert(pem: bytes, federation: str, keyring: dict[str, bytes]) -> 
         This federation's name (a binding for another federation is refused).
     keyring
         Party id -> Ed25519 public key of the charter parties.
+    now
+        Unix seconds to check the binding's expiry against (default: the wall clock).
 
     Raises
     ------
     LinkAuthError
         No certificate, no or a malformed binding, a binding that does not verify under the
-        charter key of the party it names (a member's id with another key), or a binding that
-        names another key (copied from another certificate).
+        charter key of the party it names (a member's id with another key), a binding that
+        names another key (copied from another certificate), or an expired binding.
     NotMemberError
         The binding names a party that is not in the charter.
     """
@@ -274,16 +298,18 @@ def verify_dial_cert(pem: bytes, federation: str, keyring: dict[str, bytes]) -> 
         value = codec.decode(raw, max_bytes=_BINDING_MAX_BYTES)
     except ChaosError as exc:
         raise LinkAuthError(f"the peer's party binding is malformed: {exc}") from None
-    if not isinstance(value, dict) or set(value) != {"party", "sig"}:
-        raise LinkAuthError("the peer's party binding must be {party, sig}")
-    party, sig = value["party"], value["sig"]
-    if not isinstance(party, str) or not isinstance(sig, bytes):
-        raise LinkAuthError("the peer's party binding has a bad 'party' or 'sig'")
+    if not isinstance(value, dict) or set(value) != {"party", "sig", "expires"}:
+        raise LinkAuthError("the peer's party binding must be {party, sig, expires}")
+    party, sig, expires = value["party"], value["sig"], value["expires"]
+    if not isinstance(party, str) or not isinstance(sig, bytes) or type(expires) is not int:
+        raise LinkAuthError("the peer's party binding has a bad 'party', 'sig' or 'expires'")
     key = keyring.get(party)
     if key is None:
         raise NotMemberError(f"the peer's binding names {party[:80]!r}, not a charter party")
+    if expires < (time.time() if now is None else now):
+        raise LinkAuthError(f"the peer's binding for {party} expired (its link key is old)")
     try:
-        verify_signature(key, sig, binding_bytes(federation, party, spki_digest(cert)))
+        verify_signature(key, sig, binding_bytes(federation, party, spki_digest(cert), expires))
     except ChaosError:
         raise LinkAuthError(
             f"the peer's binding for {party} does not verify under its charter key for this "
