@@ -38,9 +38,11 @@ def ident(name: str) -> Identity:
 
 
 def policy() -> Policy:
-    """The federation's policy (charter parties ``a``..``e``, all founders)."""
+    """The federation's policy (charter parties ``a``..``e``; all but ``d`` are founders, so
+    ``d`` is a member only once sponsored)."""
     keys = {ident(n).party_id: ident(n).public_key for n in CHARTER}
-    return Policy(FED, keys, frozenset(keys), sponsors_required=1, failure_quorum=2)
+    founders = frozenset(ident(n).party_id for n in JOINED)
+    return Policy(FED, keys, founders, sponsors_required=1, failure_quorum=2)
 
 
 def records(extra: list[Record] | None = None) -> RecordSet:

@@ -539,3 +539,19 @@ def test_a_dialler_keeps_one_channel_per_party_and_a_bounded_number_in_all(
             await dialer.close()
 
     assert asyncio.run(go()) == (1, 5)
+
+
+def test_a_party_its_own_signature_admits_is_served_before_its_join_arrives() -> None:
+    import dataclasses
+
+    from chaos_flwr.transport.links import LinkAccess
+
+    rs = records()  # d is on the charter, not a founder, and has not joined
+    d = ident("d").party_id
+    creds = LinkCredentials.create(ident("a"), FED)
+    with pytest.raises(NotMemberError):
+        LinkAccess(creds, rs.policy, rs.view).authorize(d)  # it needs a sponsor
+    open_door = dataclasses.replace(rs.policy, sponsors_required=0)
+    LinkAccess(creds, open_door, rs.view).authorize(d)  # its own join would admit it
+    with pytest.raises(NotMemberError):  # not on the charter: never
+        LinkAccess(creds, open_door, rs.view).authorize(ident("x").party_id)

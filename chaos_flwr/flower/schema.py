@@ -270,9 +270,12 @@ def start_record(
     receipts: list[bytes],
     min_shard_bytes: int = FLOWER_JOIN_MIN_SHARD_BYTES,
     total: int | None = None,
+    records: Sequence[bytes] = (),
 ) -> ConfigRecord:
     """The first step's control record: the donors and their signed receipts (same order),
-    and the state's size when the ServerApp knows it (a hint: the donors' manifest decides)."""
+    the state's size when the ServerApp knows it (a hint: the donors' manifest decides), and
+    ``records``: the donors' signed join and endpoint records, encoded (a joiner that came
+    just now may not hold them yet; it verifies each before it dials an address one names)."""
     record = ConfigRecord(
         {
             "op": "start",
@@ -283,6 +286,8 @@ def start_record(
     )
     if total is not None:
         record["total"] = total
+    if records:
+        record["records"] = list(records)
     return record
 
 

@@ -457,9 +457,18 @@ class LinkAccess:
     view: Callable[[], View]
 
     def authorize(self, party: str) -> None:
-        """Raise :class:`~chaos_flwr.errors.NotMemberError` unless ``party`` is active."""
-        if not self.view().is_active(party):
-            raise NotMemberError(f"{party} is not an active member in this donor's view")
+        """Raise :class:`~chaos_flwr.errors.NotMemberError` unless ``party`` is active in the
+        view, or its own signature alone admits it (a founder, or any charter party when the
+        charter's ``admission.sponsors_required`` is 0): it proved its key in the handshake
+        and could sign its join at will, so serving it gives nothing away. That is how a
+        joiner that came while the members train pulls from their daemons before its join
+        record reaches them."""
+        if self.view().is_active(party):
+            return
+        policy = self.policy
+        if party in policy.keyring and (party in policy.founders or policy.sponsors_required == 0):
+            return
+        raise NotMemberError(f"{party} is not an active member in this donor's view")
 
     def endpoint(self, party: str, offered: str | None = None) -> EndpointInfo:
         """The endpoint to dial ``party`` at: from its verified endpoint record only.

@@ -37,9 +37,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from flwr.app import ArrayRecord, ConfigRecord
 
+from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_JOIN_MIN_SHARD_BYTES,
+    PEER_MAX_RECORDS_PER_MESSAGE,
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.flower.client.endpoint import LinkedParty, link_access
@@ -59,6 +61,9 @@ if TYPE_CHECKING:
 
 __all__ = ["JoinerPull", "JoiningParty", "join_step", "take_state"]
 
+#: Largest encoded membership record a join's start may carry (the donors' join and endpoint
+#: records: an endpoint record holds a link certificate of at most LINK_CERT_MAX_BYTES).
+FLOWER_JOIN_MAX_RECORD_BYTES: int = 16 * 1024
 #: The kinds of direct-link work a pull's carrier times (:meth:`JoinerPull.stats`).
 _PHASES = ("manifest", "fetch")
 
@@ -360,6 +365,29 @@ def take_state(
     return reply
 
 
+def _take_records(party: JoiningParty, control: ConfigRecord, now: float) -> None:
+    """Take up the donors' join and endpoint records the start carries (a joiner that came
+    just now may not hold them): each is verified like any record, so no one can make it dial
+    an address its party did not sign; a bad one is noted in ``party.errors``, the pull goes
+    on (a donor whose endpoint it cannot verify is pulled through the relay)."""
+    blobs = control.get("records", [])
+    load = getattr(party.peer, "load_records", None)
+    if not isinstance(blobs, list) or not blobs or load is None:
+        return
+    try:
+        if len(blobs) > PEER_MAX_RECORDS_PER_MESSAGE:
+            raise DecodeError(f"{len(blobs)} records, above PEER_MAX_RECORDS_PER_MESSAGE")
+        values: list[Any] = []
+        for blob in blobs:
+            if not isinstance(blob, bytes):
+                raise DecodeError("a record in the join's start is not bytes")
+            values.append(codec.decode(blob, max_bytes=FLOWER_JOIN_MAX_RECORD_BYTES))
+        load(values, now)
+    except ChaosError as exc:
+        name = type(exc).__name__
+        party.errors.append(f"the join's donor records were not taken ({name}: {exc})")
+
+
 def join_step(
     party: JoiningParty,
     record: ConfigRecord,
@@ -400,6 +428,7 @@ def join_step(
         if op == JOIN_TAKE_OP:
             return take_state(party, rnd, digest, control, good), {}
         min_shard, total = _start_settings(control)
+        _take_records(party, control, now)
         link = link_access(party)
         pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total, link=link)
         party.joining = pull

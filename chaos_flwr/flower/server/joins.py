@@ -23,7 +23,12 @@ so it trains in that round, as a plain FedAvg node connected then is sampled in 
 **During training** (:meth:`JoinRelay.during_round`, called by
 :class:`~.latejoin.LateJoiners`): a node that comes while the round trains is asked at once;
 if its own records admit it (no sponsor to wait for: the members are training) it takes the
-state the round trains from, from the ServerApp, and trains in that round. Otherwise its join
+state the round trains from and trains in that round. When the holders announced endpoints
+(their party daemons serve while their SuperNodes train) it fetches the state over their
+direct links in one join step, with their signed join and endpoint records in the start
+(:meth:`JoinRelay._pull_direct`); no relay step follows, since the holders' SuperNodes are
+training, so a joiner that did not finish takes the ServerApp's copy instead, as one does
+when no holder announced an endpoint. Otherwise its join
 request reaches its sponsors with the round's certify messages and it takes the state in that
 round's join, as above, so it trains in the next round: the first round a plain FedAvg node
 that came during training is sampled in.
@@ -43,6 +48,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from chaos_flwr import codec
 from chaos_flwr.flower.schema import (
     PULL_DATA_KEY,
     donor_key,
@@ -331,16 +337,37 @@ class JoinRelay:
         state = state_of()
         self._total = state.serialized_size()
         spec = PhaseSpec("join", rnd, digest)
-        then = "it takes the round's state in the round's join"
-        taken, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog, then)
+        taken: list[JoinLog] = []
+        if not self._server_path(donors):  # the holders' daemons serve while they train
+            taken, joiners = self._pull_direct(grid, joiners, donors, spec, timeout, rlog)
+        if joiners:
+            then = "it takes the round's state in the round's join"
+            sent, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog, then)
+            taken += sent
         rlog.joins.extend(taken)
         for jl in taken:
             log(
                 INFO, "Chaos: %s came during round %d's training and took round %d (%d bytes) "
-                "from the ServerApp in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
-                jl.pull_s,
+                "%s in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
+                "from the ServerApp" if jl.source == "server" else "over direct links", jl.pull_s,
             )  # fmt: skip
         return held + courier.holding([jl.node for jl in taken], rnd, digest)
+
+    def _pull_direct(
+        self, grid: Grid, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec,
+        timeout: float, rlog: RoundLog,
+    ) -> tuple[list[JoinLog], list[tuple[int, str]]]:  # fmt: skip
+        """While a round trains: one join step, in which a joiner that knows the donors'
+        signed endpoints fetches the state over their direct links (their daemons serve while
+        their SuperNodes train). No relay step follows (those SuperNodes are training): the
+        joiners that did not finish are returned, for the ServerApp's copy, and the envelopes
+        their requests to the donors took go back to the relay."""
+        run = self._run_for(joiners, donors, spec)
+        step = self._ask_joiners(grid, run, [n for n, _ in joiners], timeout, rlog)
+        for node, envelopes in step.taken.items():
+            self.courier.relay.give_back(node, envelopes)
+        done = [run.logs[n] for n, _ in joiners if run.logs[n].ok]
+        return done, [(n, p) for n, p in joiners if not run.logs[n].ok]
 
     def _ask(
         self, grid: Grid, newcomers: list[int], rnd: int, digest: bytes, rlog: RoundLog,
@@ -424,11 +451,13 @@ class JoinRelay:
     def _start(self, donors: list[int], spec: PhaseSpec) -> ConfigRecord:
         """The join's start record: the donors, their signed receipts, the round's audits."""
         holders, receipts = self.courier.holders, self.courier.receipts
+        parties = [holders[d][0] for d in donors]
         start = start_record(
-            [holders[d][0] for d in donors],
+            parties,
             [receipts.get(d, b"") for d in donors],
             self.settings.min_shard_bytes,
             self._total,
+            _endpoint_records(self.courier, parties),
         )
         proofs = self.courier.proofs
         if proofs is not None:  # the joiner takes only a final state: here are its audits
@@ -491,19 +520,7 @@ class JoinRelay:
         rlog: RoundLog,
     ) -> list[JoinLog]:
         """Relay the joiners' pulls; they plan, we carry."""
-        holders = self.courier.holders
-        start = self._start(donors, spec)
-        run = _Run(
-            spec=spec,
-            node_of={holders[d][0]: d for d in donors},
-            logs={
-                n: JoinLog(party=p, node=n, server_round=spec.server_round, digest=spec.digest)
-                for n, p in joiners
-            },
-            ctl={n: start for n, _ in joiners},
-            replies={n: {} for n, _ in joiners},
-            t0=self.clock(),
-        )
+        run = self._run_for(joiners, donors, spec)
         step_times: list[float] = []
         pulling = [n for n, _ in joiners]
         for _ in range(self.settings.max_steps):
@@ -522,6 +539,21 @@ class JoinRelay:
             run.logs[node].pull_s = self.clock() - run.t0
         _lower_bounds(run.logs.values(), min(step_times) if step_times else 0.0)
         return [run.logs[n] for n, _ in joiners]
+
+    def _run_for(self, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec) -> _Run:
+        """The pulls of ``joiners`` from ``donors``, before their first step."""
+        start = self._start(donors, spec)
+        return _Run(
+            spec=spec,
+            node_of={self.courier.holders[d][0]: d for d in donors},
+            logs={
+                n: JoinLog(party=p, node=n, server_round=spec.server_round, digest=spec.digest)
+                for n, p in joiners
+            },
+            ctl={n: start for n, _ in joiners},
+            replies={n: {} for n, _ in joiners},
+            t0=self.clock(),
+        )
 
     def _ask_joiners(
         self, grid: Grid, run: _Run, pulling: list[int], timeout: float, rlog: RoundLog
@@ -588,6 +620,20 @@ class JoinRelay:
                 step.lost[node].add(dparty)
         for node in step.still:
             run.ctl[node] = ConfigRecord({"op": "step", "lost": sorted(step.lost[node])})
+
+
+def _endpoint_records(courier: Courier, parties: list[str]) -> list[bytes]:
+    """The signed join and endpoint records of ``parties`` that announced an endpoint (a
+    joiner needs both to dial it: an endpoint counts only for an active member), encoded."""
+    view = courier.view
+    if view is None:
+        return []
+    named = {p for p in parties if view.records.endpoint(p) is not None}
+    return [
+        codec.encode(r.to_wire())
+        for r in view.records
+        if r.body.get("subject") in named and r.body.get("kind") in ("join", "endpoint")
+    ]
 
 
 def _lower_bounds(logs: Iterable[JoinLog], latency: float) -> None:

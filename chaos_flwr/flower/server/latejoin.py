@@ -7,11 +7,12 @@ than it could have. While the train exchange waits for its replies, :class:`Late
 for nodes that came since it started (at most every :data:`FLOWER_LATE_JOIN_LOOK_S`). It asks
 them, and each whose own signed records already admit it (a founder, or a charter whose
 ``admission.sponsors_required`` is 0: the members are training and cannot countersign now)
-takes the certified state the round trains from, from the ServerApp's copy, checked against
-the holders' receipts (:meth:`~.joins.JoinRelay.during_round`). It then gets the round's
-train instruction (the content of the inner strategy's first train message of the round, with
-the model left out: it holds it) and the exchange waits for its reply too, so the inner
-strategy aggregates its update with the others'.
+takes the certified state the round trains from, checked against the holders' receipts
+(:meth:`~.joins.JoinRelay.during_round`): over the holders' direct links when they announced
+endpoints (their daemons serve while their SuperNodes train), else from the ServerApp's copy.
+It then gets the round's train instruction (the content of the inner strategy's first train
+message of the round, with the model left out: it holds it) and the exchange waits for its
+reply too, so the inner strategy aggregates its update with the others'.
 
 Costs, and limits: nothing is sent in a round where no node comes (a look is a ``get_node_ids``
 call); a round with a late joiner lasts until its update is in, bounded by its deadline (a node
