@@ -642,15 +642,12 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     assert all(n in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)
 
 
-def test_a_joiner_that_comes_during_training_pulls_over_direct_links_and_trains(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the founders serve their replicas on loopback while they train; a joiner its own signed
-    # join admits comes during round 2's training, fetches the round's base state over the
-    # links in one step (no message to the training donors) and trains in round 2
+def _late_direct_run(tmp_path: Path) -> tuple[World, ChaosStrategy, int]:
+    """Three founders serving their replicas on loopback (``sponsors_required: 0``); a
+    fourth party's node comes during round 2's training. Returns the world, the strategy
+    after 3 rounds and the joiner's node."""
     from chaos_flwr.flower.direct import stop_servers
 
-    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     w = World(tmp_path, 4, sponsors_required=0)
     try:
         for p in range(3):
@@ -661,13 +658,22 @@ def test_a_joiner_that_comes_during_training_pulls_over_direct_links_and_trains(
         strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
     finally:
         stop_servers()
+    return w, strategy, joiner["n"].node_id
+
+
+def test_a_joiner_that_comes_during_training_pulls_over_direct_links_and_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the joiner, admitted by its own signed join, fetches the round's base state over the
+    # links in one step (no message to the training donors) and trains in round 2
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    w, strategy, n = _late_direct_run(tmp_path)
     ((rlog, join),) = _joins(strategy, w.pid(3))
     assert rlog.server_round == 2 and join.ok and join.source != "server"
     assert join.server_round == 1 and join.digest == _round_log(strategy, 1).digest
     assert join.steps == 1 and join.direct_failed == []  # no relay step to the donors
     assert sum(join.direct_bytes.values()) == join.total_bytes > 0
     assert set(join.direct_bytes) <= {w.pid(p) for p in range(3)}
-    n = joiner["n"].node_id
     assert n in rlog.trained and n in _round_log(strategy, 3).trained
 
 
@@ -677,12 +683,10 @@ def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(
     # the donors' links do not answer: no relay step goes to the training donors; the
     # ServerApp sends the state in the same round, and no envelope is lost on the way
     from chaos_flwr.flower import fetch
-    from chaos_flwr.flower.direct import stop_servers
-
-    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     from chaos_flwr.flower.relay import Relay
     from chaos_flwr.flower.server.joins import JoinRelay
 
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     monkeypatch.setattr(fetch, "fetch_manifest", lambda *a, **k: (None, "TransportError: down"))
     asked: dict[int, int] = {}  # donor node -> envelopes its (unsent) pull messages took
     back: dict[int, int] = {}
@@ -700,21 +704,12 @@ def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(
 
     monkeypatch.setattr(JoinRelay, "_ask_joiners", ask_joiners)
     monkeypatch.setattr(Relay, "give_back", give)
-    w = World(tmp_path, 4, sponsors_required=0)
-    try:
-        for p in range(3):
-            w.add(p, **{"chaos-direct-addr": f"127.0.0.1:{free_port()}"})
-        joiner: dict[str, FakeNode] = {}
-        w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
-        strategy = w.strategy()
-        strategy.start(w.grid, _initial(), num_rounds=3, timeout=10)
-    finally:
-        stop_servers()
+    w, strategy, n = _late_direct_run(tmp_path)
     ((rlog, join),) = _joins(strategy, w.pid(3))
     assert rlog.server_round == 2 and join.ok and join.source == "server"
-    assert join.server_round == 1 and joiner["n"].node_id in rlog.trained
+    assert join.server_round == 1 and n in rlog.trained
     # the envelopes the joiner's pull requests took for the donors went back to their queues
-    assert sum(asked.values()) > 0 and all(back.get(n, 0) >= k for n, k in asked.items())
+    assert sum(asked.values()) > 0 and all(back.get(d, 0) >= k for d, k in asked.items())
     assert strategy.courier.relay.dropped == 0
 
 
