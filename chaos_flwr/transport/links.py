@@ -449,7 +449,8 @@ class LinkAccess:
         The federation's policy (name and charter keyring).
     view
         Returns the party's current view (e.g. ``records.view``); read per request, so a
-        member that leaves or fails is refused from then on.
+        member that leaves or fails is refused from then on (unless its own signature would
+        admit it again: :meth:`authorize`).
     """
 
     creds: LinkCredentials
