@@ -48,7 +48,7 @@ from chaos_flwr.errors import (
 from chaos_flwr.flower.direct import BytesSource, DirectServer, LinkLimits
 from chaos_flwr.flower.fetch import fetch_ranges
 from chaos_flwr.identity import Identity
-from chaos_flwr.membership import Record, RecordSet
+from chaos_flwr.membership import Record, RecordSet, leave_body
 from chaos_flwr.transport import tls
 from chaos_flwr.transport.links import LinkDialer
 from chaos_flwr.transport.tls import BINDING_OID, LinkCredentials
@@ -555,3 +555,41 @@ def test_a_party_its_own_signature_admits_is_served_before_its_join_arrives() ->
     LinkAccess(creds, open_door, rs.view).authorize(d)  # its own join would admit it
     with pytest.raises(NotMemberError):  # not on the charter: never
         LinkAccess(creds, open_door, rs.view).authorize(ident("x").party_id)
+    # a founder that left is refused: leaving ends its reads, until its new join arrives
+    e = ident("e")
+    LinkAccess(creds, rs.policy, rs.view).authorize(e.party_id)
+    rs.add(Record.sign(leave_body(FED, e.party_id, 0), [e]))
+    for policy in (rs.policy, open_door):
+        with pytest.raises(NotMemberError):
+            LinkAccess(creds, policy, rs.view).authorize(e.party_id)
+
+
+def test_a_channel_let_go_while_a_call_is_on_it_closes_after_the_call() -> None:
+    from chaos_flwr.errors import ChaosError
+
+    d = Donor(up_mb_s=4.0)  # a 4 MiB reply takes about a second
+    try:
+        ask = codec.encode({"round": ROUND, "digest": DIGEST, "start": [0], "end": [4 * MiB]})
+        a = ident("a").party_id
+        other = LinkCredentials.create(ident("a"), FED).serve_cert_der  # a's next certificate
+
+        async def go() -> Any:
+            dialer = LinkDialer(LinkCredentials.create(ident("b"), FED))
+            try:
+                slow = asyncio.ensure_future(
+                    dialer.request(d.address, d.record.body["cert"], ask, timeout=30.0, party=a)
+                )
+                await asyncio.sleep(0.3)  # the call is under way; a moves to a new endpoint
+                with pytest.raises(ChaosError):
+                    await dialer.request(
+                        f"127.0.0.1:{_closed_port()}", other, b"x", timeout=2.0, party=a
+                    )
+                assert len(dialer._channels) == 1  # the first channel was let go
+                return await slow
+            finally:
+                await dialer.close()
+
+        got = asyncio.run(go())
+    finally:
+        d.stop()
+    assert codec.decode(got)["data"][0] == DATA[: 4 * MiB]

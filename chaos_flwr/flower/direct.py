@@ -14,7 +14,8 @@ Links are authenticated and encrypted
 Given the party's :class:`LinkAccess` (its link credentials, policy and view), a
 :class:`DirectServer` serves over mutual TLS (:class:`~chaos_flwr.transport.links.LinkServer`):
 only to a peer whose certificate is bound to a charter key (:mod:`chaos_flwr.transport.tls`)
-and that is an active member of the donor's view, and the joiner's
+and that is an active member of the donor's view (or a newcomer its own signature admits:
+:meth:`~chaos_flwr.transport.links.LinkAccess.authorize`), and the joiner's
 :func:`~chaos_flwr.flower.fetch.fetch_ranges` dials a donor only
 at the endpoint its verified endpoint record names (any host, IPv4, IPv6 or a name), pinning
 the certificate that record carries; an address the relay offered that no record signs is

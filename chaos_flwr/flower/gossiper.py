@@ -94,7 +94,8 @@ class Gossiper:
 
     # -- serving -----------------------------------------------------------------------------
     def answer(self, src: str, value: Any) -> bytes:
-        """The reply to ``src``'s gossip request (``src`` authenticated and a member).
+        """The reply to ``src``'s gossip request (``src`` authenticated and authorised:
+        :meth:`~chaos_flwr.transport.links.LinkAccess.authorize`).
 
         Raises
         ------

@@ -364,19 +364,17 @@ class LinkDialer:
         # (address, serve certificate) -> channel, least recently used first
         self._channels: dict[tuple[str, bytes], grpc.aio.Channel] = {}
         self._key_of: dict[str, tuple[str, bytes]] = {}  # party -> its channel's key
+        # calls in flight per channel (by id), and channels let go while calls were on them:
+        # closed when their last call ends (closing cancels a channel's calls)
+        self._busy: dict[int, int] = {}
+        self._retired: dict[int, grpc.aio.Channel] = {}
 
     async def _channel(self, address: str, cert_der: bytes, party: str) -> grpc.aio.Channel:
         """The channel to ``address``; closes ``party``'s channel to an endpoint it left, and
         the least recently used past ``LINK_DIALER_MAX_CHANNELS``."""
         key = (address, cert_der)
-        stale: list[grpc.aio.Channel] = []
-        old = self._key_of.get(party) if party else None
-        if old is not None and old != key and old in self._channels:
-            stale.append(self._channels.pop(old))
-        if party:
-            self._key_of[party] = key
         channel = self._channels.pop(key, None)
-        if channel is None:
+        if channel is None:  # a certificate that does not parse raises before any change
             creds = grpc.ssl_channel_credentials(
                 root_certificates=serve_cert_pem_of(cert_der),
                 private_key=self.creds.key_pem,
@@ -389,13 +387,22 @@ class LinkDialer:
                 ("grpc.enable_http_proxy", 0),
             ]
             channel = grpc.aio.secure_channel(address, creds, options=options)
+        stale: list[grpc.aio.Channel] = []
+        old = self._key_of.get(party) if party else None
+        if old is not None and old != key and old in self._channels:
+            stale.append(self._channels.pop(old))
+        if party:
+            self._key_of[party] = key
         self._channels[key] = channel
         while len(self._channels) > LINK_DIALER_MAX_CHANNELS:
             stale.append(self._channels.pop(next(iter(self._channels))))
         live = set(self._channels)
         self._key_of = {p: k for p, k in self._key_of.items() if k in live}
         for gone in stale:
-            await gone.close()
+            if self._busy.get(id(gone)):
+                self._retired[id(gone)] = gone
+            else:
+                await gone.close()
         return channel
 
     async def request(
@@ -418,6 +425,8 @@ class LinkDialer:
         )
         parts: list[bytes] = []
         size = 0
+        cid = id(channel)
+        self._busy[cid] = self._busy.get(cid, 0) + 1
         try:
             async for chunk in stub(data, timeout=timeout):
                 size += len(chunk)
@@ -428,11 +437,22 @@ class LinkDialer:
                 parts.append(chunk)
         except grpc.aio.AioRpcError as err:
             raise typed_error(err, f"link to {address}") from None
+        finally:
+            await self._done(cid)
         return b"".join(parts)
+
+    async def _done(self, cid: int) -> None:
+        """A call on channel ``cid`` ended: close the channel if it was let go meanwhile."""
+        left = self._busy.pop(cid, 1) - 1
+        if left > 0:
+            self._busy[cid] = left
+        elif cid in self._retired:
+            await self._retired.pop(cid).close()
 
     async def close(self) -> None:
         """Close every channel."""
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [*self._channels.values(), *self._retired.values()]
+        self._channels, self._retired = {}, {}
         for channel in channels:
             await channel.close()
 
@@ -449,8 +469,7 @@ class LinkAccess:
         The federation's policy (name and charter keyring).
     view
         Returns the party's current view (e.g. ``records.view``); read per request, so a
-        member that leaves or fails is refused from then on (unless its own signature would
-        admit it again: :meth:`authorize`).
+        member that leaves or fails is refused from then on.
     """
 
     creds: LinkCredentials
@@ -459,15 +478,18 @@ class LinkAccess:
 
     def authorize(self, party: str) -> None:
         """Raise :class:`~chaos_flwr.errors.NotMemberError` unless ``party`` is active in the
-        view, or its own signature alone admits it (a founder, or any charter party when the
-        charter's ``admission.sponsors_required`` is 0): it proved its key in the handshake
-        and could sign its join at will, so serving it gives nothing away. That is how a
-        joiner that came while the members train pulls from their daemons before its join
-        record reaches them."""
-        if self.view().is_active(party):
+        view, or is a newcomer its own signature alone admits: a charter party the view has
+        never listed (not one that left or was failed: leaving or failing ends its reads),
+        that is a founder or joins where ``admission.sponsors_required`` is 0. Its charter key
+        vouched for its link key, and its join needs no one else, so serving it before that
+        join reaches this donor gives nothing away. That is how a joiner that came while the
+        members train pulls from their daemons."""
+        view = self.view()
+        if view.is_active(party):
             return
         policy = self.policy
-        if party in policy.keyring and (party in policy.founders or policy.sponsors_required == 0):
+        newcomer = party in policy.keyring and party not in view.members
+        if newcomer and (party in policy.founders or policy.sponsors_required == 0):
             return
         raise NotMemberError(f"{party} is not an active member in this donor's view")
 

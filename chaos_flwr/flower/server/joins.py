@@ -338,11 +338,13 @@ class JoinRelay:
         self._total = state.serialized_size()
         spec = PhaseSpec("join", rnd, digest)
         taken: list[JoinLog] = []
-        if not self._server_path(donors):  # the holders' daemons serve while they train
-            taken, joiners = self._pull_direct(grid, joiners, donors, spec, timeout, rlog)
-        if joiners:
+        left = t0 + timeout - self.clock()  # the question, the direct step and the copy share it
+        if left > 0 and not self._server_path(donors):  # the holders' daemons serve as they train
+            taken, joiners = self._pull_direct(grid, joiners, donors, spec, left, rlog)
+        left = t0 + timeout - self.clock()
+        if joiners and left > 0:
             then = "it takes the round's state in the round's join"
-            sent, _ = self._send_state(grid, joiners, donors, spec, state, timeout, rlog, then)
+            sent, _ = self._send_state(grid, joiners, donors, spec, state, left, rlog, then)
             taken += sent
         rlog.joins.extend(taken)
         for jl in taken:

@@ -158,8 +158,10 @@ class LateJoiners:
             return [], 0.0
         self._known.update(came)
         rnd, digest, arrays = self._base
+        # its exchanges (the question, the state) end by the bound too
+        bound = min(self._timeout, self._until - now)
         ready = joins.during_round(
-            self._grid, came, rnd, digest, self._rlog, self._timeout, self._state_of,
+            self._grid, came, rnd, digest, self._rlog, bound, self._state_of,
             training=self._trainers,
         )  # fmt: skip
         left = self._until - self._clock()
