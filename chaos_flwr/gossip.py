@@ -21,6 +21,9 @@ every vote about it; whoever holds ``failure_quorum`` current votes holds the fa
 gossips it like any other. A party never heard (no daemon, or never reachable) is never
 suspected here; the relay's failure detection still covers it.
 
+A daemon also countersigns a charter party's own join on request (:meth:`Gossip.countersign`,
+:mod:`chaos_flwr.countersign`): a record its signature completes is held, and gossiped on.
+
 The class does no I/O and reads no clock: ``now`` comes in, values to send go out. The
 daemon's carrier dials, serves, writes files and serialises calls (one lock).
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .countersign import countersign
 from .defaults import (
     GOSSIP_FANOUT,
     GOSSIP_MAX_RECORDS,
@@ -150,6 +154,13 @@ class Gossip:
     def _refuse(self, exc: ChaosError) -> None:
         name = type(exc).__name__
         self.refused[name] = self.refused.get(name, 0) + 1
+
+    def countersign(self, src: str, value: Any) -> tuple[dict[str, Any], bool]:
+        """Countersign ``src``'s own join (:func:`~chaos_flwr.countersign.countersign`, which
+        raises what it refuses); a record that is now complete is held. Returns the reply,
+        and whether the record is new here (``src`` is then a member in this view)."""
+        done = countersign(self.records, self.party_id, self._sign, src, value)
+        return done.reply, done.record is not None and self.take([done.record]) > 0
 
     # -- a gossip round ----------------------------------------------------------------------
     def targets(self) -> list[tuple[str, EndpointInfo]]:

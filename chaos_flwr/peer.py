@@ -356,6 +356,24 @@ class Peer(PeerCore):
         """
         return self._joining.request(now, sponsors)
 
+    def pending_join(self) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+        """The join body this party asked sponsors for and the signatures it holds (its own
+        among them), while that join is not complete; ``None`` otherwise."""
+        return self._joining.pending_request()
+
+    def take_join_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
+        """A signature ``sponsor`` gave this party's pending join some other way than an
+        envelope (its daemon, over a direct link): taken as its ``join_sig`` would be.
+
+        Raises
+        ------
+        PolicyError
+            ``sponsor`` was not asked to sponsor the join.
+        SignatureError
+            ``sig`` does not verify.
+        """
+        return self._joining.take_sig(sponsor, sig, now)
+
     def leave(self, now: float) -> list[Outgoing]:
         """Leave the federation (scale-in): sign a leave record and broadcast it.
 

@@ -126,7 +126,6 @@ class JoinNegotiation:
 
     def on_join_sig(self, env: Envelope, now: float) -> list[Outgoing]:
         """A sponsor's countersignature: assemble the record once enough are held."""
-        peer = self._peer
         rid = env.payload.get("id")
         sig = env.payload.get("sig")
         if not isinstance(rid, str) or not isinstance(sig, bytes):
@@ -134,10 +133,28 @@ class JoinNegotiation:
         join = self._pending.get(rid)
         if join is None or join.done is not None:
             return []
-        if env.sender not in join.sponsors:
-            raise PolicyError(f"party {env.sender} was not asked to sponsor this join")
-        peer.records.cache.verify(peer._keyring[env.sender], sig, signing_bytes(join.body))
-        join.sigs[env.sender] = sig
+        return self._take(join, env.sender, sig, now)
+
+    def pending_request(self) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+        """The pending join's body and signatures, while it is not complete."""
+        for join in self._pending.values():
+            if join.done is None:
+                return join.body, dict(join.sigs)
+        return None
+
+    def take_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
+        """``sponsor``'s signature of the pending join, however it came (see ``on_join_sig``)."""
+        for join in self._pending.values():
+            if join.done is None:
+                return self._take(join, sponsor, sig, now)
+        return []
+
+    def _take(self, join: PendingJoin, sender: str, sig: bytes, now: float) -> list[Outgoing]:
+        peer = self._peer
+        if sender not in join.sponsors:
+            raise PolicyError(f"party {sender} was not asked to sponsor this join")
+        peer.records.cache.verify(peer._keyring[sender], sig, signing_bytes(join.body))
+        join.sigs[sender] = sig
         if len(join.sigs) - 1 < peer.policy.sponsors_required:
             return []
         join.done = Record(body=join.body, signatures=dict(join.sigs))

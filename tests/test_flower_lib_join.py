@@ -763,7 +763,16 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         strategy = w.strategy()
         strategy.start(w.grid, _initial(), num_rounds=4, timeout=10)
         ((rlog, join),) = _joins(strategy, w.pid(3))
-        assert join.ok and join.digest == rlog.digest
+        # it came during round 2's training and needs a sponsor (sponsors_required 1): the
+        # daemons countersigned its join over their links while their nodes trained, so it
+        # took round 1's state then and trained in round 2, the round it came during
+        assert rlog.server_round == 2 and join.ok and join.server_round == 1
+        assert join.digest == _round_log(strategy, 1).digest
+        assert joiner["n"].node_id in rlog.trained
+        view = strategy.courier.view
+        assert view is not None and view.policy.sponsors_required == 1
+        joined = view.records.member(w.pid(3))
+        assert joined is not None and joined.status == "active"
         donors = {w.pid(0), w.pid(1), w.pid(2)}
         # every byte over the links (a donor's first batch may be beaten by an end-game copy,
         # so not every donor need deliver one: each was asked, see the daemons' counts below)
@@ -820,6 +829,9 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         served = int(out.split("requests, ")[1].split(" bytes")[0])
         assert served >= join.direct_bytes.get(w.pid(p), 0)  # its shards (and any copy)
     assert "NotMemberError 2" in outs[0] and "StoreError 2" in outs[0]
+    # each donor it asked countersigned (no message reached their training nodes for it)
+    signed = [int(o.split("taken, ")[1].split(" join(s) countersigned")[0]) for o in outs.values()]
+    assert signed == [1, 1, 1]
     # one daemon answered the manifest request (counted as a request; it served no bytes)
     requests = sorted(int(o.split("stopped: ")[1].split(" requests")[0]) for o in outs.values())
     assert requests[-1] >= 2 and requests[0] >= 1  # shards each, plus the manifest

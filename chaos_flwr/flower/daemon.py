@@ -44,11 +44,16 @@ and evaluate messages are still handled in the ClientApp, which trains; both tak
 turn (:mod:`chaos_flwr.flower.client.lock`) and take up what the other saved, so the party
 stays one life (one incarnation) across them. What this saves is the party's rebuild from
 disk (``chaos-flwr bench rebuild``: its ``daemon`` row against ``sealed``), not the ClientApp
-process's start (about 1.2 s of Flower imports here). Not built: the daemon countersigning a
-join on its own while its SuperNode trains (a SuperNode runs one ClientApp at a time,
-``tests/test_flower_message_concurrency.py``), which would let a joiner that needs a sponsor
-train in the round in progress; one whose own records admit it already does
-(:mod:`chaos_flwr.flower.server.latejoin`).
+process's start (about 1.2 s of Flower imports here).
+
+And it countersigns a charter party's own join when that party asks over a link
+(:mod:`chaos_flwr.countersign`, :meth:`.gossiper.Gossiper.countersign`), with the checks a
+sponsor makes on a request through the relay, while its SuperNode trains (a SuperNode runs
+one ClientApp at a time, ``tests/test_flower_message_concurrency.py``): so a joiner that needs
+a sponsor and comes during training trains in that round
+(:mod:`chaos_flwr.flower.server.latejoin`). A record its signature completes is held and
+gossiped on, and its link server lets any charter party into a call for that (every other
+request is still for members only).
 """
 
 from __future__ import annotations
@@ -210,6 +215,7 @@ def serve_party(
     server = DirectServer(
         source, listen, link=link, gossip=gossiper.answer if gossiper is not None else None,
         readers=RelayGrants(Path(state_dir), link.creds.federation),
+        countersign=gossiper.countersign if gossiper is not None else None,
     )  # fmt: skip
     service, local_server = _local_service(Path(state_dir), str(identity.party_id), local)
     try:

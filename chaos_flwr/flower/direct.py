@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from chaos_flwr import codec
+from chaos_flwr.countersign import COUNTERSIGN_KEY
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_PROBE_CONNECT_S,
     LINK_MANIFESTS_CACHED,
@@ -215,6 +216,11 @@ class DirectServer:
         The non-member link keys also served (the relay's read grant,
         :class:`~chaos_flwr.flower.grant.RelayGrants`): ranges and manifests only, never
         gossip (:class:`~chaos_flwr.errors.NotMemberError`).
+    countersign:
+        Answers a charter party's request to countersign its own join (the party daemon's
+        :meth:`Gossiper.countersign`). With it, any charter party is let into a call
+        (:meth:`~chaos_flwr.transport.links.LinkAccess.may_ask`), and every other request is
+        checked against the view as it is read; without it, such requests are refused.
 
     Attributes
     ----------
@@ -233,6 +239,7 @@ class DirectServer:
         clock: Callable[[], float] = time.monotonic,
         gossip: Callable[[str, dict[str, Any]], bytes] | None = None,
         readers: Callable[[], Mapping[bytes, str]] | None = None,
+        countersign: Callable[[str, dict[str, Any]], bytes] | None = None,
     ) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
@@ -240,6 +247,7 @@ class DirectServer:
         self.source = source
         self._host, self._port, self._shaper = host, int(port), shaper
         self.link, self.gossip, self.readers = link, gossip, readers
+        self.countersign = countersign
         self.limits = limits if limits is not None else LinkLimits()
         self._quota = PeerQuota(self.limits, clock)
         self.address: str | None = None
@@ -267,13 +275,14 @@ class DirectServer:
             value = codec.decode(data, max_bytes=self.limits.max_request_bytes)
             if not isinstance(value, dict):
                 raise DecodeError("direct request must be a map")
+            if COUNTERSIGN_KEY in value:
+                reply = await self._daemon(src, value, self.countersign, "countersign joins")
+                self.requests_served += 1
+                return reply
+            if self.countersign is not None and is_party_id(src):
+                self.link.authorize(src)  # the call let any charter party in: members only here
             if GOSSIP_KEY in value:
-                if not is_party_id(src):
-                    raise NotMemberError(f"{src[:40]} reads certified states only, no gossip")
-                if self.gossip is None:
-                    raise DecodeError("this link server does not gossip (no party daemon)")
-                loop = asyncio.get_running_loop()  # off the loop: it takes the view's lock
-                reply = await loop.run_in_executor(None, self.gossip, src, value)
+                reply = await self._daemon(src, value, self.gossip, "gossip")
                 self._quota.charge(src, len(reply))
                 return reply
             rnd, digest = value.get("round"), value.get("digest")
@@ -295,6 +304,18 @@ class DirectServer:
         self.requests_served += 1
         self.bytes_served += sum(len(c) for c in chunks)
         return codec.encode({"data": chunks})
+
+    async def _daemon(
+        self, src: str, value: dict[str, Any], call: Callable[[str, Any], bytes] | None, what: str
+    ) -> bytes:
+        """The reply to a request only a party daemon answers (gossip, countersign), from a
+        party (not a relay's read grant); called inside :meth:`_handle`'s refusal guard."""
+        if not is_party_id(src):
+            raise NotMemberError(f"{src[:40]} reads certified states only, no {what}")
+        if call is None:
+            raise DecodeError(f"this link server does not {what} (no party daemon)")
+        loop = asyncio.get_running_loop()  # off the loop: it takes the view's lock
+        return await loop.run_in_executor(None, call, src, value)
 
     async def _manifest(self, src: str, rnd: int, digest: bytes, value: dict[str, Any]) -> bytes:
         """Reply to a manifest request (called inside :meth:`_handle`'s refusal guard)."""
@@ -333,7 +354,7 @@ class DirectServer:
         return LinkServer(
             link.creds,
             lambda: link.policy.keyring,
-            link.authorize,
+            link.may_ask if self.countersign is not None else link.authorize,
             f"{self._host}:{self._port}",
             max_concurrent=self.limits.max_concurrent,
             max_request_bytes=self.limits.max_request_bytes,

@@ -54,8 +54,9 @@ class Gossiper:
 
     Attributes
     ----------
-    rounds, asked, answered, learned : int
-        Rounds run, exchanges started, requests answered, records and votes taken.
+    rounds, asked, answered, learned, countersigned : int
+        Rounds run, exchanges started, requests answered, records and votes taken, joins
+        countersigned.
     failed : dict[str, int]
         Failed exchanges, by error class name.
     """
@@ -72,7 +73,7 @@ class Gossiper:
     ) -> None:
         self.saved, self.link, self.state_dir = saved, link, Path(state_dir)
         self.interval_s, self.timeout_s, self.clock = interval_s, timeout_s, clock
-        self.rounds = self.asked = self.answered = self.learned = 0
+        self.rounds = self.asked = self.answered = self.learned = self.countersigned = 0
         self.failed: dict[str, int] = {}
         self._written: frozenset[str] | None = None
         self._down: set[str] = set()
@@ -108,6 +109,26 @@ class Gossiper:
             self.saved()
             reply = self.saved.gossip.on_request(src, value, self.clock())
             self.answered += 1
+        return codec.encode(reply)
+
+    def countersign(self, src: str, value: Any) -> bytes:
+        """The reply to ``src``'s request to countersign its own join
+        (:func:`~chaos_flwr.countersign.countersign`); a join it makes complete is held (so
+        ``src`` is served as a member from now on), gossiped on, and written for the party.
+
+        Raises
+        ------
+        ChaosError
+            The request is refused (:func:`~chaos_flwr.countersign.countersign`).
+        """
+        with self.saved.lock:
+            self.saved()
+            reply, taken = self.saved.gossip.countersign(src, value)
+            self.countersigned += 1
+        LOG.info("chaos-flwr party: countersigned the join of %s%s", src,
+                 " (now a member in this view)" if taken else "")  # fmt: skip
+        if taken:
+            self._write()
         return codec.encode(reply)
 
     # -- rounds ------------------------------------------------------------------------------
@@ -203,5 +224,6 @@ class Gossiper:
         refused = ", ".join(f"{k} {v}" for k, v in sorted(self.saved.gossip.refused.items()))
         return (
             f"gossip: {self.rounds} rounds, {self.asked} asked ({failed} failed), "
-            f"{self.answered} answered, {self.learned} taken; refused: {refused or 'none'}"
+            f"{self.answered} answered, {self.learned} taken, {self.countersigned} "
+            f"join(s) countersigned; refused: {refused or 'none'}"
         )

@@ -493,6 +493,15 @@ class LinkAccess:
             return
         raise NotMemberError(f"{party} is not an active member in this donor's view")
 
+    def may_ask(self, party: str) -> None:
+        """Raise :class:`~chaos_flwr.errors.NotMemberError` unless ``party`` may be let into a
+        call by a server that also countersigns joins: one :meth:`authorize` serves, or any
+        other charter party (a joiner asking for its sponsors' signatures, or a party that
+        left or was failed joining again). Such a server checks :meth:`authorize` again for
+        every request but a countersign (:mod:`chaos_flwr.countersign`)."""
+        if party not in self.policy.keyring:
+            raise NotMemberError(f"{party} is no charter party")
+
     def endpoint(self, party: str, offered: str | None = None) -> EndpointInfo:
         """The endpoint to dial ``party`` at: from its verified endpoint record only.
 

@@ -45,6 +45,7 @@ from chaos_flwr.defaults import (
 )
 from chaos_flwr.errors import ChaosError, DecodeError, ShardIntegrityError
 from chaos_flwr.flower.client.endpoint import LinkedParty, link_access
+from chaos_flwr.flower.client.sponsors import ask_sponsors
 from chaos_flwr.flower.schema import JOIN_TAKE_OP
 from chaos_flwr.pull.messages import Reply, read_reply
 from chaos_flwr.pull.negotiation import (
@@ -430,6 +431,8 @@ def join_step(
         min_shard, total = _start_settings(control)
         _take_records(party, control, now)
         link = link_access(party)
+        if link is not None and not getattr(party.peer, "is_member", True):
+            ask_sponsors(party, link, good)  # their daemons sign while their nodes train
         pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total, link=link)
         party.joining = pull
         status, requests = pull.start(now)

@@ -300,18 +300,21 @@ class JoinRelay:
         training: Collection[str | None] = (),
     ) -> list[int]:
         """While a round trains: ask ``newcomers`` (nodes that came during training) and send
-        the certified state ``(rnd, digest)`` the round trains from to those the signed view
-        already lists as active. Returns the active ones that hold it now (that took it up,
-        or already held it: a founder's SuperNode restarted with its state directory). A
-        newcomer whose party is in ``training`` (its train message went to the node it was on
-        before a restart) is sent nothing: it does not train again in this round, and the
-        round's join gives it the state the round certifies.
+        the certified state ``(rnd, digest)`` the round trains from to those admitted now.
+        Returns the active ones that hold it now (that took it up, or already held it: a
+        founder's SuperNode restarted with its state directory). A newcomer whose party is in
+        ``training`` (its train message went to the node it was on before a restart) is sent
+        nothing: it does not train again in this round, and the round's join gives it the
+        state the round certifies.
 
-        Nothing here waits on a member: they are training (a SuperNode runs one ClientApp
-        at a time), so only a newcomer whose own records admit it (a founder, or a charter
-        whose ``admission.sponsors_required`` is 0) is taken now, and the state comes from the
-        ServerApp's copy, checked by the joiner against the holders' receipts. The others
-        are admitted with the round's certify and take its state in its join, as before.
+        Nothing here waits on a member: they are training (a SuperNode runs one ClientApp at
+        a time). A newcomer whose own records admit it (a founder, or a charter whose
+        ``admission.sponsors_required`` is 0) is taken now. When the holders announced
+        endpoints, so does one whose join needs sponsors: in its direct join step it asks the
+        holders' daemons to countersign (:mod:`chaos_flwr.countersign`), then fetches. The
+        state comes over the holders' links, else from the ServerApp's copy (for an admitted
+        joiner), checked by the joiner against the holders' receipts. The others are admitted
+        with the round's certify and take its state in its join, as before.
         """
         courier = self.courier
         if courier.view is None:
@@ -319,19 +322,16 @@ class JoinRelay:
         t0 = self.clock()
         self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_LATE_JOIN_ASK_S))
         rlog.ask_s += self.clock() - t0
-        active, party_of = courier.view.active(), courier.relay.party_of
-        joiners = [
-            (n, p)
-            for n in newcomers
-            if (p := party_of.get(n)) is not None
-            and p in active
-            and p not in training
-            and n not in courier.suspects
-        ]
+        view, party_of = courier.view, courier.relay.party_of
+        active = view.active()
+        joiners = _charter_parties(courier, newcomers, training)
         holders = courier.holding(grid.get_node_ids(), rnd, digest)
         donors = [d for d in holders if courier.holders[d][0] in active][: self.settings.max_donors]
-        held = [n for n, _ in joiners if n in holders]
+        held = [n for n, p in joiners if n in holders and p in active]
         joiners = [(n, p) for n, p in joiners if n not in holders]
+        direct = bool(donors) and not self._server_path(donors)
+        if not direct:  # only the holders' daemons can countersign now
+            joiners = [(n, p) for n, p in joiners if p in active]
         if not joiners or not donors:
             return held
         state = state_of()
@@ -339,9 +339,10 @@ class JoinRelay:
         spec = PhaseSpec("join", rnd, digest)
         taken: list[JoinLog] = []
         left = t0 + timeout - self.clock()  # the question, the direct step and the copy share it
-        if left > 0 and not self._server_path(donors):  # the holders' daemons serve as they train
+        if left > 0 and direct:  # the holders' daemons serve (and countersign) as they train
             taken, joiners = self._pull_direct(grid, joiners, donors, spec, left, rlog)
         left = t0 + timeout - self.clock()
+        joiners = [(n, p) for n, p in joiners if p in view.active()]  # admitted, or not now
         if joiners and left > 0:
             then = "it takes the round's state in the round's join"
             sent, _ = self._send_state(grid, joiners, donors, spec, state, left, rlog, then)
@@ -353,7 +354,9 @@ class JoinRelay:
                 "%s in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
                 "from the ServerApp" if jl.source == "server" else "over direct links", jl.pull_s,
             )  # fmt: skip
-        return held + courier.holding([jl.node for jl in taken], rnd, digest)
+        active = view.active()  # a joiner its sponsors' daemons admitted is listed now
+        ready = [jl.node for jl in taken if party_of.get(jl.node) in active]
+        return held + courier.holding(ready, rnd, digest)
 
     def _pull_direct(
         self, grid: Grid, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec,
@@ -622,6 +625,22 @@ class JoinRelay:
                 step.lost[node].add(dparty)
         for node in step.still:
             run.ctl[node] = ConfigRecord({"op": "step", "lost": sorted(step.lost[node])})
+
+
+def _charter_parties(
+    courier: Courier, newcomers: list[int], training: Collection[str | None]
+) -> list[tuple[int, str]]:
+    """``(node, party)`` of the charter parties among ``newcomers``: members, and those whose
+    join waits for sponsors; not a suspect, nor a party that already trains in the round."""
+    keyring, party_of = courier.view.keyring if courier.view else {}, courier.relay.party_of
+    return [
+        (n, p)
+        for n in newcomers
+        if (p := party_of.get(n)) is not None
+        and p in keyring
+        and p not in training
+        and n not in courier.suspects
+    ]
 
 
 def _endpoint_records(courier: Courier, parties: list[str]) -> list[bytes]:

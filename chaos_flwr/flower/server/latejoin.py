@@ -6,10 +6,13 @@ training is first sampled in the next round, and a plain FedAvg joiner trains on
 than it could have. While the train exchange waits for its replies, :class:`LateJoiners` looks
 for nodes that came since it started (at most every :data:`FLOWER_LATE_JOIN_LOOK_S`). It asks
 them, and each whose own signed records already admit it (a founder, or a charter whose
-``admission.sponsors_required`` is 0: the members are training and cannot countersign now)
-takes the certified state the round trains from, checked against the holders' receipts
-(:meth:`~.joins.JoinRelay.during_round`): over the holders' direct links when they announced
-endpoints (their daemons serve while their SuperNodes train), else from the ServerApp's copy.
+``admission.sponsors_required`` is 0) takes the certified state the round trains from, checked
+against the holders' receipts (:meth:`~.joins.JoinRelay.during_round`): over the holders'
+direct links when they announced endpoints (their daemons serve while their SuperNodes train),
+else from the ServerApp's copy. One whose join needs sponsors does too when the holders
+announced endpoints: their daemons countersign its join over their links
+(:mod:`chaos_flwr.countersign`); without them (their SuperNodes are training) it is admitted
+with the round's certify and trains in the next round.
 It then gets the round's train instruction (the content of the inner strategy's first train
 message of the round, with the model left out: it holds it) and the exchange waits for its
 reply too, so the inner strategy aggregates its update with the others'.

@@ -1,0 +1,184 @@
+"""A member's daemon countersigning a joiner's own join over a direct link
+(:mod:`chaos_flwr.countersign`, :meth:`chaos_flwr.gossip.Gossip.countersign`, and the link
+server's gate): what it signs, what it refuses with a typed error, and that a server that
+countersigns still serves nothing else to a non-member.
+
+The whole path on Flower (a sponsored joiner that comes during training trains in that round)
+is in ``tests/test_flower_lib_join.py``: ``test_a_joiner_pulls_from_party_daemons_...``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import pytest
+from link_world import DATA, DIGEST, FED, ROUND, access, ident, records
+
+from chaos_flwr import codec
+from chaos_flwr.countersign import countersign_request
+from chaos_flwr.errors import (
+    DecodeError,
+    NotMemberError,
+    PolicyError,
+    SignatureError,
+    UnknownPartyError,
+)
+from chaos_flwr.flower.direct import BytesSource, DirectServer
+from chaos_flwr.gossip import Gossip
+from chaos_flwr.identity import Identity
+from chaos_flwr.membership import (
+    ACTIVE,
+    Record,
+    RecordSet,
+    join_body,
+    leave_body,
+    signing_bytes,
+    validate_record,
+)
+from chaos_flwr.transport.links import LinkDialer
+from chaos_flwr.transport.tls import LinkCredentials
+
+
+def _ask(who: Identity, inc: int = 1, **body: Any) -> dict[str, Any]:
+    """``who``'s request to countersign its join of incarnation ``inc`` (body fields changed
+    by ``body``), signed by itself."""
+    b = {**join_body(FED, who.party_id, inc, 5.0), **body}
+    return countersign_request(b, {who.party_id: who.sign(signing_bytes(b))})
+
+
+def _gossip(name: str, rs: RecordSet) -> Gossip:
+    g = Gossip(ident(name).party_id, ident(name).sign, rs.policy)
+    g.take(list(rs))
+    return g
+
+
+def test_a_member_countersigns_a_charter_partys_own_join_and_holds_it_once_complete() -> None:
+    a, d = ident("a"), ident("d")
+    g = _gossip("a", records())
+    req = _ask(d)
+    reply, new = g.countersign(d.party_id, req)
+    # a's signature over the very body asked: with d's own, a record the charter takes ...
+    sigs = {d.party_id: req["sigs"][d.party_id], a.party_id: reply["sig"]}
+    validate_record(Record(body=req["countersign"], signatures=sigs), g.policy)
+    # ... and the record is held: d is an active member in a's view (served from now on)
+    assert new and g.view().is_active(d.party_id)
+    assert g.view().members[d.party_id].status == ACTIVE
+    # asked again for the same incarnation: refused (that join is held)
+    with pytest.raises(PolicyError, match="incarnation 1"):
+        g.countersign(d.party_id, req)
+
+
+def test_two_sponsors_each_sign_and_the_complete_record_is_held_when_handed_over() -> None:
+    b, d = ident("b"), ident("d")
+    policy = dataclasses.replace(records().policy, sponsors_required=2)
+    ga, gb = (Gossip(ident(n).party_id, ident(n).sign, policy) for n in ("a", "b"))
+    for g in (ga, gb):
+        g.take(list(records()))
+    req = _ask(d)
+    sig_a, new_a = ga.countersign(d.party_id, req)
+    sig_b, new_b = gb.countersign(d.party_id, req)
+    assert not new_a and not new_b  # one sponsor each: not complete yet
+    assert not ga.view().is_active(d.party_id)
+    full = dict(req["sigs"])
+    full.update({ident("a").party_id: sig_a["sig"], b.party_id: sig_b["sig"]})
+    _, new = ga.countersign(d.party_id, countersign_request(req["countersign"], full))
+    assert new and ga.view().is_active(d.party_id)
+    # a forged extra signature does not make a record complete
+    forged = {**req["sigs"], b.party_id: b"\0" * 64}
+    _, new = gb.countersign(d.party_id, countersign_request(req["countersign"], forged))
+    assert not new and not gb.view().is_active(d.party_id)
+
+
+def test_what_a_member_refuses_to_countersign() -> None:
+    d, e = ident("d"), ident("e")
+    rs = records()
+    g = _gossip("a", rs)
+    cases: list[tuple[str, Any, type[Exception]]] = [
+        (e.party_id, _ask(d), PolicyError),  # e asks for d's join
+        (d.party_id, _ask(d, federation="other-fed"), PolicyError),
+        (d.party_id, _ask(d, kind="leave"), PolicyError),
+        (d.party_id, _ask(d, incarnation="1"), DecodeError),
+        (d.party_id, {"countersign": [1]}, DecodeError),
+        (d.party_id, {**_ask(d), "sigs": {d.party_id: "x"}}, DecodeError),
+        (d.party_id, {**_ask(d), "sigs": {f"p{i}": b"" for i in range(9)}}, DecodeError),
+        (ident("x").party_id, _ask(ident("x")), UnknownPartyError),  # not on the charter
+    ]
+    bad_sig = _ask(d)
+    bad_sig["sigs"][d.party_id] = ident("b").sign(signing_bytes(bad_sig["countersign"]))
+    cases.append((d.party_id, bad_sig, SignatureError))
+    for src, req, err in cases:
+        with pytest.raises(err):
+            g.countersign(src, req)
+    # a member asking for a join above its own incarnation is a rejoin: signed
+    reply, _ = g.countersign(e.party_id, _ask(e, inc=1))
+    assert isinstance(reply["sig"], bytes)
+    # a party that left does not sponsor anyone
+    a = ident("a")
+    gone = _gossip("a", records([Record.sign(leave_body(FED, a.party_id, 0), [a])]))
+    with pytest.raises(PolicyError, match="not an active member"):
+        gone.countersign(d.party_id, _ask(d))
+    assert not g.view().is_active(d.party_id)  # nothing above was held
+
+
+def test_a_countersigning_server_serves_a_non_member_nothing_but_its_countersign() -> None:
+    d = ident("d")
+    rs = records()
+    gossip = _gossip("a", rs)
+    link = access("a", gossip.records)
+
+    def sign(src: str, value: dict[str, Any]) -> bytes:
+        return codec.encode(gossip.countersign(src, value)[0])
+
+    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), link=link, countersign=sign)
+    address = server.start()
+    cert = link.creds.serve_cert_der
+    ranges = codec.encode({"round": ROUND, "digest": DIGEST, "start": [0], "end": [1024]})
+
+    async def call(who: Identity, req: bytes) -> Any:
+        dialer = LinkDialer(LinkCredentials.create(who, FED))
+        try:
+            return codec.decode(await dialer.request(address, cert, req, timeout=10.0))
+        except Exception as exc:  # the typed refusal is the result
+            return exc
+        finally:
+            await dialer.close()
+
+    try:
+        before = asyncio.run(call(d, ranges))
+        gossip_req = asyncio.run(call(d, codec.encode({"gossip": b"\0" * 32})))
+        outsider = asyncio.run(call(ident("x"), codec.encode(_ask(ident("x")))))
+        signed = asyncio.run(call(d, codec.encode(_ask(d))))
+        after = asyncio.run(call(d, ranges))
+    finally:
+        server.stop()
+    assert isinstance(before, NotMemberError) and isinstance(gossip_req, NotMemberError)
+    assert isinstance(outsider, NotMemberError)  # no charter key: refused as the call starts
+    assert isinstance(signed["sig"], bytes)
+    assert after["data"] == [DATA[:1024]]  # its join is held there now: a member, served
+    assert server.refused == {"NotMemberError": 2}
+
+
+def test_a_link_server_without_a_daemon_refuses_a_countersign() -> None:
+    d = ident("d")
+    rs = records()
+    server = DirectServer(BytesSource(ROUND, DIGEST, DATA), link=access("a", rs))
+    address = server.start()
+
+    async def call() -> Any:
+        dialer = LinkDialer(LinkCredentials.create(d, FED))
+        try:
+            return await dialer.request(
+                address, server.link.creds.serve_cert_der, codec.encode(_ask(d)), timeout=10.0
+            )
+        except Exception as exc:
+            return exc
+        finally:
+            await dialer.close()
+
+    try:
+        got = asyncio.run(call())
+    finally:
+        server.stop()
+    assert isinstance(got, NotMemberError)  # a non-member is not let into a call at all
