@@ -362,13 +362,14 @@ class Peer(PeerCore):
         return self._joining.pending_request()
 
     def take_join_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
-        """A signature ``sponsor`` gave this party's pending join some other way than an
-        envelope (its daemon, over a direct link): taken as its ``join_sig`` would be.
+        """A signature ``sponsor`` gave this party's join some other way than an envelope (its
+        daemon, over a direct link): taken as its ``join_sig`` would be (and checked, though
+        nothing more is sent, when the join is complete already).
 
         Raises
         ------
         PolicyError
-            ``sponsor`` was not asked to sponsor the join.
+            This party asked for no join, or ``sponsor`` was not asked to sponsor it.
         SignatureError
             ``sig`` does not verify.
         """

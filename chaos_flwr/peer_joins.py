@@ -143,11 +143,12 @@ class JoinNegotiation:
         return None
 
     def take_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
-        """``sponsor``'s signature of the pending join, however it came (see ``on_join_sig``)."""
-        for join in self._pending.values():
-            if join.done is None:
-                return self._take(join, sponsor, sig, now)
-        return []
+        """``sponsor``'s signature of this party's join, however it came (see ``on_join_sig``);
+        checked even when the join is complete already (nothing more is sent then)."""
+        join = next(iter(self._pending.values()), None)  # a new request replaces the old
+        if join is None:
+            raise PolicyError(f"party {self._peer.party_id} has no join pending")
+        return self._take(join, sponsor, sig, now)
 
     def _take(self, join: PendingJoin, sender: str, sig: bytes, now: float) -> list[Outgoing]:
         peer = self._peer
@@ -155,7 +156,7 @@ class JoinNegotiation:
             raise PolicyError(f"party {sender} was not asked to sponsor this join")
         peer.records.cache.verify(peer._keyring[sender], sig, signing_bytes(join.body))
         join.sigs[sender] = sig
-        if len(join.sigs) - 1 < peer.policy.sponsors_required:
+        if join.done is not None or len(join.sigs) - 1 < peer.policy.sponsors_required:
             return []
         join.done = Record(body=join.body, signatures=dict(join.sigs))
         peer._apply([join.done], now)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -182,3 +183,60 @@ def test_a_link_server_without_a_daemon_refuses_a_countersign() -> None:
     finally:
         server.stop()
     assert isinstance(got, NotMemberError)  # a non-member is not let into a call at all
+
+
+def test_a_joiner_gathers_two_sponsors_over_their_links_and_each_holds_its_record(
+    tmp_path: Path,
+) -> None:
+    # sponsors_required 2: each daemon's own signature leaves the record incomplete there, so
+    # the joiner hands the complete record to each signer in a second call
+    import time
+    from types import SimpleNamespace
+
+    from chaos_flwr.charter import load_charter
+    from chaos_flwr.flower.client.sponsors import ask_sponsors
+    from chaos_flwr.flower.keys import charter_path, key_path, make_federation
+    from chaos_flwr.peer import Peer
+    from chaos_flwr.transport.links import LinkAccess
+
+    fed = make_federation(tmp_path, 4, founders=3, seed="countersign", sponsors_required=2)
+    charter = load_charter(charter_path(fed))
+    peers = [Peer(Identity.load(key_path(fed, i)), charter, incarnation=1) for i in range(4)]
+    founders, joiner = peers[:3], peers[3]
+    outs = [o for p in founders for o in p.bootstrap(1.0)]
+    for p in founders:
+        for o in outs:
+            if o.to == p.party_id:
+                p.handle(o.data, 1.0)
+    servers, gossips = [], []
+    for p in founders:
+        g = Gossip(p.party_id, p.identity.sign, p.policy)
+        creds = LinkCredentials.create(p.identity, p.policy.federation)
+        server = DirectServer(
+            BytesSource(ROUND, DIGEST, DATA),
+            link=LinkAccess(creds, p.policy, g.view),
+            countersign=lambda src, v, g=g: codec.encode(g.countersign(src, v)[0]),
+        )
+        address = server.start()
+        p.announce_endpoint(address, creds.serve_cert_der, 2.0)
+        servers.append(server)
+        gossips.append(g)
+    try:
+        held = [r for p in founders for r in p.records]
+        for g in gossips:
+            g.take(held)
+        joiner.load_records([r.to_wire() for r in held], 3.0)
+        joiner.request_join(3.0, [p.party_id for p in founders])
+        party = SimpleNamespace(peer=joiner, errors=[], pending=[], clock=time.monotonic)
+        creds = LinkCredentials.create(joiner.identity, joiner.policy.federation)
+        link = LinkAccess(creds, joiner.policy, joiner.view)
+        signed = ask_sponsors(party, link, [p.party_id for p in founders])
+    finally:
+        for server in servers:
+            server.stop()
+    assert signed == sorted(p.party_id for p in founders) and party.errors == []
+    assert joiner.is_member  # its complete record, applied; join_done queued for its sponsors
+    # join_done goes to the two whose signatures completed it (through the relay, as any)
+    assert len({o.to for o in party.pending}) == 2 and {o.to for o in party.pending} < set(signed)
+    for g in gossips:  # each signer holds the complete record: it serves the joiner now
+        assert g.view().is_active(joiner.party_id)
