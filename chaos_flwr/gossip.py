@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .countersign import countersign
+from .countersign import COUNTERSIGN_KEY, countersign
 from .defaults import (
     GOSSIP_FANOUT,
     GOSSIP_MAX_RECORDS,
@@ -46,7 +46,7 @@ from .defaults import (
     GOSSIP_SUSPECT_MISSES,
     GOSSIP_SUSPECT_S,
 )
-from .errors import ChaosError, DecodeError, PolicyError, UnknownPartyError
+from .errors import ChaosError, DecodeError, FloodError, PolicyError, UnknownPartyError
 from .membership import (
     ACTIVE,
     EndpointInfo,
@@ -59,7 +59,12 @@ from .membership import (
     signing_bytes,
 )
 
-__all__ = ["Gossip"]
+__all__ = ["COUNTERSIGN_INTERVAL_S", "Gossip"]
+
+#: Fewest seconds between two joins of one party that a daemon countersigns (each is a new
+#: record it holds and gossips; a join is a party's new incarnation, which is rare). The same
+#: join may be asked again at will (a second call with the complete record, a retry).
+COUNTERSIGN_INTERVAL_S: float = 60.0
 
 #: Request key naming a gossip request (its value: the asker's record-set digest).
 GOSSIP_KEY = "gossip"
@@ -113,6 +118,7 @@ class Gossip:
         # fail record id -> (its body, signer -> (signature, when it was last renewed))
         self._votes: dict[str, tuple[dict[str, Any], dict[str, tuple[bytes, float]]]] = {}
         self._turn = 0
+        self._countersigned: dict[str, tuple[str, float]] = {}  # party -> (join id, when)
 
     # -- what it holds ------------------------------------------------------------------------
     def view(self) -> View:
@@ -155,11 +161,27 @@ class Gossip:
         name = type(exc).__name__
         self.refused[name] = self.refused.get(name, 0) + 1
 
-    def countersign(self, src: str, value: Any) -> tuple[dict[str, Any], bool]:
+    def countersign(self, src: str, value: Any, now: float) -> tuple[dict[str, Any], bool]:
         """Countersign ``src``'s own join (:func:`~chaos_flwr.countersign.countersign`, which
         raises what it refuses); a record that is now complete is held. Returns the reply,
-        and whether the record is new here (``src`` is then a member in this view)."""
+        and whether the record is new here (``src`` is then a member in this view).
+
+        Raises
+        ------
+        FloodError
+            This party countersigned another join of ``src`` less than
+            :data:`COUNTERSIGN_INTERVAL_S` ago (the same join is signed again at will).
+        """
         done = countersign(self.records, self.party_id, self._sign, src, value)
+        rid = record_id_of(value[COUNTERSIGN_KEY])  # a checked join body
+        last = self._countersigned.get(src)
+        if last is not None and last[0] != rid and now - last[1] < COUNTERSIGN_INTERVAL_S:
+            raise FloodError(
+                f"{src} had another join countersigned {now - last[1]:.0f} s ago; one per "
+                f"{COUNTERSIGN_INTERVAL_S:g} s"
+            )
+        if last is None or last[0] != rid:
+            self._countersigned[src] = (rid, now)  # src is a charter party: bounded by it
         return done.reply, done.record is not None and self.take([done.record]) > 0
 
     # -- a gossip round ----------------------------------------------------------------------

@@ -363,13 +363,15 @@ class Peer(PeerCore):
 
     def take_join_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
         """A signature ``sponsor`` gave this party's join some other way than an envelope (its
-        daemon, over a direct link): taken as its ``join_sig`` would be (and checked, though
-        nothing more is sent, when the join is complete already).
+        daemon, over a direct link, asked by this party): taken as its ``join_sig`` would be
+        (and checked, though nothing more is sent, when the join is complete already).
 
         Raises
         ------
         PolicyError
-            This party asked for no join, or ``sponsor`` was not asked to sponsor it.
+            This party asked for no join.
+        SignatureError, UnknownPartyError
+            ``sig`` does not verify; ``sponsor`` is no charter party.
         SignatureError
             ``sig`` does not verify.
         """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .defaults import PEER_RETRY_INTERVAL_S
-from .errors import DecodeError, PolicyError
+from .errors import DecodeError, PolicyError, UnknownPartyError
 from .membership import ACTIVE, Record, join_body, record_id_of, signing_bytes, validate_record
 from .peer_core import Outgoing, PeerCore
 from .wire import Envelope
@@ -143,11 +143,15 @@ class JoinNegotiation:
         return None
 
     def take_sig(self, sponsor: str, sig: bytes, now: float) -> list[Outgoing]:
-        """``sponsor``'s signature of this party's join, however it came (see ``on_join_sig``);
-        checked even when the join is complete already (nothing more is sent then)."""
+        """``sponsor``'s signature of this party's join, asked for some other way than a
+        ``join_req`` (so ``sponsor`` counts as asked); checked even when the join is complete
+        already (nothing more is sent then)."""
         join = next(iter(self._pending.values()), None)  # a new request replaces the old
         if join is None:
             raise PolicyError(f"party {self._peer.party_id} has no join pending")
+        if sponsor not in self._peer._keyring:
+            raise UnknownPartyError(f"{sponsor!r} is no charter party; it sponsors nothing")
+        join.sponsors = tuple(sorted({*join.sponsors, sponsor}))
         return self._take(join, sponsor, sig, now)
 
     def _take(self, join: PendingJoin, sender: str, sig: bytes, now: float) -> list[Outgoing]:

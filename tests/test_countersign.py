@@ -18,7 +18,7 @@ import pytest
 from link_world import DATA, DIGEST, FED, ROUND, access, ident, records
 
 from chaos_flwr import codec
-from chaos_flwr.countersign import countersign_request
+from chaos_flwr.countersign import countersign, countersign_request
 from chaos_flwr.errors import (
     DecodeError,
     NotMemberError,
@@ -59,7 +59,7 @@ def test_a_member_countersigns_a_charter_partys_own_join_and_holds_it_once_compl
     a, d = ident("a"), ident("d")
     g = _gossip("a", records())
     req = _ask(d)
-    reply, new = g.countersign(d.party_id, req)
+    reply, new = g.countersign(d.party_id, req, 0.0)
     # a's signature over the very body asked: with d's own, a record the charter takes ...
     sigs = {d.party_id: req["sigs"][d.party_id], a.party_id: reply["sig"]}
     validate_record(Record(body=req["countersign"], signatures=sigs), g.policy)
@@ -68,7 +68,7 @@ def test_a_member_countersigns_a_charter_partys_own_join_and_holds_it_once_compl
     assert g.view().members[d.party_id].status == ACTIVE
     # asked again for the same incarnation: refused (that join is held)
     with pytest.raises(PolicyError, match="incarnation 1"):
-        g.countersign(d.party_id, req)
+        g.countersign(d.party_id, req, 0.0)
 
 
 def test_two_sponsors_each_sign_and_the_complete_record_is_held_when_handed_over() -> None:
@@ -78,18 +78,41 @@ def test_two_sponsors_each_sign_and_the_complete_record_is_held_when_handed_over
     for g in (ga, gb):
         g.take(list(records()))
     req = _ask(d)
-    sig_a, new_a = ga.countersign(d.party_id, req)
-    sig_b, new_b = gb.countersign(d.party_id, req)
+    sig_a, new_a = ga.countersign(d.party_id, req, 0.0)
+    sig_b, new_b = gb.countersign(d.party_id, req, 0.0)
     assert not new_a and not new_b  # one sponsor each: not complete yet
     assert not ga.view().is_active(d.party_id)
     full = dict(req["sigs"])
     full.update({ident("a").party_id: sig_a["sig"], b.party_id: sig_b["sig"]})
-    _, new = ga.countersign(d.party_id, countersign_request(req["countersign"], full))
+    _, new = ga.countersign(d.party_id, countersign_request(req["countersign"], full), 1.0)
     assert new and ga.view().is_active(d.party_id)
-    # a forged extra signature does not make a record complete
-    forged = {**req["sigs"], b.party_id: b"\0" * 64}
-    _, new = gb.countersign(d.party_id, countersign_request(req["countersign"], forged))
-    assert not new and not gb.view().is_active(d.party_id)
+    # a forged signature of another sponsor does not make a record complete
+    a = ident("a")
+    forged = {**req["sigs"], a.party_id: b.sign(signing_bytes(req["countersign"]))}
+    done = countersign(gb.records, b.party_id, b.sign, d.party_id,
+                       countersign_request(req["countersign"], forged))  # fmt: skip
+    assert done.record is None and isinstance(done.reply["sig"], bytes)
+    honest = {**req["sigs"], a.party_id: sig_a["sig"]}
+    done = countersign(gb.records, b.party_id, b.sign, d.party_id,
+                       countersign_request(req["countersign"], honest))  # fmt: skip
+    assert done.record is not None and set(done.record.signatures) == {
+        a.party_id, b.party_id, d.party_id}  # fmt: skip
+
+
+def test_a_daemon_countersigns_one_new_join_of_a_party_per_interval() -> None:
+    from chaos_flwr.errors import FloodError
+    from chaos_flwr.gossip import COUNTERSIGN_INTERVAL_S
+
+    d = ident("d")
+    g = _gossip("a", records())
+    first = _ask(d, inc=1)
+    assert g.countersign(d.party_id, first, 100.0)[1]  # held: d is a member at incarnation 1
+    later = 100.0 + COUNTERSIGN_INTERVAL_S / 2
+    with pytest.raises(FloodError):  # a second new join (incarnation 2) this soon
+        g.countersign(d.party_id, _ask(d, inc=2), later)
+    assert g.view().members[d.party_id].incarnation == 1  # nothing held
+    _, new = g.countersign(d.party_id, _ask(d, inc=2), 100.0 + COUNTERSIGN_INTERVAL_S)
+    assert new and g.view().members[d.party_id].incarnation == 2
 
 
 def test_what_a_member_refuses_to_countersign() -> None:
@@ -111,15 +134,15 @@ def test_what_a_member_refuses_to_countersign() -> None:
     cases.append((d.party_id, bad_sig, SignatureError))
     for src, req, err in cases:
         with pytest.raises(err):
-            g.countersign(src, req)
+            g.countersign(src, req, 0.0)
     # a member asking for a join above its own incarnation is a rejoin: signed
-    reply, _ = g.countersign(e.party_id, _ask(e, inc=1))
+    reply, _ = g.countersign(e.party_id, _ask(e, inc=1), 0.0)
     assert isinstance(reply["sig"], bytes)
     # a party that left does not sponsor anyone
     a = ident("a")
     gone = _gossip("a", records([Record.sign(leave_body(FED, a.party_id, 0), [a])]))
     with pytest.raises(PolicyError, match="not an active member"):
-        gone.countersign(d.party_id, _ask(d))
+        gone.countersign(d.party_id, _ask(d), 0.0)
     assert not g.view().is_active(d.party_id)  # nothing above was held
 
 
@@ -130,7 +153,7 @@ def test_a_countersigning_server_serves_a_non_member_nothing_but_its_countersign
     link = access("a", gossip.records)
 
     def sign(src: str, value: dict[str, Any]) -> bytes:
-        return codec.encode(gossip.countersign(src, value)[0])
+        return codec.encode(gossip.countersign(src, value, 0.0)[0])
 
     server = DirectServer(BytesSource(ROUND, DIGEST, DATA), link=link, countersign=sign)
     address = server.start()
@@ -148,6 +171,8 @@ def test_a_countersigning_server_serves_a_non_member_nothing_but_its_countersign
 
     try:
         before = asyncio.run(call(d, ranges))
+        manifest = asyncio.run(call(d, codec.encode({"round": ROUND, "digest": DIGEST,
+            "total": len(DATA), "shard-bytes": len(DATA), "num-shards": 1})))  # fmt: skip
         gossip_req = asyncio.run(call(d, codec.encode({"gossip": b"\0" * 32})))
         outsider = asyncio.run(call(ident("x"), codec.encode(_ask(ident("x")))))
         signed = asyncio.run(call(d, codec.encode(_ask(d))))
@@ -155,10 +180,11 @@ def test_a_countersigning_server_serves_a_non_member_nothing_but_its_countersign
     finally:
         server.stop()
     assert isinstance(before, NotMemberError) and isinstance(gossip_req, NotMemberError)
+    assert isinstance(manifest, NotMemberError)
     assert isinstance(outsider, NotMemberError)  # no charter key: refused as the call starts
     assert isinstance(signed["sig"], bytes)
     assert after["data"] == [DATA[:1024]]  # its join is held there now: a member, served
-    assert server.refused == {"NotMemberError": 2}
+    assert server.refused == {"NotMemberError": 3}
 
 
 def test_a_link_server_without_a_daemon_refuses_a_countersign() -> None:
@@ -215,7 +241,7 @@ def test_a_joiner_gathers_two_sponsors_over_their_links_and_each_holds_its_recor
         server = DirectServer(
             BytesSource(ROUND, DIGEST, DATA),
             link=LinkAccess(creds, p.policy, g.view),
-            countersign=lambda src, v, g=g: codec.encode(g.countersign(src, v)[0]),
+            countersign=lambda src, v, g=g: codec.encode(g.countersign(src, v, 0.0)[0]),
         )
         address = server.start()
         p.announce_endpoint(address, creds.serve_cert_der, 2.0)
@@ -226,7 +252,14 @@ def test_a_joiner_gathers_two_sponsors_over_their_links_and_each_holds_its_recor
         for g in gossips:
             g.take(held)
         joiner.load_records([r.to_wire() for r in held], 3.0)
-        joiner.request_join(3.0, [p.party_id for p in founders])
+        with pytest.raises(PolicyError, match="no join pending"):
+            joiner.take_join_sig(founders[0].party_id, b"\0" * 64, 3.0)
+        # the relay listed one member when it asked; the others it asks over their links
+        joiner.request_join(3.0, [founders[0].party_id])
+        with pytest.raises(UnknownPartyError):
+            joiner.take_join_sig("p" + "0" * 16, b"\0" * 64, 3.0)
+        with pytest.raises(SignatureError):
+            joiner.take_join_sig(founders[1].party_id, b"\0" * 64, 3.0)
         party = SimpleNamespace(peer=joiner, errors=[], pending=[], clock=time.monotonic)
         creds = LinkCredentials.create(joiner.identity, joiner.policy.federation)
         link = LinkAccess(creds, joiner.policy, joiner.view)

@@ -642,13 +642,13 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
     assert all(n in r.trained for r in strategy.rounds if r.server_round > rlog.server_round)
 
 
-def _late_direct_run(tmp_path: Path) -> tuple[World, ChaosStrategy, int]:
-    """Three founders serving their replicas on loopback (``sponsors_required: 0``); a
+def _late_direct_run(tmp_path: Path, sponsors: int = 0) -> tuple[World, ChaosStrategy, int]:
+    """Three founders serving their replicas on loopback (``sponsors_required: sponsors``); a
     fourth party's node comes during round 2's training. Returns the world, the strategy
     after 3 rounds and the joiner's node."""
     from chaos_flwr.flower.direct import stop_servers
 
-    w = World(tmp_path, 4, sponsors_required=0)
+    w = World(tmp_path, 4, sponsors_required=sponsors)
     try:
         for p in range(3):
             w.add(p, **{"chaos-direct-addr": f"127.0.0.1:{free_port()}"})
@@ -710,6 +710,35 @@ def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(
     assert join.server_round == 1 and n in rlog.trained
     # the envelopes the joiner's pull requests took for the donors went back to their queues
     assert sum(asked.values()) > 0 and all(back.get(d, 0) >= k for d, k in asked.items())
+    assert strategy.courier.relay.dropped == 0
+
+
+def test_a_joiner_during_training_whose_sponsors_do_not_countersign_trains_next_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the holders serve over links in their ClientApps, with no daemon to countersign: the
+    # joiner's direct step fails (it is no member), so it gets no copy and no train message
+    # in round 2; its sponsors countersign through the relay and it trains in round 3
+    from chaos_flwr.flower.client import joiner as joiner_mod
+
+    asked: list[tuple[list[str], list[str]]] = []  # (signed, errors) per direct step
+
+    real = joiner_mod.ask_sponsors
+
+    def ask(party: Any, link: Any, sponsors: Any, **kw: Any) -> list[str]:
+        got = real(party, link, sponsors, **kw)
+        asked.append((got, [e for e in party.errors if e.startswith("countersign")]))
+        return got
+
+    monkeypatch.setattr(joiner_mod, "ask_sponsors", ask)
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    w, strategy, n = _late_direct_run(tmp_path, sponsors=1)
+    assert len(asked) == 1 and asked[0][0] == []  # one direct step; no daemon signed
+    # a link server with no daemon lets no non-member into a call
+    assert len(asked[0][1]) == 3 and all("NotMemberError" in e for e in asked[0][1])
+    ((rlog, join),) = _joins(strategy, w.pid(3))  # no copy during training: not admitted
+    assert rlog.server_round == 2 and join.ok and join.server_round == 2
+    assert n not in rlog.trained and n in _round_log(strategy, 3).trained
     assert strategy.courier.relay.dropped == 0
 
 

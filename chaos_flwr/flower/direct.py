@@ -276,6 +276,7 @@ class DirectServer:
             if not isinstance(value, dict):
                 raise DecodeError("direct request must be a map")
             if COUNTERSIGN_KEY in value:
+                self._quota.charge(src, len(data))
                 reply = await self._daemon(src, value, self.countersign, "countersign joins")
                 self.requests_served += 1
                 return reply

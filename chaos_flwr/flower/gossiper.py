@@ -76,6 +76,7 @@ class Gossiper:
         self.rounds = self.asked = self.answered = self.learned = self.countersigned = 0
         self.failed: dict[str, int] = {}
         self._written: frozenset[str] | None = None
+        self._writing = threading.Lock()
         self._down: set[str] = set()
         self._talked: set[str] = set()
         self._stop = threading.Event()
@@ -123,7 +124,7 @@ class Gossiper:
         """
         with self.saved.lock:
             self.saved()
-            reply, taken = self.saved.gossip.countersign(src, value)
+            reply, taken = self.saved.gossip.countersign(src, value, self.clock())
             self.countersigned += 1
         LOG.info("chaos-flwr party: countersigned the join of %s%s", src,
                  " (now a member in this view)" if taken else "")  # fmt: skip
@@ -206,17 +207,19 @@ class Gossiper:
         return new
 
     def _write(self) -> None:
-        """Write the records the saved state lacks, when they changed since the last write."""
-        unsaved = self.saved.unsaved()
-        ids = frozenset(r.record_id for r in unsaved)
-        if ids == self._written:
-            return
-        try:
-            write_heard(self.state_dir, unsaved)
-        except StoreError as exc:
-            LOG.warning("chaos-flwr party: %s", exc)
-            return
-        self._written = ids
+        """Write the records the saved state lacks, when they changed since the last write
+        (one writer at a time: rounds and countersigns both write)."""
+        with self._writing:
+            unsaved = self.saved.unsaved()
+            ids = frozenset(r.record_id for r in unsaved)
+            if ids == self._written:
+                return
+            try:
+                write_heard(self.state_dir, unsaved)
+            except StoreError as exc:
+                LOG.warning("chaos-flwr party: %s", exc)
+                return
+            self._written = ids
 
     def totals(self) -> str:
         """One line of totals for the daemon's exit log."""
