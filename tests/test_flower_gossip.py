@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_flower_lib_join import World, _initial
+from test_flower_lib_join import World, _initial, free_ports
 
 from chaos_flwr.flower.gossipfile import GOSSIP_FILE, read_heard
 from chaos_flwr.flower.keys import charter_path, key_path
-from chaos_flwr.lab.launch import free_port
 from chaos_flwr.membership import ACTIVE, FAILED, LEFT
 
 #: Gossip rounds of the daemons here, and the silence after which they suspect a daemon.
@@ -92,7 +91,7 @@ def test_with_the_server_down_a_leave_converges_and_a_crash_is_declared_by_gossi
     tmp_path: Path,
 ) -> None:
     w = World(tmp_path, 4, founders=4)
-    addrs = {p: f"127.0.0.1:{free_port()}" for p in range(4)}
+    addrs = {p: f"127.0.0.1:{port}" for p, port in enumerate(free_ports(4))}
     daemons = {p: _daemon(w, p, a) for p, a in addrs.items()}
     outs: dict[int, str] = {}
     try:

@@ -37,7 +37,6 @@ from chaos_flwr.flower.server import (
     RoundLog,
     certified_digest,
 )
-from chaos_flwr.lab.launch import free_port
 from chaos_flwr.state import TrainingState
 from chaos_flwr.store import ReplicaStore
 
@@ -136,6 +135,18 @@ class World:
             charter=self.charter,
             **kw,
         )
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports on 127.0.0.1 (all bound at once, so no two are the same)."""
+    import socket
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _joins(strategy: ChaosStrategy, party: str) -> list[tuple[RoundLog, JoinLog]]:
@@ -597,8 +608,9 @@ def test_a_joiner_pulls_over_the_donors_direct_links_when_they_advertise_one(
 
     w = World(tmp_path, 4)
     try:
+        ports = free_ports(2)
         for p in range(3):
-            extra = {"chaos-direct-addr": f"127.0.0.1:{free_port()}"} if p < 2 else {}
+            extra = {"chaos-direct-addr": f"127.0.0.1:{ports[p]}"} if p < 2 else {}
             w.add(p, **extra)
         joiner: dict[str, FakeNode] = {}
         w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
@@ -650,8 +662,9 @@ def _late_direct_run(tmp_path: Path, sponsors: int = 0) -> tuple[World, ChaosStr
 
     w = World(tmp_path, 4, sponsors_required=sponsors)
     try:
+        ports = free_ports(3)
         for p in range(3):
-            w.add(p, **{"chaos-direct-addr": f"127.0.0.1:{free_port()}"})
+            w.add(p, **{"chaos-direct-addr": f"127.0.0.1:{ports[p]}"})
         joiner: dict[str, FakeNode] = {}
         w.hooks[2] = lambda: joiner.setdefault("n", w.add(3))
         strategy = w.strategy()
@@ -782,7 +795,7 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
 
     monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
     w = World(tmp_path, 4)
-    addrs = {p: f"127.0.0.1:{free_port()}" for p in (0, 1, 2)}
+    addrs = {p: f"127.0.0.1:{port}" for p, port in zip((0, 1, 2), free_ports(3), strict=True)}
     daemons = {p: _start_daemon(w, p, a) for p, a in addrs.items()}
     try:
         for p in range(3):
