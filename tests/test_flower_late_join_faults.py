@@ -63,13 +63,16 @@ class Fed:
         self.nodes: dict[int, FakeNode] = {}
         self.on_train: Callable[[int, int], None] = lambda _r, _p: None
         self.app = self._app()
+        #: partition -> the address its first node serves its replica at (a direct link)
+        self.direct: dict[int, str] = {}
 
     def add(self, p: int, state_root: str = "state", delay_s: float = 0.0) -> FakeNode:
         root = str(self.tmp / state_root)
         run_config = {"chaos-keys-dir": str(self.keys), "chaos-state-root": root}
-        self.nodes[p] = self.grid.add_node(
-            self.app, node_config={"partition-id": p}, run_config=run_config
-        )
+        node_config: dict[str, int | float | str] = {"partition-id": p}
+        if p in self.direct and p not in self.nodes:
+            node_config["chaos-direct-addr"] = self.direct[p]
+        self.nodes[p] = self.grid.add_node(self.app, node_config=node_config, run_config=run_config)
         self.nodes[p].delay_s = delay_s
         return self.nodes[p]
 
@@ -156,20 +159,33 @@ def test_envelopes_of_a_trainer_that_restarts_mid_round_go_back_to_its_party(
     assert _round(strategy, 3).trained and restarted["new"] in _round(strategy, 3).trained
 
 
+@pytest.mark.parametrize("links", [False, True], ids=["relay", "direct-links"])
 def test_a_trainer_that_restarts_without_its_disk_is_not_sent_the_state_during_training(
-    tmp_path: Path,
+    tmp_path: Path, links: bool
 ) -> None:
+    # with direct links the question to the new node carries the join's start: the start
+    # names the parties that train, so the restarted party fetches nothing during training
+    from test_flower_lib_join import free_ports
+
+    from chaos_flwr.flower.direct import stop_servers
+
     fed = Fed(tmp_path, FOUNDERS)
+    if links:
+        fed.direct = {p: f"127.0.0.1:{port}" for p, port in enumerate(free_ports(FOUNDERS))}
     for p in range(FOUNDERS):
         fed.add(p)
     restarted = _restart_a_trainer(fed, "fresh")  # its disk is lost
-    strategy = fed.run(rounds=3, timeout=10)
+    try:
+        strategy = fed.run(rounds=3, timeout=10)
+    finally:
+        stop_servers()
     rlog = _round(strategy, FAULT_IN)
     new = restarted["new"]
     assert new not in rlog.trained  # its party's train message went to the old node
     sent = [(j.server_round, j.source) for j in rlog.joins if j.node == new]
     # only the state the round certifies, in the round's join: not also the base, for nothing
-    assert sent == [(FAULT_IN, "server")]
+    assert [r for r, _ in sent] == [FAULT_IN]
+    assert sent[0][1] == ("pull" if links else "server")
     assert new in _round(strategy, 3).trained
 
 

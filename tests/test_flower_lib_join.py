@@ -18,6 +18,7 @@ import pytest
 from fake_grid import FakeGrid, FakeNode
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common import MessageType
 from flwr.serverapp.strategy import FedAvg
 
 from chaos_flwr.charter import load_charter
@@ -29,6 +30,7 @@ from chaos_flwr.flower.client import (
     party_for,
 )
 from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
+from chaos_flwr.flower.schema import CHAOS_MESSAGE_TYPE
 from chaos_flwr.flower.server import (
     ChaosStrategy,
     JoinLog,
@@ -688,6 +690,8 @@ def test_a_joiner_that_comes_during_training_pulls_over_direct_links_and_trains(
     assert sum(join.direct_bytes.values()) == join.total_bytes > 0
     assert set(join.direct_bytes) <= {w.pid(p) for p in range(3)}
     assert n in rlog.trained and n in _round_log(strategy, 3).trained
+    # the question carried the join's start: one Chaos message, then its train message
+    assert _before_train(w.grid.node(n).received) == [CHAOS_MESSAGE_TYPE]
 
 
 def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(
@@ -705,8 +709,8 @@ def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(
     back: dict[int, int] = {}
     ask, give_back = JoinRelay._ask_joiners, Relay.give_back
 
-    def ask_joiners(self: JoinRelay, *a: Any) -> Any:
-        step = ask(self, *a)
+    def ask_joiners(self: JoinRelay, *a: Any, **k: Any) -> Any:
+        step = ask(self, *a, **k)
         for node, envs in step.taken.items():
             asked[node] = asked.get(node, 0) + len(envs)
         return step
@@ -753,6 +757,11 @@ def test_a_joiner_during_training_whose_sponsors_do_not_countersign_trains_next_
     assert rlog.server_round == 2 and join.ok and join.server_round == 2
     assert n not in rlog.trained and n in _round_log(strategy, 3).trained
     assert strategy.courier.relay.dropped == 0
+
+
+def _before_train(received: list[str]) -> list[str]:
+    """The types of the messages a node got before its first train message."""
+    return received[: received.index(MessageType.TRAIN)]
 
 
 def _round_log(strategy: ChaosStrategy, rnd: int) -> RoundLog:
@@ -811,6 +820,8 @@ def test_a_joiner_pulls_from_party_daemons_over_authenticated_links(
         assert rlog.server_round == 2 and join.ok and join.server_round == 1
         assert join.digest == _round_log(strategy, 1).digest
         assert joiner["n"].node_id in rlog.trained
+        # asked, countersigned and fetched in one ClientApp: one message before its train one
+        assert _before_train(joiner["n"].received) == [CHAOS_MESSAGE_TYPE]
         view = strategy.courier.view
         assert view is not None and view.policy.sponsors_required == 1
         joined = view.records.member(w.pid(3))

@@ -238,9 +238,9 @@ def test_join_source_is_validated_and_auto_pulls_when_a_donor_serves_direct_link
     paths = {}
     for source in ("auto", "server", "peers"):
         relay = JoinRelay(courier, JoinSettings(source=source))
-        before = relay._server_path([1, 2])
+        before = relay.server_path([1, 2])
         relay.direct_parties.add("b")  # b named a direct address in a pull it served
-        paths[source] = (before, relay._server_path([1, 2]), relay._server_path([1]))
+        paths[source] = (before, relay.server_path([1, 2]), relay.server_path([1]))
     assert paths == {
         "auto": (True, False, True),  # relay only: the server's copy; a direct donor: pull
         "server": (True, True, True),

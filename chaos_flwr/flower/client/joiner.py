@@ -243,10 +243,12 @@ class JoinerPull:
 class JoiningParty(LinkedParty, Protocol):
     """What :func:`join_step` uses of a :class:`~chaos_flwr.flower.client.party.Party`."""
 
+    party_id: str
     held_round: int
     held_digest: bytes
     left: bool
     joining: JoinerPull | None
+    pending: list[Any]
     joins_done: list[ConfigRecord]
     errors: list[str]
 
@@ -272,6 +274,8 @@ class JoiningParty(LinkedParty, Protocol):
     def unfinal(self, rnd: int, digest: bytes, audits: object) -> str: ...
 
     def take_envelopes(self, record: ConfigRecord) -> None: ...
+
+    def ask_to_join(self, record: ConfigRecord, now: float) -> list[Any]: ...
 
 
 def _start_settings(control: ConfigRecord) -> tuple[int, int | None]:
@@ -409,6 +413,9 @@ def join_step(
     if party.left:
         return ConfigRecord({"status": "failed", "error": "party left"}), {}
     party.take_envelopes(record)  # the view they bring first (e.g. its own join record)
+    skip = control.get("skip", [])
+    if isinstance(skip, list) and party.party_id in skip:  # it trains in this round already
+        return ConfigRecord({"status": "failed", "error": "it trains in this round"}), {}
     if rnd == party.held_round and digest == party.held_digest:
         party.joining = None
         return ConfigRecord({"status": "done", "error": "already held"}), {}
@@ -432,6 +439,8 @@ def join_step(
         _take_records(party, control, now)
         link = link_access(party)
         if link is not None and not getattr(party.peer, "is_member", True):
+            # the start may come with the party's first message: its join is asked for first
+            party.pending.extend(party.ask_to_join(record, now))
             ask_sponsors(party, link, good)  # their daemons sign while their nodes train
         pull = JoinerPull(rnd, digest, good, min_shard_bytes=min_shard, total_hint=total, link=link)
         party.joining = pull

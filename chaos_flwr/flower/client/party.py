@@ -372,7 +372,7 @@ class Party(VerifiedRounds):
             return []
         return links_to_ask(peer, self.party_id, self._links_asked, self.errors, now)
 
-    def _maybe_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
+    def ask_to_join(self, record: ConfigRecord, now: float) -> list[OutgoingLike]:
         """A non-member asks for a sponsored join when it hears from the relay.
 
         Sponsors: the active members the relay lists (a hint; the join record needs their
@@ -429,7 +429,7 @@ class Party(VerifiedRounds):
         outgoing: list[OutgoingLike] = list(self.pending)
         self.pending.clear()
         if record is not None and self.peer is not None:
-            outgoing.extend(self._maybe_join(record, now))
+            outgoing.extend(self.ask_to_join(record, now))
             outgoing.extend(self._auto_links(now))
             outgoing.extend(endpoint.announce(self, now))
         if self.peer is not None:

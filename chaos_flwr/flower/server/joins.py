@@ -20,18 +20,17 @@ whose party the relay has never heard from (a SuperNode that came between rounds
 admitted and given the state the round trains on before the round's train messages go out,
 so it trains in that round, as a plain FedAvg node connected then is sampled in it.
 
-**During training** (:meth:`JoinRelay.during_round`, called by
-:class:`~.latejoin.LateJoiners`): a node that comes while the round trains is asked at once;
-if its own records admit it (no sponsor to wait for: the members are training) it takes the
-state the round trains from and trains in that round. When the holders announced endpoints
-(their party daemons serve while their SuperNodes train) it fetches the state over their
-direct links in one join step, with their signed join and endpoint records in the start
-(:meth:`JoinRelay._pull_direct`); no relay step follows, since the holders' SuperNodes are
-training, so a joiner that did not finish takes the ServerApp's copy instead, as one does
-when no holder announced an endpoint. Otherwise its join
-request reaches its sponsors with the round's certify messages and it takes the state in that
-round's join, as above, so it trains in the next round: the first round a plain FedAvg node
-that came during training is sampled in.
+**During training** (:func:`~.latejoin.during_round`, called by
+:class:`~.latejoin.LateJoiners`): a node that comes while the round trains is asked at once
+(:meth:`JoinRelay.ask`), or, when the holders announced endpoints (their party daemons serve
+while their SuperNodes train), asked with the join's start in the same message
+(:meth:`JoinRelay.ask_pulling`): it fetches the state over their direct links, after their
+daemons countersigned its join if it needs sponsors. No relay step follows, since the holders'
+SuperNodes are training: an admitted joiner that did not finish takes the ServerApp's copy
+(:meth:`JoinRelay.send_state`), as one does when no holder announced an endpoint. A joiner
+that is not admitted by then has its join request reach its sponsors with the round's certify
+messages and takes the state in that round's join, as above, so it trains in the next round:
+the first round a plain FedAvg node that came during training is sampled in.
 
 Either way nothing is sent in a round without a joiner: a churn-free round's messages are
 unchanged.
@@ -66,7 +65,6 @@ from chaos_flwr.pull.negotiation import PULL_ASSUMED_BANDWIDTH_BPS
 from chaos_flwr.state import TrainingState
 
 __all__ = [
-    "FLOWER_LATE_JOIN_ASK_S",
     "FLOWER_NEWCOMER_RETRY_S",
     "FLOWER_NEWCOMER_WAIT_S",
     "JoinRelay",
@@ -77,12 +75,6 @@ __all__ = [
 #: round's certify and trains in the next round, so a node that never answers delays a round
 #: by this much at most (and only while it is connected and unknown).
 FLOWER_NEWCOMER_WAIT_S: float = 15.0
-#: Longest wait (seconds) for the replies of the nodes asked while a round trains
-#: (:meth:`JoinRelay.during_round`). A fresh SuperNode's first message starts its SuperExec and
-#: a ClientApp process: 23 s on the testbed's 2 loaded cores while four institutions trained.
-#: The wait holds up only the train exchange's next pull, so it delays the round only when
-#: the trainers finish within it, by at most this much, once per node that never answers.
-FLOWER_LATE_JOIN_ASK_S: float = 60.0
 #: An unknown node whose error reply to that query came within this many seconds is asked
 #: again before the next round (asking it is cheap); a slower one is not waited for again.
 FLOWER_NEWCOMER_RETRY_S: float = 1.0
@@ -209,8 +201,8 @@ class JoinRelay:
         self._total = total
         taken: list[JoinLog] = []
         refused: dict[int, str] = {}
-        if state is not None and self._server_path(donors):
-            taken, refused = self._send_state(grid, joiners, donors, spec, state, timeout, rlog)
+        if state is not None and self.server_path(donors):
+            taken, refused = self.send_state(grid, joiners, donors, spec, state, timeout, rlog)
             joiners = [(n, p) for n, p in joiners if n in refused]
         pulled = self._pull_for(grid, joiners, donors, spec, timeout, rlog) if joiners else []
         for jl in pulled:
@@ -282,112 +274,62 @@ class JoinRelay:
         if not newcomers:
             return 0.0
         t0 = self.clock()
-        self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_NEWCOMER_WAIT_S))
+        self.ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_NEWCOMER_WAIT_S))
         if any(n in party_of for n in newcomers):
             state = state_of()
             self.pull(grid, rnd, digest, rlog, timeout, state.serialized_size(), state)
         return self.clock() - t0
 
-    def during_round(
-        self,
-        grid: Grid,
-        newcomers: list[int],
-        rnd: int,
-        digest: bytes,
-        rlog: RoundLog,
-        timeout: float,
-        state_of: Callable[[], TrainingState],
-        training: Collection[str | None] = (),
-    ) -> list[int]:
-        """While a round trains: ask ``newcomers`` (nodes that came during training) and send
-        the certified state ``(rnd, digest)`` the round trains from to those admitted now.
-        Returns the active ones that hold it now (that took it up, or already held it: a
-        founder's SuperNode restarted with its state directory). A newcomer whose party is in
-        ``training`` (its train message went to the node it was on before a restart) is sent
-        nothing: it does not train again in this round, and the round's join gives it the
-        state the round certifies.
-
-        Nothing here waits on a member: they are training (a SuperNode runs one ClientApp at
-        a time). A newcomer whose own records admit it (a founder, or a charter whose
-        ``admission.sponsors_required`` is 0) is taken now. When the holders announced
-        endpoints, so does one whose join needs sponsors: in its direct join step it asks the
-        holders' daemons to countersign (:mod:`chaos_flwr.countersign`), then fetches. The
-        state comes over the holders' links, else from the ServerApp's copy (for an admitted
-        joiner), checked by the joiner against the holders' receipts. The others are admitted
-        with the round's certify and take its state in its join, as before.
-        """
-        courier = self.courier
-        if courier.view is None:
-            return []
-        t0 = self.clock()
-        self._ask(grid, newcomers, rnd, digest, rlog, min(timeout, FLOWER_LATE_JOIN_ASK_S))
-        rlog.ask_s += self.clock() - t0
-        view, party_of = courier.view, courier.relay.party_of
-        active = view.active()
-        joiners = _charter_parties(courier, newcomers, training)
-        holders = courier.holding(grid.get_node_ids(), rnd, digest)
-        donors = [d for d in holders if courier.holders[d][0] in active][: self.settings.max_donors]
-        held = [n for n, p in joiners if n in holders and p in active]
-        joiners = [(n, p) for n, p in joiners if n not in holders]
-        direct = bool(donors) and not self._server_path(donors)
-        if not direct:  # only the holders' daemons can countersign now
-            joiners = [(n, p) for n, p in joiners if p in active]
-        if not joiners or not donors:
-            return held
-        state = state_of()
-        self._total = state.serialized_size()
-        spec = PhaseSpec("join", rnd, digest)
-        taken: list[JoinLog] = []
-        left = t0 + timeout - self.clock()  # the question, the direct step and the copy share it
-        if left > 0 and direct:  # the holders' daemons serve (and countersign) as they train
-            taken, joiners = self._pull_direct(grid, joiners, donors, spec, left, rlog)
-        left = t0 + timeout - self.clock()
-        joiners = [(n, p) for n, p in joiners if p in view.active()]  # admitted, or not now
-        if joiners and left > 0:
-            then = "it takes the round's state in the round's join"
-            sent, _ = self._send_state(grid, joiners, donors, spec, state, left, rlog, then)
-            taken += sent
-        rlog.joins.extend(taken)
-        for jl in taken:
-            log(
-                INFO, "Chaos: %s came during round %d's training and took round %d (%d bytes) "
-                "%s in %.3fs", jl.party, rlog.server_round, rnd, jl.total_bytes,
-                "from the ServerApp" if jl.source == "server" else "over direct links", jl.pull_s,
-            )  # fmt: skip
-        active = view.active()  # a joiner its sponsors' daemons admitted is listed now
-        ready = [jl.node for jl in taken if party_of.get(jl.node) in active]
-        return held + courier.holding(ready, rnd, digest)
-
-    def _pull_direct(
-        self, grid: Grid, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec,
-        timeout: float, rlog: RoundLog,
-    ) -> tuple[list[JoinLog], list[tuple[int, str]]]:  # fmt: skip
-        """While a round trains: one join step, in which a joiner that knows the donors'
-        signed endpoints fetches the state over their direct links (their daemons serve while
-        their SuperNodes train). No relay step follows (those SuperNodes are training): the
-        joiners that did not finish are returned, for the ServerApp's copy, and the envelopes
-        their requests to the donors took go back to the relay."""
-        run = self._run_for(joiners, donors, spec)
-        step = self._ask_joiners(grid, run, [n for n, _ in joiners], timeout, rlog)
-        for node, envelopes in step.taken.items():
-            self.courier.relay.give_back(node, envelopes)
-        done = [run.logs[n] for n, _ in joiners if run.logs[n].ok]
-        return done, [(n, p) for n, p in joiners if not run.logs[n].ok]
-
-    def _ask(
+    def ask(
         self, grid: Grid, newcomers: list[int], rnd: int, digest: bytes, rlog: RoundLog,
         wait: float,
     ) -> None:  # fmt: skip
         """One exchange with ``newcomers`` only (their replies carry their parties' records
         and join requests), waited for at most ``wait`` seconds; marks the slow ones
         :attr:`silent` (:meth:`newcomers_first`)."""
-        courier, party_of = self.courier, self.courier.relay.party_of
         t0 = self.clock()
-        # the exchange waits for these only (a suspect is waited for when all are suspects)
-        waited = {n for n in newcomers if n not in courier.suspects} or set(newcomers)
+        waited = self._waited(newcomers)
         timed = _Arrivals(grid, newcomers, self.clock)
         spec = PhaseSpec("relay", rnd, digest)
-        courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog, stop_on_config=False)
+        self.courier.phase(timed, [], newcomers, spec, timeout=wait, log_=rlog,
+                           stop_on_config=False)  # fmt: skip
+        self._silence(newcomers, waited, timed, t0, rlog)
+
+    def ask_pulling(
+        self, grid: Grid, newcomers: list[int], donors: list[int], spec: PhaseSpec,
+        wait: float, rlog: RoundLog, *, total: int, skip: Collection[str] = (),
+    ) -> list[JoinLog]:  # fmt: skip
+        """:meth:`ask` with the join's start in the question (while a round trains, when the
+        donors announced endpoints): a charter party answers and, in the same ClientApp,
+        asks its sponsors' daemons to countersign and fetches the state ``spec`` names over
+        the donors' links; nothing goes to the training donors. A party in ``skip`` (it trains
+        in the round already) takes nothing. Returns the logs of the finished pulls; the
+        envelopes that the others' relay requests took go back to the relay."""
+        t0 = self.clock()
+        waited = self._waited(newcomers)
+        timed = _Arrivals(grid, newcomers, self.clock)
+        self._total = total
+        run = self._run_for([(n, "") for n in newcomers], donors, spec, skip=skip)
+        step = self._ask_joiners(timed, run, newcomers, wait, rlog, newcomers=True)
+        for node, envelopes in step.taken.items():
+            self.courier.relay.give_back(node, envelopes)
+        self._silence(newcomers, waited, timed, t0, rlog)
+        done = [jl for n in newcomers if (jl := run.logs[n]).ok]
+        for jl in done:
+            jl.party = self.courier.relay.party_of.get(jl.node, "")
+        return done
+
+    def _waited(self, newcomers: list[int]) -> set[int]:
+        """The newcomers an exchange with them waits for (a suspect only when all are)."""
+        suspects = self.courier.suspects
+        return {n for n in newcomers if n not in suspects} or set(newcomers)
+
+    def _silence(
+        self, newcomers: list[int], waited: set[int], timed: _Arrivals, t0: float, rlog: RoundLog
+    ) -> None:
+        """Mark the newcomers that were slow to answer (or answered without a party)
+        :attr:`silent`."""
+        party_of = self.courier.relay.party_of
         for n in newcomers:
             if n in party_of:
                 continue
@@ -438,7 +380,7 @@ class JoinRelay:
             len(carry), ", ".join(sorted(newcomers)),
         )  # fmt: skip
 
-    def _server_path(self, donors: list[int]) -> bool:
+    def server_path(self, donors: list[int]) -> bool:
         """Whether the ServerApp sends the state (:attr:`JoinSettings.source`): always for
         ``server``, never for ``peers``; for ``auto`` when the relay is the only path (no
         donor offered announced a verified endpoint, or is known to serve a direct link)."""
@@ -469,7 +411,7 @@ class JoinRelay:
             start["audits"] = proofs.audits_of(spec.server_round, spec.digest)
         return start
 
-    def _send_state(
+    def send_state(
         self,
         grid: Grid,
         joiners: list[tuple[int, str]],
@@ -545,9 +487,15 @@ class JoinRelay:
         _lower_bounds(run.logs.values(), min(step_times) if step_times else 0.0)
         return [run.logs[n] for n, _ in joiners]
 
-    def _run_for(self, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec) -> _Run:
-        """The pulls of ``joiners`` from ``donors``, before their first step."""
+    def _run_for(
+        self, joiners: list[tuple[int, str]], donors: list[int], spec: PhaseSpec,
+        skip: Collection[str] = (),
+    ) -> _Run:  # fmt: skip
+        """The pulls of ``joiners`` from ``donors``, before their first step (the parties in
+        ``skip`` are named in the start: they take nothing)."""
         start = self._start(donors, spec)
+        if skip:
+            start["skip"] = sorted(skip)
         return _Run(
             spec=spec,
             node_of={self.courier.holders[d][0]: d for d in donors},
@@ -561,9 +509,11 @@ class JoinRelay:
         )
 
     def _ask_joiners(
-        self, grid: Grid, run: _Run, pulling: list[int], timeout: float, rlog: RoundLog
-    ) -> _Step:
-        """One exchange with every joiner still pulling; their requests become donor messages."""
+        self, grid: Grid, run: _Run, pulling: list[int], timeout: float, rlog: RoundLog,
+        *, newcomers: bool = False,
+    ) -> _Step:  # fmt: skip
+        """One exchange with every joiner still pulling; their requests become donor messages.
+        ``newcomers``: they are nodes not yet heard from (a misconfigured one stops nothing)."""
         courier = self.courier
         msgs: list[Message] = []
         taken: dict[int, list[bytes]] = {}
@@ -573,7 +523,9 @@ class JoinRelay:
                 content[donor_key(dparty)] = rec
             msg, taken[node] = courier.message(node, run.spec, content)
             msgs.append(msg)
-        res = courier.exchange(grid, msgs, taken, timeout=timeout, log_=rlog)
+        res = courier.exchange(
+            grid, msgs, taken, timeout=timeout, log_=rlog, stop_on_config=not newcomers
+        )
         step = _Step()
         for node in pulling:
             jl = run.logs[node]
@@ -625,22 +577,6 @@ class JoinRelay:
                 step.lost[node].add(dparty)
         for node in step.still:
             run.ctl[node] = ConfigRecord({"op": "step", "lost": sorted(step.lost[node])})
-
-
-def _charter_parties(
-    courier: Courier, newcomers: list[int], training: Collection[str | None]
-) -> list[tuple[int, str]]:
-    """``(node, party)`` of the charter parties among ``newcomers``: members, and those whose
-    join waits for sponsors; not a suspect, nor a party that already trains in the round."""
-    keyring, party_of = courier.view.keyring if courier.view else {}, courier.relay.party_of
-    return [
-        (n, p)
-        for n in newcomers
-        if (p := party_of.get(n)) is not None
-        and p in keyring
-        and p not in training
-        and n not in courier.suspects
-    ]
 
 
 def _endpoint_records(courier: Courier, parties: list[str]) -> list[bytes]:
