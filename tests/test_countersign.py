@@ -273,3 +273,51 @@ def test_a_joiner_gathers_two_sponsors_over_their_links_and_each_holds_its_recor
     assert len({o.to for o in party.pending}) == 2 and {o.to for o in party.pending} < set(signed)
     for g in gossips:  # each signer holds the complete record: it serves the joiner now
         assert g.view().is_active(joiner.party_id)
+
+
+def test_link_calls_that_hang_or_break_are_reported_and_their_results_not_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the worker thread that runs a joiner's link calls (countersign, manifest) is waited for
+    # within its bound: a hung or broken one is an error for every sponsor, not a reply
+    from types import SimpleNamespace
+
+    from chaos_flwr.errors import TransportError
+    from chaos_flwr.flower import fetch
+    from chaos_flwr.flower.client import sponsors
+    from chaos_flwr.membership import EndpointInfo
+
+    monkeypatch.setattr(fetch, "FLOWER_LINK_WORKER_GRACE_S", 0.05)
+
+    async def fine() -> None:
+        return None
+
+    async def broken() -> None:
+        raise RuntimeError("loop broke")
+
+    async def stuck() -> None:
+        await asyncio.sleep(3.0)  # ignores its own bound
+
+    assert fetch.run_links(fine, 0.05, "t") == ""
+    assert fetch.run_links(broken, 0.05, "t") == "RuntimeError: loop broke"
+    assert fetch.run_links(stuck, 0.05, "t") == "hung"
+
+    class StuckDialer:
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            pass
+
+        async def request(self, *_a: Any, **_k: Any) -> bytes:
+            await asyncio.sleep(3.0)
+            return codec.encode({"sig": b"\0" * 64})  # too late: never read
+
+        async def close(self) -> None:
+            return None
+
+    monkeypatch.setattr(sponsors, "LinkDialer", StuckDialer)
+    eps = {
+        p: EndpointInfo(party_id=p, incarnation=1, seq=1, host="127.0.0.1", port=1, cert=b"c")
+        for p in ("pa", "pb")
+    }
+    got = sponsors._call_all(SimpleNamespace(creds=None), eps, b"req", 0.05)  # type: ignore[arg-type]
+    assert set(got) == {"pa", "pb"}
+    assert all(isinstance(v, TransportError) and "hung" in str(v) for v in got.values())

@@ -33,7 +33,7 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,7 +51,19 @@ from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
-__all__ = ["DirectResult", "Range", "carry_direct", "fetch_manifest", "fetch_ranges"]
+__all__ = [
+    "FLOWER_LINK_WORKER_GRACE_S",
+    "DirectResult",
+    "Range",
+    "carry_direct",
+    "fetch_manifest",
+    "fetch_ranges",
+    "run_links",
+]
+
+#: Seconds a worker thread of link calls is waited for beyond the calls' own bound (a worker
+#: alive after that is left behind, and its calls count as hung).
+FLOWER_LINK_WORKER_GRACE_S: float = 5.0
 
 
 @dataclass
@@ -460,7 +472,7 @@ def fetch_ranges(
 
     worker = threading.Thread(target=run, name="chaos-direct-fetch", daemon=True)
     worker.start()
-    ready.wait(timeout_s + 5.0)
+    ready.wait(timeout_s + FLOWER_LINK_WORKER_GRACE_S)
     # a fetch still running past its bound may yet write: its results are not read at all
     out = dict(fetched) if ready.is_set() and not failed else {}
     for d in ranges:
@@ -508,13 +520,37 @@ def fetch_manifest(
         finally:
             await close()
 
-    worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-direct-manifest",
-                              daemon=True)  # fmt: skip
-    worker.start()
-    worker.join(timeout_s + 5.0)
-    if worker.is_alive() or not got:
-        return None, "hung"
+    why = run_links(main, timeout_s, "chaos-direct-manifest")
+    if why or not got:
+        return None, why or "hung"
     return got[0]
+
+
+def run_links(main: Callable[[], Coroutine[Any, Any, None]], timeout_s: float, name: str) -> str:
+    """Run the link calls of ``main()`` on an event loop of their own, in a daemon thread (the
+    caller may run inside a loop: a ClientApp's), waited for within ``timeout_s`` (their own
+    bound) and :data:`FLOWER_LINK_WORKER_GRACE_S`.
+
+    Returns
+    -------
+    str
+        ``""`` when ``main()`` finished; else why not: ``"hung"`` (the thread is left behind:
+        nothing it writes may be read), or the error it raised.
+    """
+    failed: list[str] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except Exception as exc:  # the calls themselves broke (not one link)
+            failed.append(f"{type(exc).__name__}: {exc}")
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout_s + FLOWER_LINK_WORKER_GRACE_S)
+    if worker.is_alive():
+        return "hung"
+    return failed[0] if failed else ""
 
 
 def carry_direct(

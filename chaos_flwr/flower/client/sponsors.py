@@ -10,7 +10,8 @@ sponsors (``join_done`` envelopes, through the relay as any); each sponsor whose
 completed the record holds it already, so it serves the joiner's pull at once. With more than
 one signature required, the complete record goes to each of them again in a second call.
 
-Everything is bounded by :data:`FLOWER_COUNTERSIGN_S`; a sponsor that refuses, is not
+Everything is bounded by :data:`FLOWER_COUNTERSIGN_S` (the calls run in a worker thread:
+:func:`~chaos_flwr.flower.fetch.run_links`); a sponsor that refuses, is not
 reachable or does not answer in time is noted in the party's errors and the pull goes on (its
 donors then refuse a non-member: it falls back as any failed direct pull does).
 """
@@ -18,13 +19,13 @@ donors then refuse a non-member: it falls back as any failed direct pull does).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from chaos_flwr import codec
 from chaos_flwr.countersign import countersign_request
-from chaos_flwr.errors import ChaosError, DecodeError
+from chaos_flwr.errors import ChaosError, DecodeError, TransportError
+from chaos_flwr.flower.fetch import run_links
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
@@ -94,7 +95,9 @@ def _signature(raw: bytes | ChaosError) -> bytes:
 def _call_all(
     link: LinkAccess, eps: Mapping[str, EndpointInfo], request: bytes, timeout_s: float
 ) -> dict[str, bytes | ChaosError]:
-    """``request`` to every endpoint at once, within ``timeout_s``: each reply or error."""
+    """``request`` to every endpoint at once, within ``timeout_s``: each reply or error (a
+    :class:`~chaos_flwr.errors.TransportError` for every sponsor when the calls hung or
+    broke)."""
     got: dict[str, bytes | ChaosError] = {}
 
     async def one(dialer: LinkDialer, sponsor: str, ep: EndpointInfo) -> None:
@@ -112,8 +115,7 @@ def _call_all(
         finally:
             await dialer.close()
 
-    worker = threading.Thread(target=lambda: asyncio.run(main()), name="chaos-countersign",
-                              daemon=True)  # fmt: skip
-    worker.start()
-    worker.join(timeout_s + 5.0)
+    why = run_links(main, timeout_s, "chaos-countersign")
+    if why:  # nothing a worker left behind writes is read
+        return {s: TransportError(f"countersign calls: {why}") for s in eps}
     return dict(got)
