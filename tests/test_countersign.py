@@ -321,3 +321,19 @@ def test_link_calls_that_hang_or_break_are_reported_and_their_results_not_read(
     got = sponsors._call_all(SimpleNamespace(creds=None), eps, b"req", 0.05)  # type: ignore[arg-type]
     assert set(got) == {"pa", "pb"}
     assert all(isinstance(v, TransportError) and "hung" in str(v) for v in got.values())
+    # a worker that ended with an error after some answers: those are read, the rest fail
+
+    class ClosingBadly(StuckDialer):
+        async def request(self, address: str, *_a: Any, **_k: Any) -> bytes:
+            if address.endswith(":2"):
+                raise RuntimeError("socket gone")  # not a ChaosError: it ends the calls
+            return b"reply"
+
+        async def close(self) -> None:
+            return None
+
+    monkeypatch.setattr(sponsors, "LinkDialer", ClosingBadly)
+    eps["pb"] = dataclasses.replace(eps["pb"], port=2)
+    got = sponsors._call_all(SimpleNamespace(creds=None), eps, b"req", 1.0)  # type: ignore[arg-type]
+    assert got["pa"] == b"reply"
+    assert isinstance(got["pb"], TransportError) and "RuntimeError: socket gone" in str(got["pb"])

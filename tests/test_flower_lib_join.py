@@ -30,7 +30,7 @@ from chaos_flwr.flower.client import (
     party_for,
 )
 from chaos_flwr.flower.keys import charter_path, key_path, load_federation, make_federation
-from chaos_flwr.flower.schema import CHAOS_MESSAGE_TYPE
+from chaos_flwr.flower.schema import CHAOS_MESSAGE_TYPE, CHAOS_RECORD_KEY
 from chaos_flwr.flower.server import (
     ChaosStrategy,
     JoinLog,
@@ -692,6 +692,57 @@ def test_a_joiner_that_comes_during_training_pulls_over_direct_links_and_trains(
     assert n in rlog.trained and n in _round_log(strategy, 3).trained
     # the question carried the join's start: one Chaos message, then its train message
     assert _before_train(w.grid.node(n).received) == [CHAOS_MESSAGE_TYPE]
+
+
+def test_a_joiner_whose_join_step_breaks_still_answers_and_takes_the_serverapps_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the question carries the join's start; the joiner's join step breaks (a disk error): its
+    # reply still names its party and brings its records, so the ServerApp sends it the
+    # state in the same round instead of taking it for a silent node
+    monkeypatch.setenv("CHAOS_KEEP_REPLICAS", "8")
+    broke: list[str] = []
+    real = Party.join_step
+
+    def join_step(self: Party, *a: Any) -> Any:
+        if not broke:
+            broke.append(self.party_id)
+            raise OSError(28, "No space left on device")
+        return real(self, *a)
+
+    monkeypatch.setattr(Party, "join_step", join_step)
+    w, strategy, n = _late_direct_run(tmp_path)
+    assert broke == [w.pid(3)]
+    assert strategy.courier.relay.party_of.get(n) == w.pid(3)
+    assert n not in strategy.join_relay.silent
+    ((rlog, join),) = _joins(strategy, w.pid(3))
+    assert rlog.server_round == 2 and join.ok and join.source == "server"
+    assert n in rlog.trained
+    assert any(e.startswith("join step failed: OSError") for e in w.party(3).errors)
+
+
+def test_a_newcomers_first_message_carries_the_refutations_whatever_its_phase(
+    tmp_path: Path,
+) -> None:
+    # a newcomer's first message may be the join's start: the relay's refutations ride on it,
+    # so a party that comes back holding a state audited false rolls back before it pulls
+    from chaos_flwr.flower.server.courier import PhaseSpec
+
+    w = World(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=1, timeout=10)
+    courier = strategy.courier
+    assert courier.proofs is not None
+    courier.proofs.refuted[(1, b"x" * 32)] = b"signed audit"
+    known = w.nodes[0].node_id
+    spec = PhaseSpec("join", 1, b"x" * 32)
+    first, _ = courier.message(4242, spec)
+    again, _ = courier.message(4242, spec)
+    member, _ = courier.message(known, spec)
+    refuted = [m.content[CHAOS_RECORD_KEY].get("refuted") for m in (first, again, member)]
+    assert refuted == [[b"signed audit"], None, None]
 
 
 def test_a_joiner_during_training_whose_links_fail_takes_the_serverapps_copy(

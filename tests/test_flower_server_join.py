@@ -387,3 +387,39 @@ def test_an_unknown_node_slow_to_err_is_not_waited_for_before_a_round_again(
     assert strategy.join_relay.silent == {failing.node_id}
     # it was still asked with every round's messages (it could come back that way)
     assert failing.received.count("query.chaos") >= 4
+
+
+def test_a_newcomer_that_already_holds_the_base_is_not_logged_as_a_join() -> None:
+    # a member's SuperNode that restarted with its disk answers the question that carries the
+    # join's start with "already held": it took nothing, so no join is filed for it
+    from types import SimpleNamespace
+
+    from flwr.app import RecordDict
+
+    from chaos_flwr.flower.server.courier import PhaseSpec
+
+    digest = b"d" * 32
+    relay = SimpleNamespace(party_of={}, give_back=lambda _n, _e: None)
+
+    def exchange(_grid: Any, _msgs: Any, _taken: Any, **_k: Any) -> Any:
+        relay.party_of.update({7: "pb", 8: "pc"})  # the replies' Chaos records name them
+        done = {"status": "done", "total": 10, "recv-donors": ["pa"], "recv-bytes": [10]}
+        replies = {
+            7: ConfigRecord({"status": "done", "error": "already held"}),
+            8: ConfigRecord(done),  # type: ignore[arg-type]
+        }
+        out = {
+            n: SimpleNamespace(content=RecordDict({PULL_DATA_KEY: r})) for n, r in replies.items()
+        }
+        return SimpleNamespace(replies=out)
+
+    courier = SimpleNamespace(
+        suspects=set(), relay=relay, holders={1: ("pa", 3, digest)}, receipts={1: b"r"},
+        view=None, proofs=None, exchange=exchange,
+        message=lambda node, spec, content=None, **_k: (SimpleNamespace(node=node), []),
+    )  # fmt: skip
+    joins = JoinRelay(courier, JoinSettings())  # type: ignore[arg-type]
+    done = joins.ask_pulling(
+        SimpleNamespace(), [7, 8], [1], PhaseSpec("join", 3, digest), 5.0, RoundLog(4), total=10
+    )  # type: ignore[arg-type]
+    assert [(jl.node, jl.party, jl.total_bytes) for jl in done] == [(8, "pc", 10)]

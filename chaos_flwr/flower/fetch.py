@@ -53,6 +53,7 @@ from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
 __all__ = [
     "FLOWER_LINK_WORKER_GRACE_S",
+    "LINKS_HUNG",
     "DirectResult",
     "Range",
     "carry_direct",
@@ -61,6 +62,8 @@ __all__ = [
     "run_links",
 ]
 
+#: What :func:`run_links` returns for a worker still running past its bound.
+LINKS_HUNG = "hung"
 #: Seconds a worker thread of link calls is waited for beyond the calls' own bound (a worker
 #: alive after that is left behind, and its calls count as hung).
 FLOWER_LINK_WORKER_GRACE_S: float = 5.0
@@ -534,22 +537,23 @@ def run_links(main: Callable[[], Coroutine[Any, Any, None]], timeout_s: float, n
     Returns
     -------
     str
-        ``""`` when ``main()`` finished; else why not: ``"hung"`` (the thread is left behind:
-        nothing it writes may be read), or the error it raised.
+        ``""`` when ``main()`` finished; else why not: :data:`LINKS_HUNG` (the thread is left
+        behind: nothing it writes may be read), or the error it raised (the thread ended:
+        what it wrote before may be read).
     """
     failed: list[str] = []
 
     def run() -> None:
         try:
             asyncio.run(main())
-        except Exception as exc:  # the calls themselves broke (not one link)
+        except (Exception, asyncio.CancelledError) as exc:  # the calls broke (not one link)
             failed.append(f"{type(exc).__name__}: {exc}")
 
     worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     worker.join(timeout_s + FLOWER_LINK_WORKER_GRACE_S)
     if worker.is_alive():
-        return "hung"
+        return LINKS_HUNG
     return failed[0] if failed else ""
 
 

@@ -273,7 +273,7 @@ class JoiningParty(LinkedParty, Protocol):
 
     def unfinal(self, rnd: int, digest: bytes, audits: object) -> str: ...
 
-    def take_envelopes(self, record: ConfigRecord) -> None: ...
+    def take_news(self, record: ConfigRecord) -> None: ...
 
     def ask_to_join(self, record: ConfigRecord, now: float) -> list[Any]: ...
 
@@ -412,7 +412,7 @@ def join_step(
         return ConfigRecord({"status": "failed", "error": "no round/digest"}), {}
     if party.left:
         return ConfigRecord({"status": "failed", "error": "party left"}), {}
-    party.take_envelopes(record)  # the view they bring first (e.g. its own join record)
+    party.take_news(record)  # the view they bring first (e.g. its own join record)
     skip = control.get("skip", [])
     if isinstance(skip, list) and party.party_id in skip:  # it trains in this round already
         return ConfigRecord({"status": "failed", "error": "it trains in this round"}), {}

@@ -475,6 +475,14 @@ class Party(VerifiedRounds):
         del self.joins_done[:-PARTY_MAX_JOINS_DONE]
         return out
 
+    def take_news(self, record: ConfigRecord) -> None:
+        """Take up what a message brings before a join step looks at the view (a newcomer's
+        first message may be one): its envelopes, the records this party's daemon heard, and
+        the relay's refutations (a held state audited false is rolled back first)."""
+        self.take_envelopes(record)
+        gossipfile.take_heard(self, self.clock())
+        proofs.take_refutations(self, record)
+
     def take_envelopes(self, record: ConfigRecord) -> None:
         """Handle a message's relayed envelopes now, once (taken off ``record``; what they make
         the peer send waits in :attr:`pending`): a joiner's join step sees their view."""

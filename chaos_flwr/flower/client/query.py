@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from flwr.app import ConfigRecord, Context, RecordDict
 
+from chaos_flwr.errors import ChaosError, ConfigError
 from chaos_flwr.flower.client.registry import Parties
 from chaos_flwr.flower.schema import (
     CHAOS_RECORD_KEY,
@@ -46,7 +47,14 @@ def chaos_reply(parties: Parties, content_in: RecordDict, context: Context) -> R
     extra: dict[str, ConfigRecord] = {}
     if record is not None and phase == "join" and isinstance(request, ConfigRecord):
         # this party is the joiner: it pulls before its receipt goes out below
-        ctl, requests = party.join_step(record, request, read_donor_records(rest))
+        try:
+            ctl, requests = party.join_step(record, request, read_donor_records(rest))
+        except ConfigError:  # the node's settings are wrong: the ServerApp is told so
+            raise
+        except (ChaosError, OSError) as exc:  # the reply still names its party and records
+            why = f"{type(exc).__name__}: {exc}"
+            party.errors.append(f"join step failed: {why}")
+            ctl, requests = ConfigRecord({"status": "failed", "error": why}), {}
         extra[PULL_DATA_KEY] = ctl
         for donor, req in requests.items():
             extra[donor_key(donor)] = req

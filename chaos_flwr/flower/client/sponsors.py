@@ -25,7 +25,7 @@ from typing import Any
 from chaos_flwr import codec
 from chaos_flwr.countersign import countersign_request
 from chaos_flwr.errors import ChaosError, DecodeError, TransportError
-from chaos_flwr.flower.fetch import run_links
+from chaos_flwr.flower.fetch import LINKS_HUNG, run_links
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
 
@@ -96,8 +96,8 @@ def _call_all(
     link: LinkAccess, eps: Mapping[str, EndpointInfo], request: bytes, timeout_s: float
 ) -> dict[str, bytes | ChaosError]:
     """``request`` to every endpoint at once, within ``timeout_s``: each reply or error (a
-    :class:`~chaos_flwr.errors.TransportError` for every sponsor when the calls hung or
-    broke)."""
+    :class:`~chaos_flwr.errors.TransportError` for every sponsor when the calls hung, and for
+    each one without an answer when they broke)."""
     got: dict[str, bytes | ChaosError] = {}
 
     async def one(dialer: LinkDialer, sponsor: str, ep: EndpointInfo) -> None:
@@ -116,6 +116,6 @@ def _call_all(
             await dialer.close()
 
     why = run_links(main, timeout_s, "chaos-countersign")
-    if why:  # nothing a worker left behind writes is read
+    if why == LINKS_HUNG:  # nothing a worker left behind writes is read
         return {s: TransportError(f"countersign calls: {why}") for s in eps}
-    return dict(got)
+    return {s: got.get(s, TransportError(f"countersign calls: {why or 'no answer'}")) for s in eps}

@@ -345,7 +345,12 @@ class Courier:
             record["receipts"] = [fwd[p] for p in sorted(fwd)]
         for key, value in spec.fields:
             record[key] = value
-        if self.proofs is not None and spec.phase in ("relay", "hello") and self.proofs.refuted:
+        first = bool(record.get("sync"))  # a newcomer's first message may be a join
+        if (
+            self.proofs is not None
+            and (spec.phase in ("relay", "hello") or first)
+            and (self.proofs.refuted)
+        ):
             record["refuted"] = self.proofs.refutations()
         audit = spec.audit if self._audits(node, spec) else None
         if audit is not None:

@@ -314,7 +314,9 @@ class JoinRelay:
         for node, envelopes in step.taken.items():
             self.courier.relay.give_back(node, envelopes)
         self._silence(newcomers, waited, timed, t0, rlog)
-        done = [jl for n in newcomers if (jl := run.logs[n]).ok]
+        # a node that held the state already (a member's SuperNode restarted with its disk)
+        # took nothing: it is no join
+        done = [jl for n in newcomers if (jl := run.logs[n]).ok and jl.total_bytes > 0]
         for jl in done:
             jl.party = self.courier.relay.party_of.get(jl.node, "")
         return done

@@ -28,8 +28,9 @@ call); a round with a late joiner lasts until its update is in, bounded by its d
 with no history gets :attr:`PhaseSettings.first_deadline_s`, capped by the run's timeout), so a
 joiner that comes near the end of training lengthens that round by about its own training;
 asking a node that never answers holds the exchange's next pull up for
-:data:`FLOWER_LATE_JOIN_ASK_S` once (more when the question carries the join's start:
-:data:`FLOWER_LATE_JOIN_PULL_S` and the state's bytes at :data:`FLOWER_LATE_JOIN_MIN_BPS`).
+:data:`FLOWER_LATE_JOIN_ASK_S` once (more when the question carries the join's start: the
+countersign and direct-link bounds, and the state's bytes at :data:`FLOWER_LATE_JOIN_HOLD_BPS`;
+a node's first deadline, :attr:`PhaseSettings.first_deadline_s`, caps either wait).
 Nothing is added once the run's timeout has passed since the exchange began, and each added
 wait ends by then. A newcomer whose party
 already has the round's train message (its SuperNode restarted) takes nothing (the start
@@ -72,9 +73,8 @@ from chaos_flwr.state import TrainingState
 __all__ = [
     "COUNTED_STRATEGIES",
     "FLOWER_LATE_JOIN_ASK_S",
+    "FLOWER_LATE_JOIN_HOLD_BPS",
     "FLOWER_LATE_JOIN_LOOK_S",
-    "FLOWER_LATE_JOIN_MIN_BPS",
-    "FLOWER_LATE_JOIN_PULL_S",
     "LateJoiners",
     "during_round",
     "late_joins_allowed",
@@ -89,14 +89,13 @@ FLOWER_LATE_JOIN_LOOK_S: float = 1.0
 #: The wait holds up only the train exchange's next pull, so it delays the round only when
 #: the trainers finish within it, by at most this much, once per node that never answers.
 FLOWER_LATE_JOIN_ASK_S: float = 60.0
-#: Seconds the question to newcomers waits beyond :data:`FLOWER_LATE_JOIN_ASK_S` when it carries
-#: the join's start (the newcomer asks its sponsors' daemons to countersign, bounded by
-#: :data:`~chaos_flwr.flower.client.sponsors.FLOWER_COUNTERSIGN_S`, then fetches the state):
-#: this much, plus the state's bytes at :data:`FLOWER_LATE_JOIN_MIN_BPS`.
-FLOWER_LATE_JOIN_PULL_S: float = 15.0
-#: The slowest fetch (bytes per second) a late joiner's question waits for; a joiner whose
-#: reply comes later holds the state and trains in the next round.
-FLOWER_LATE_JOIN_MIN_BPS: float = 1e6
+#: Bytes per second at which a late joiner verifies and writes the state it fetched: the question
+#: that carries the join's start waits :data:`FLOWER_LATE_JOIN_ASK_S`, the countersign and
+#: direct-link bounds (:data:`~chaos_flwr.flower.client.sponsors.FLOWER_COUNTERSIGN_S`,
+#: :data:`~chaos_flwr.defaults.FLOWER_DIRECT_TIMEOUT_S`, each with the link worker's grace) and
+#: the state's bytes at this rate; a joiner whose reply comes later holds the state and trains
+#: in the next round.
+FLOWER_LATE_JOIN_HOLD_BPS: float = 50e6
 #: Inner strategies whose aggregation is for exactly the nodes sampled (Flower's
 #: differential-privacy wrappers: noise and accounting for that count; they refuse more
 #: replies): no late joiner trains in their rounds.
@@ -272,7 +271,7 @@ def during_round(
     if donors and not joins.server_path(donors):
         state = state_of()
         size = state.serialized_size()
-        wait = FLOWER_LATE_JOIN_ASK_S + FLOWER_LATE_JOIN_PULL_S + size / FLOWER_LATE_JOIN_MIN_BPS
+        wait = _pulling_wait(size)
         taken = joins.ask_pulling(grid, newcomers, donors, spec, min(timeout, wait), rlog,
                                   total=size, skip={p for p in training if p})  # fmt: skip
     else:
@@ -299,6 +298,16 @@ def during_round(
             "from the ServerApp" if jl.source == "server" else "over direct links", jl.pull_s,
         )  # fmt: skip
     return held
+
+
+def _pulling_wait(size: int) -> float:
+    """How long the question that carries the join's start waits (module docstring)."""
+    from chaos_flwr.defaults import FLOWER_DIRECT_TIMEOUT_S
+    from chaos_flwr.flower.client.sponsors import FLOWER_COUNTERSIGN_S
+    from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S
+
+    links = FLOWER_COUNTERSIGN_S + FLOWER_DIRECT_TIMEOUT_S + 2 * FLOWER_LINK_WORKER_GRACE_S
+    return FLOWER_LATE_JOIN_ASK_S + links + size / FLOWER_LATE_JOIN_HOLD_BPS
 
 
 def _charter_parties(

@@ -168,7 +168,8 @@ class RoundLog:
     ask_s:
         Wall time of asking the suspects once more before training, when too few nodes were
         eligible, of sending the base's certify again to nodes it missed, and of asking the
-        nodes that came during training (0: none of these).
+        nodes that came during training (0: none of these; a question that carries the join's
+        start includes the joiners' countersign and fetch).
     skipped:
         Why training was skipped, if it was.
     members:
