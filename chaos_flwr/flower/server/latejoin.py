@@ -62,6 +62,9 @@ from flwr.serverapp.strategy import (
 )
 from flwr.supercore import log
 
+from chaos_flwr.defaults import FLOWER_DIRECT_TIMEOUT_S
+from chaos_flwr.flower.client.sponsors import FLOWER_COUNTERSIGN_S
+from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S
 from chaos_flwr.flower.held import elide_held
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 from chaos_flwr.flower.server.courier import Courier, PhaseSpec, message_kind
@@ -285,7 +288,7 @@ def during_round(
     joiners = [(n, p) for n, p in joiners if n not in holders and p in active]
     left = t0 + timeout - joins.clock()
     if joiners and donors and left > 0:
-        state = state or state_of()
+        state = state_of() if state is None else state
         then = "it takes the round's state in the round's join"
         sent, _ = joins.send_state(grid, joiners, donors, spec, state, left, rlog, then)
         taken += sent
@@ -302,10 +305,6 @@ def during_round(
 
 def _pulling_wait(size: int) -> float:
     """How long the question that carries the join's start waits (module docstring)."""
-    from chaos_flwr.defaults import FLOWER_DIRECT_TIMEOUT_S
-    from chaos_flwr.flower.client.sponsors import FLOWER_COUNTERSIGN_S
-    from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S
-
     links = FLOWER_COUNTERSIGN_S + FLOWER_DIRECT_TIMEOUT_S + 2 * FLOWER_LINK_WORKER_GRACE_S
     return FLOWER_LATE_JOIN_ASK_S + links + size / FLOWER_LATE_JOIN_HOLD_BPS
 
