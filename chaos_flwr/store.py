@@ -479,11 +479,14 @@ class ReplicaStore:
     def _prune(self) -> None:
         # no directory fsync here (one per put was a third of a 1 MiB put's time): a pruned
         # file that a power loss brings back is an older certified state, still verified on
-        # load, and the next put prunes it again
-        rounds = self.rounds()
-        for r in rounds[: max(0, len(rounds) - self.keep_rounds)]:
-            with contextlib.suppress(FileNotFoundError):
-                self.path_of(r).unlink()
+        # load, and the next put prunes it again. A file that cannot be removed (or a directory
+        # that cannot be listed) fails nothing: the state just put is stored, and the next put
+        # tries again
+        with contextlib.suppress(OSError):
+            rounds = self.rounds()
+            for r in rounds[: max(0, len(rounds) - self.keep_rounds)]:
+                with contextlib.suppress(OSError):
+                    self.path_of(r).unlink()
 
     def open(self, round_: int, *, verify: bool = True) -> Replica:
         """Open a stored round for serving byte ranges (verified by streaming unless told not to).

@@ -721,6 +721,40 @@ def test_a_joiner_whose_join_step_breaks_still_answers_and_takes_the_serverapps_
     assert any(e.startswith("join step failed: OSError") for e in w.party(3).errors)
 
 
+def test_a_join_step_takes_the_messages_news_before_it_looks_at_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a newcomer's first message may be the join's start: before it decides anything, the
+    # join step takes the records its daemon heard and the relay's refutations (a held state
+    # audited false is rolled back before "already held" is answered)
+    from chaos_flwr.flower.client import party as party_mod
+
+    w = World(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=1, timeout=10)
+    party = w.party(0)
+    seen: list[tuple[str, Any]] = []
+    heard, refutations = party_mod.gossipfile.take_heard, party_mod.proofs.take_refutations
+
+    def take_heard(p: Any, now: float) -> int:
+        seen.append(("heard", p.held_round))
+        return heard(p, now)
+
+    def take_refutations(p: Any, record: Any) -> None:
+        seen.append(("refuted", record.get("refuted")))
+        refutations(p, record)
+
+    monkeypatch.setattr(party_mod.gossipfile, "take_heard", take_heard)
+    monkeypatch.setattr(party_mod.proofs, "take_refutations", take_refutations)
+    rnd, digest = party.held_round, party.held_digest
+    record = ConfigRecord({"round": rnd, "digest": digest, "refuted": [b"an audit"]})
+    reply, _ = party.join_step(record, ConfigRecord({"op": "start"}), {})
+    assert reply["error"] == "already held"
+    assert seen == [("heard", rnd), ("refuted", [b"an audit"])]
+
+
 def test_a_newcomers_first_message_carries_the_refutations_whatever_its_phase(
     tmp_path: Path,
 ) -> None:

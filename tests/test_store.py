@@ -51,6 +51,29 @@ def test_put_get_latest_rounds_and_pruning(tmp_path: Path) -> None:
     ]
 
 
+def test_a_replica_that_cannot_be_pruned_fails_no_put(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the new state is written and stored; an old file that cannot be removed stays, and the
+    # next put that can prunes it
+    store = ReplicaStore(tmp_path, keep_rounds=1)
+    store.put(_state(1))
+    real_unlink = Path.unlink
+
+    def refuse(self: Path, missing_ok: bool = False) -> None:
+        if self.suffix == ".replica":
+            raise PermissionError(13, "Permission denied", str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    store.put(_state(2))
+    assert store.rounds() == [1, 2] and store.latest() is not None
+    assert store.get(2).same_as(_state(2))
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    store.put(_state(3))
+    assert store.rounds() == [3]
+
+
 def test_put_accepts_serialised_bytes_and_same_round_rules(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path)
     data = _state(3).to_bytes()

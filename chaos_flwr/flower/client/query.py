@@ -55,6 +55,8 @@ def chaos_reply(parties: Parties, content_in: RecordDict, context: Context) -> R
             why = f"{type(exc).__name__}: {exc}"
             party.errors.append(f"join step failed: {why}")
             ctl, requests = ConfigRecord({"status": "failed", "error": why}), {}
+            party.joining = None  # a pull that broke halfway is not taken up again
+            party.joins_done.append(ctl)
         extra[PULL_DATA_KEY] = ctl
         for donor, req in requests.items():
             extra[donor_key(donor)] = req

@@ -95,7 +95,7 @@ FLOWER_LATE_JOIN_ASK_S: float = 60.0
 #: Bytes per second at which a late joiner verifies and writes the state it fetched: the question
 #: that carries the join's start waits :data:`FLOWER_LATE_JOIN_ASK_S`, the countersign and
 #: direct-link bounds (:data:`~chaos_flwr.flower.client.sponsors.FLOWER_COUNTERSIGN_S`,
-#: :data:`~chaos_flwr.defaults.FLOWER_DIRECT_TIMEOUT_S`, each with the link worker's grace) and
+#: :data:`~chaos_flwr.defaults.FLOWER_DIRECT_TIMEOUT_S`, with the link workers' grace) and
 #: the state's bytes at this rate; a joiner whose reply comes later holds the state and trains
 #: in the next round.
 FLOWER_LATE_JOIN_HOLD_BPS: float = 50e6
@@ -305,7 +305,9 @@ def during_round(
 
 def _pulling_wait(size: int) -> float:
     """How long the question that carries the join's start waits (module docstring)."""
-    links = FLOWER_COUNTERSIGN_S + FLOWER_DIRECT_TIMEOUT_S + 2 * FLOWER_LINK_WORKER_GRACE_S
+    # the countersign calls, then the manifest and the fetch within one direct-link budget:
+    # each of the three runs in a worker waited for up to its grace past its bound
+    links = FLOWER_COUNTERSIGN_S + FLOWER_DIRECT_TIMEOUT_S + 3 * FLOWER_LINK_WORKER_GRACE_S
     return FLOWER_LATE_JOIN_ASK_S + links + size / FLOWER_LATE_JOIN_HOLD_BPS
 
 
