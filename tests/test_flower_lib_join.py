@@ -721,6 +721,16 @@ def test_a_joiner_whose_join_step_breaks_still_answers_and_takes_the_serverapps_
     assert any(e.startswith("join step failed: OSError") for e in w.party(3).errors)
 
 
+def _one_round(tmp_path: Path) -> tuple[World, ChaosStrategy]:
+    """Three founders after one round."""
+    w = World(tmp_path, 3)
+    for p in range(3):
+        w.add(p)
+    strategy = w.strategy()
+    strategy.start(w.grid, _initial(), num_rounds=1, timeout=10)
+    return w, strategy
+
+
 def test_a_join_step_takes_the_messages_news_before_it_looks_at_the_state(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -729,11 +739,7 @@ def test_a_join_step_takes_the_messages_news_before_it_looks_at_the_state(
     # audited false is rolled back before "already held" is answered)
     from chaos_flwr.flower.client import party as party_mod
 
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
-    strategy = w.strategy()
-    strategy.start(w.grid, _initial(), num_rounds=1, timeout=10)
+    w, _ = _one_round(tmp_path)
     party = w.party(0)
     seen: list[tuple[str, Any]] = []
     heard, refutations = party_mod.gossipfile.take_heard, party_mod.proofs.take_refutations
@@ -762,11 +768,7 @@ def test_a_newcomers_first_message_carries_the_refutations_whatever_its_phase(
     # so a party that comes back holding a state audited false rolls back before it pulls
     from chaos_flwr.flower.server.courier import PhaseSpec
 
-    w = World(tmp_path, 3)
-    for p in range(3):
-        w.add(p)
-    strategy = w.strategy()
-    strategy.start(w.grid, _initial(), num_rounds=1, timeout=10)
+    w, strategy = _one_round(tmp_path)
     courier = strategy.courier
     assert courier.proofs is not None
     courier.proofs.refuted[(1, b"x" * 32)] = b"signed audit"
