@@ -182,9 +182,7 @@ class JoinRelay:
         nodes = [n for n in grid.get_node_ids() if n not in courier.suspects]
         active = courier.active()
         holding = courier.holding(nodes, rnd, digest)
-        donors = [n for n in holding if active is None or courier.holders[n][0] in active][
-            : self.settings.max_donors
-        ]
+        donors = self.donors(holding, active)
         if not donors:
             return 0.0
         joiners: list[tuple[int, str]] = []
@@ -224,6 +222,14 @@ class JoinRelay:
             else:
                 log(WARNING, "Chaos: %s could not pull round %d: %s", jl.party, rnd, jl.error)
         return self.clock() - t0
+
+    def donors(self, holding: list[int], active: set[str] | None) -> list[int]:
+        """The donors of a join among the nodes ``holding`` the state: those whose party is
+        in ``active`` (every one when it is ``None``: an unsigned run), at most
+        :attr:`JoinSettings.max_donors`."""
+        holders = self.courier.holders
+        ok = [n for n in holding if active is None or holders[n][0] in active]
+        return ok[: self.settings.max_donors]
 
     def newcomers_first(
         self,

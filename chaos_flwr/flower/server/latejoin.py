@@ -266,9 +266,7 @@ def during_round(
         return []
     t0 = joins.clock()
     spec = PhaseSpec("join", rnd, digest)
-    holders = courier.holding(grid.get_node_ids(), rnd, digest)
-    active = view.active()
-    donors = [d for d in holders if courier.holders[d][0] in active][: joins.settings.max_donors]
+    donors = joins.donors(courier.holding(grid.get_node_ids(), rnd, digest), view.active())
     state: TrainingState | None = None
     taken: list[JoinLog] = []
     if donors and not joins.server_path(donors):
