@@ -102,10 +102,19 @@ FLOWER_RESUME_MIN_RECEIPTS: int = 1
 #: Lifetime of a ``query.chaos`` message, in phase timeouts (stale relay traffic expires).
 FLOWER_CHAOS_TTL_PHASES: float = 2.0
 #: Direct pulls (chaos_flwr.flower.fetch, over authenticated links to signed endpoints):
-#: bound of the manifest and all direct fetches of one pull step (below
-#: FLOWER_DEADLINE_FLOOR_S, so a joiner step's reply is in time; the largest request/reply:
-#: LINK_* below).
+#: the fixed part of the bound of the manifest and all direct fetches of one pull step (the
+#: largest request/reply: LINK_* below). The whole bound adds the state's bytes at
+#: FLOWER_DIRECT_MIN_BPS (``chaos_flwr.flower.fetch.direct_budget_s``), and the ServerApp
+#: waits for a step that pulls directly at least that long.
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
+#: The slowest total rate of a pull's direct links (bytes/s) that the direct-link bound still
+#: waits for: a state of ``n`` bytes is given FLOWER_DIRECT_TIMEOUT_S + n / this (23.4 s at
+#: 64 MiB, 64 s at 256 MiB), so a large state is not cut off at a fixed bound and handed to
+#: the slower relay; links slower than this fall back to the relay for what they still owe.
+FLOWER_DIRECT_MIN_BPS: float = 5e6
+#: The longest that bound gets, in seconds (a state over 1.5 GB needs links faster than
+#: FLOWER_DIRECT_MIN_BPS): half FLOWER_DEADLINE_CEILING_S, so a step's reply is in time.
+FLOWER_DIRECT_MAX_S: float = 300.0
 #: How long a ClientApp waits to connect to its own ``chaos-direct-addr`` to see whether the
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).
 FLOWER_DIRECT_PROBE_CONNECT_S: float = 0.5
@@ -316,8 +325,8 @@ MONITOR_MIN_STD_S: float = 0.1
 #: had no heartbeat due when it last answered); two in a row are.
 MONITOR_MIN_MISSED_CHECKS: int = 2
 #: Least a Chaos exchange waits for a node that has a reply history (its adaptive deadline is
-#: never shorter), in seconds; above FLOWER_DIRECT_TIMEOUT_S, so a joiner step that fetches
-#: directly still answers in time.
+#: never shorter), in seconds (a joiner's step that may fetch over direct links is waited for
+#: at least its own direct-link bound: ``chaos_flwr.flower.fetch.direct_step_wait_s``).
 FLOWER_DEADLINE_FLOOR_S: float = 15.0
 #: Most a Chaos exchange waits for any node, in seconds (also capped by ``start(timeout=)``);
 #: a node with no reply history yet (the first round) is waited for this long unless a phase

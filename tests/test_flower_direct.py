@@ -540,3 +540,42 @@ def test_a_fetch_that_breaks_before_any_link_returns_at_once(
                        timeout_s=5.0, link=access("e", net.records))  # fmt: skip
     assert time.monotonic() - t0 < 2.0  # not the 5 s + 5 s it waited before
     assert got[net.pid("a")].error == "the fetch failed: RuntimeError: no dialer"
+
+
+@pytest.mark.parametrize("min_bps", [0.1e6, 1e12])
+def test_a_direct_fetch_longer_than_the_fixed_bound_ends_over_the_links(
+    net: Net, min_bps: float
+) -> None:
+    # two donors at 0.2 MB/s each: the 160 KB state takes about 0.4 s over their links, past
+    # the fixed part of the bound (0.2 s). With the state's bytes at 0.1 MB/s added (1.8 s)
+    # every byte comes over the links; a bound that does not grow with the state (the
+    # rate's share 0) cuts the links off and the relay carries the rest
+    profile = parse_profile({"parties": {"replica": {"up_mb_s": 0.2}}})
+    for name in ("a", "b"):
+        net.serve(name, shaper=Shaper(profile, "replica", burst=4096))
+    relay = net.relay({})
+    pull = net.pull(["a", "b"], total_hint=len(DATA), direct_timeout_s=0.2, direct_min_bps=min_bps)
+    _check(pull, relay.run(pull))
+    direct = sum(pull.direct_bytes.values())
+    if min_bps < 1e6:
+        assert direct == len(DATA) and relay.shard_bytes == {}
+        assert pull.stats()["direct-fetch-s"] > 0.2  # longer than the fixed part alone
+    else:
+        assert direct < len(DATA) and sum(relay.shard_bytes.values()) >= len(DATA) - direct
+
+
+def test_the_direct_bound_grows_with_the_state_within_its_cap() -> None:
+    from chaos_flwr.defaults import FLOWER_DIRECT_MAX_S, FLOWER_DIRECT_TIMEOUT_S
+    from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S, direct_budget_s
+    from chaos_flwr.flower.fetch import direct_step_wait_s as wait
+
+    mib64 = 64 << 20
+    assert direct_budget_s(None) == direct_budget_s(0) == FLOWER_DIRECT_TIMEOUT_S
+    assert direct_budget_s(mib64) == pytest.approx(10.0 + mib64 / 5e6)  # 23.4 s
+    assert direct_budget_s(mib64, fixed_s=1.0, min_bps=1e6) == pytest.approx(1.0 + mib64 / 1e6)
+    assert direct_budget_s(16 << 30) == FLOWER_DIRECT_MAX_S  # at most the cap ...
+    assert direct_budget_s(16 << 30, fixed_s=400.0) == 400.0  # ... or the fixed part
+    assert wait(mib64) == pytest.approx(direct_budget_s(mib64) + 2 * FLOWER_LINK_WORKER_GRACE_S)
+    for bad in ({"min_bps": 0.0}, {"min_bps": -1.0}, {"fixed_s": -1.0}, {"min_bps": float("nan")}):
+        with pytest.raises(ConfigError, match="direct-link bound"):
+            direct_budget_s(1, **bad)  # type: ignore[arg-type]

@@ -41,12 +41,14 @@ from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
     FLOWER_DIRECT_BATCH_S,
+    FLOWER_DIRECT_MAX_S,
+    FLOWER_DIRECT_MIN_BPS,
     FLOWER_DIRECT_TIMEOUT_S,
     LINK_MAX_RANGES_PER_REQUEST,
     LINK_MAX_REPLY_BYTES,
     LINK_MAX_REPLY_FRAME_BYTES,
 )
-from chaos_flwr.errors import ChaosError, DecodeError, EndpointError, TransportError
+from chaos_flwr.errors import ChaosError, ConfigError, DecodeError, EndpointError, TransportError
 from chaos_flwr.membership import EndpointInfo
 from chaos_flwr.pull.negotiation import Decision, LinkResult, PullNegotiation
 from chaos_flwr.transport.links import LinkAccess, LinkDialer
@@ -57,6 +59,8 @@ __all__ = [
     "DirectResult",
     "Range",
     "carry_direct",
+    "direct_budget_s",
+    "direct_step_wait_s",
     "fetch_manifest",
     "fetch_ranges",
     "run_links",
@@ -527,6 +531,46 @@ def fetch_manifest(
     if why or not got:
         return None, why or "hung"
     return got[0]
+
+
+def direct_budget_s(
+    total: int | None,
+    *,
+    fixed_s: float = FLOWER_DIRECT_TIMEOUT_S,
+    min_bps: float = FLOWER_DIRECT_MIN_BPS,
+) -> float:
+    """The bound of one pull step's direct-link work (manifest and fetches) for a state of
+    ``total`` bytes: ``fixed_s`` plus ``total`` at ``min_bps``, at most
+    :data:`~chaos_flwr.defaults.FLOWER_DIRECT_MAX_S` (or ``fixed_s`` if that is longer).
+
+    Parameters
+    ----------
+    total
+        The state's size in bytes (``None`` before it is known: the fixed part only).
+    fixed_s
+        The fixed part (connections, handshakes, the manifest); default
+        :data:`~chaos_flwr.defaults.FLOWER_DIRECT_TIMEOUT_S`.
+    min_bps
+        The slowest total rate of the links still waited for; default
+        :data:`~chaos_flwr.defaults.FLOWER_DIRECT_MIN_BPS`.
+
+    Raises
+    ------
+    chaos_flwr.errors.ConfigError
+        ``fixed_s`` is negative or ``min_bps`` is not positive.
+    """
+    if not fixed_s >= 0 or not min_bps > 0:
+        raise ConfigError(
+            f"a direct-link bound needs fixed_s >= 0 and min_bps > 0 (got {fixed_s}, {min_bps})"
+        )
+    return max(fixed_s, min(fixed_s + max(total or 0, 0) / min_bps, FLOWER_DIRECT_MAX_S))
+
+
+def direct_step_wait_s(total: int | None) -> float:
+    """How long the ServerApp waits at least for a joiner's step that may pull ``total`` bytes
+    over direct links: :func:`direct_budget_s` and the grace of its two link workers (the
+    manifest's and the fetch's)."""
+    return direct_budget_s(total) + 2 * FLOWER_LINK_WORKER_GRACE_S
 
 
 def run_links(main: Callable[[], Coroutine[Any, Any, None]], timeout_s: float, name: str) -> str:

@@ -40,6 +40,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 from chaos_flwr import codec
 from chaos_flwr.defaults import (
     FLOWER_DIRECT_BATCH_BYTES,
+    FLOWER_DIRECT_MIN_BPS,
+    FLOWER_DIRECT_TIMEOUT_S,
     FLOWER_JOIN_MIN_SHARD_BYTES,
     PEER_MAX_RECORDS_PER_MESSAGE,
 )
@@ -102,6 +104,9 @@ class JoinerPull:
         Use donors' advertised direct addresses (:mod:`chaos_flwr.flower.direct`).
     direct_batch_bytes:
         Bytes asked per grpc request on a direct link.
+    direct_timeout_s, direct_min_bps:
+        The bound of a step's direct-link work: ``direct_timeout_s`` plus the state's bytes at
+        ``direct_min_bps`` (:func:`~chaos_flwr.flower.fetch.direct_budget_s`).
     clock:
         Monotonic clock for the direct links' budget and the session's times.
     link:
@@ -120,6 +125,8 @@ class JoinerPull:
         total_hint: int | None = None,
         direct: bool = True,
         direct_batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
+        direct_timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
+        direct_min_bps: float = FLOWER_DIRECT_MIN_BPS,
         clock: Callable[[], float] = time.monotonic,
         negotiation: PullNegotiation | None = None,
         link: LinkAccess | None = None,
@@ -137,6 +144,7 @@ class JoinerPull:
         )
         self.link = link
         self.direct_batch_bytes = direct_batch_bytes
+        self.direct_timeout_s, self.direct_min_bps = direct_timeout_s, direct_min_bps
         self.clock = clock
         #: Seconds spent on each kind of direct-link work (manifest, fetch) in this
         #: process: where a pull's time goes, beside its bytes (reported by :meth:`stats`).
@@ -213,11 +221,15 @@ class JoinerPull:
     def _carry(self, decision: Decision) -> tuple[str, dict[str, ConfigRecord]]:
         """Carry out the direct fetches the machine decides, within one budget; return what
         goes through the relay."""
-        from chaos_flwr.flower.fetch import carry_direct
+        from chaos_flwr.flower.fetch import carry_direct, direct_budget_s
 
+        n = self.negotiation  # its total: a size it planned for, at most max_state_bytes
+        budget = direct_budget_s(
+            n.total, fixed_s=self.direct_timeout_s, min_bps=self.direct_min_bps
+        )
         decision = carry_direct(
-            self.negotiation, decision, self.link, clock=self.clock,
-            batch_bytes=self.direct_batch_bytes, phase_s=self.phase_s,
+            n, decision, self.link, clock=self.clock, batch_bytes=self.direct_batch_bytes,
+            timeout_s=budget, phase_s=self.phase_s,
         )  # fmt: skip
         requests = {d: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
         return decision.status.value, requests if decision.status == Status.WANT else {}

@@ -391,12 +391,14 @@ class Courier:
         log_: RoundLog,
         more: MoreMessages | None = None,
         stop_on_config: bool = True,
+        at_least: float = 0.0,
     ) -> ExchangeResult:
         """Run one deadline-bounded exchange; absorb the parties' Chaos records. ``more``
         adds messages while it waits (``relay.exchange``): it is given ``taken`` to file the
         envelopes they carry. ``stop_on_config``: raise :class:`PartyConfigError` when every
         node addressed answered that its settings are wrong (not for an exchange with
-        newcomers only: a stray misconfigured node must not stop the run)."""
+        newcomers only: a stray misconfigured node must not stop the run). ``at_least``: the
+        least it waits (a step's own bound, longer than the nodes' reply times may show)."""
         dst = [m.metadata.dst_node_id for m in msgs]
         addressed = set(dst)
         # suspects are not waited for, unless every addressed node is one: then nothing would
@@ -406,7 +408,7 @@ class Courier:
         kinds: dict[int, str] = {}
         for m in msgs:
             kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
-        deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for))
+        deadline = min(timeout, max(at_least, self.times.exchange_deadline(kinds, wait_for)))
         timed = TimedGrid(grid, self.clock)
         pushed_at = self.clock()
         poll_s = self.phases.poll_interval_s

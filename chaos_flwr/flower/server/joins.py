@@ -48,6 +48,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from chaos_flwr import codec
+from chaos_flwr.flower.fetch import direct_step_wait_s
 from chaos_flwr.flower.schema import (
     PULL_DATA_KEY,
     donor_key,
@@ -91,6 +92,9 @@ class _Run:
     ctl: dict[int, ConfigRecord]
     replies: dict[int, dict[str, ConfigRecord]]
     t0: float
+    #: The least a step of these pulls is waited for: the joiners' own direct-link bound
+    #: when the donors announced endpoints (so a step that fetches directly is in time).
+    wait_s: float = 0.0
 
 
 @dataclass
@@ -504,6 +508,9 @@ class JoinRelay:
         start = self._start(donors, spec)
         if skip:
             start["skip"] = sorted(skip)
+        direct = "records" in start or any(
+            self.courier.holders[d][0] in self.direct_parties for d in donors
+        )
         return _Run(
             spec=spec,
             node_of={self.courier.holders[d][0]: d for d in donors},
@@ -514,6 +521,7 @@ class JoinRelay:
             ctl={n: start for n, _ in joiners},
             replies={n: {} for n, _ in joiners},
             t0=self.clock(),
+            wait_s=direct_step_wait_s(self._total) if direct else 0.0,
         )
 
     def _ask_joiners(
@@ -532,8 +540,9 @@ class JoinRelay:
             msg, taken[node] = courier.message(node, run.spec, content)
             msgs.append(msg)
         res = courier.exchange(
-            grid, msgs, taken, timeout=timeout, log_=rlog, stop_on_config=not newcomers
-        )
+            grid, msgs, taken, timeout=timeout, log_=rlog, stop_on_config=not newcomers,
+            at_least=run.wait_s,
+        )  # fmt: skip
         step = _Step()
         for node in pulling:
             jl = run.logs[node]
