@@ -112,8 +112,9 @@ FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: 64 MiB, 64 s at 256 MiB), so a large state is not cut off at a fixed bound and handed to
 #: the slower relay; links slower than this fall back to the relay for what they still owe.
 FLOWER_DIRECT_MIN_BPS: float = 5e6
-#: The longest that bound gets, in seconds (a state over 1.5 GB needs links faster than
-#: FLOWER_DIRECT_MIN_BPS): half FLOWER_DEADLINE_CEILING_S, so a step's reply is in time.
+#: The longest that bound gets, in seconds (a state over 1.45 GB needs links faster than
+#: FLOWER_DIRECT_MIN_BPS to come over them in one step): a joiner that crashed mid-pull holds
+#: its step at most this much longer than its reply history says.
 FLOWER_DIRECT_MAX_S: float = 300.0
 #: How long a ClientApp waits to connect to its own ``chaos-direct-addr`` to see whether the
 #: party daemon serves there (a loopback or local connect answers in well under a millisecond).

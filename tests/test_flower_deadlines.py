@@ -177,16 +177,18 @@ def test_a_chaos_query_lives_twice_its_nodes_deadline() -> None:
     assert msg.metadata.ttl == pytest.approx(2 * 4.0)  # 1.5 x 0.5 s is under the floor
 
 
-@pytest.mark.parametrize(("delay", "at_least", "answered"), [
+@pytest.mark.parametrize(("delay", "extra", "answered"), [
     (25.0, False, False),  # 25 s against its 15 s deadline: dropped, a suspect
-    (25.0, True, True),  # waited for the step's bound (33.4 s)
-    (45.0, True, False),  # no longer than that
+    (40.0, True, True),  # waited for its deadline and the step's bound (15 + 33.4 s)
+    (55.0, True, False),  # no longer than that
 ])  # fmt: skip
-def test_an_exchange_waits_at_least_a_steps_own_bound(
-    delay: float, at_least: bool, answered: bool
+def test_an_exchange_adds_a_steps_own_bound_to_the_deadline(
+    delay: float, extra: bool, answered: bool
 ) -> None:
     # a node's history says 1 s (a deadline at the 15 s floor); a step that may fetch a large
-    # state over direct links is waited for at least its own bound (a joiner's join step)
+    # state over direct links is waited for that bound longer (a joiner's join step), and its
+    # message lives as much longer (Flower refuses a reply to an expired message)
+    from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
     from chaos_flwr.flower.fetch import direct_step_wait_s
 
     clock = VClock()
@@ -194,17 +196,19 @@ def test_an_exchange_waits_at_least_a_steps_own_bound(
     (node,) = grid.get_node_ids()
     courier = Courier(Relay(), PhaseSettings(), clock=clock, sleep=clock.sleep)
     spec = PhaseSpec("join", 1, b"")
+    bound = direct_step_wait_s(64 << 20) if extra else 0.0  # 33.4 s
 
-    def exchange(wait: float) -> bool:
-        msg, taken = courier.message(node, spec)
+    def exchange(extra_s: float) -> bool:
+        msg, taken = courier.message(node, spec, extra_s=extra_s)
         res = courier.exchange(grid, [msg], {node: taken}, timeout=3600, log_=RoundLog(1),
-                               at_least=wait)  # fmt: skip
+                               extra_s=extra_s)  # fmt: skip
         return node in res.replies
 
     assert exchange(0.0)  # history: 1 s
     floor = courier.phases.deadline_floor_s
     assert courier.times.deadline("join:query.chaos", node) == floor
-    bound = direct_step_wait_s(64 << 20)  # 33.4 s
+    msg, _ = courier.message(node, spec, extra_s=bound)
+    assert msg.metadata.ttl == pytest.approx((floor + bound) * FLOWER_CHAOS_TTL_PHASES)
     grid.node(node).delay_s = delay
-    assert exchange(bound if at_least else 0.0) is answered
+    assert exchange(bound) is answered
     assert (node in courier.suspects) is not answered

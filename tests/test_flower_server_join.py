@@ -423,3 +423,56 @@ def test_a_newcomer_that_already_holds_the_base_is_not_logged_as_a_join() -> Non
         SimpleNamespace(), [7, 8], [1], PhaseSpec("join", 3, digest), 5.0, RoundLog(4), total=10
     )  # type: ignore[arg-type]
     assert [(jl.node, jl.party, jl.total_bytes) for jl in done] == [(8, "pc", 10)]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_joiners_step_is_waited_for_its_direct_link_bound_when_a_donor_serves_links(
+    direct: bool,
+) -> None:
+    # the joiner's history says 1 s: a 40 s step is past its 15 s deadline. When a donor is
+    # known to serve direct links the joiner may fetch a 64 MiB state over them in the step,
+    # bounded by direct_budget_s: the ServerApp waits that much longer, and its message lives
+    # that much longer
+    from fake_grid import FakeGrid
+    from flwr.app import RecordDict
+    from test_flower_strategy import VClock
+
+    from chaos_flwr.defaults import FLOWER_CHAOS_TTL_PHASES
+    from chaos_flwr.flower.fetch import direct_step_wait_s
+
+    clock = VClock()
+    grid = FakeGrid(clock=clock)
+    ttls: list[float] = []
+
+    def joiner(msg: Message, _ctx: Any) -> Message:
+        reply = ConfigRecord({"status": "failed", "error": "the links broke"})
+        return Message(RecordDict({PULL_DATA_KEY: reply}), reply_to=msg)
+
+    push = grid.push_messages
+
+    def pushed(msgs: Any) -> Any:  # the lifetime as sent (the handler sees a copy)
+        msgs = list(msgs)
+        ttls.extend(m.metadata.ttl for m in msgs)
+        return push(msgs)
+
+    grid.push_messages = pushed  # type: ignore[method-assign]
+    donor_node = grid.add_node(joiner).node_id
+    node = grid.add_node(joiner).node_id
+    courier = Courier(Relay(), PhaseSettings(), clock=clock, sleep=clock.sleep)
+    courier.holders = {donor_node: ("a", 2, b"d")}
+    courier.relay.bind("b", node)
+    courier.times.observe("join:query.chaos", node, 1.0)
+    relay = JoinRelay(courier, JoinSettings(source="peers"), clock=clock)
+    if direct:
+        relay.direct_parties.add("a")  # a named a direct address in a pull it served
+    grid.node(node).delay_s = 40.0
+    rlog = RoundLog(3)
+    relay.pull(grid, 2, b"d", rlog, timeout=3600, total=64 << 20)
+    (jl,) = rlog.joins
+    assert jl.party == "b" and not jl.ok
+    extra = direct_step_wait_s(64 << 20) if direct else 0.0
+    assert ttls == [pytest.approx((15.0 + extra) * FLOWER_CHAOS_TTL_PHASES)]
+    if direct:
+        assert jl.error == "the links broke" and node not in courier.suspects
+    else:
+        assert jl.error == "the joiner did not answer" and node in courier.suspects

@@ -609,6 +609,7 @@ def carry_direct(
     clock: Callable[[], float],
     batch_bytes: int = FLOWER_DIRECT_BATCH_BYTES,
     timeout_s: float = FLOWER_DIRECT_TIMEOUT_S,
+    manifest_s: float | None = None,
     phase_s: dict[str, float] | None = None,
 ) -> Decision:
     """Carry out ``pull``'s direct-link decisions (a manifest, shard fetches) until it asks
@@ -616,15 +617,16 @@ def carry_direct(
 
     The one executor of a pull's direct links, for a joiner and for a restarted ServerApp's
     resume alike. ``link`` ``None`` (a pull saved with addresses, taken up without
-    credentials) fails every link, so the relay carries everything. Seconds spent per phase
-    (``manifest``, ``fetch``) are added to ``phase_s``.
+    credentials) fails every link, so the relay carries everything. A manifest request is
+    bounded by ``manifest_s`` too, when given (it is small, whatever the state's size).
+    Seconds spent per phase (``manifest``, ``fetch``) are added to ``phase_s``.
     """
     until = clock() + timeout_s
     while decision.manifest or decision.direct:
         began = clock()
         left = max(until - began, 0.001)
         if decision.manifest:
-            phase = "manifest"
+            phase, left = "manifest", left if manifest_s is None else min(left, manifest_s)
             ((donor, (addr, ask)),) = decision.manifest.items()
             raw, why = (None, "no link credentials") if link is None else fetch_manifest(
                 {donor: addr}, donor, (ask.total, ask.shard_bytes, ask.num_shards),

@@ -106,7 +106,8 @@ class JoinerPull:
         Bytes asked per grpc request on a direct link.
     direct_timeout_s, direct_min_bps:
         The bound of a step's direct-link work: ``direct_timeout_s`` plus the state's bytes at
-        ``direct_min_bps`` (:func:`~chaos_flwr.flower.fetch.direct_budget_s`).
+        ``direct_min_bps`` (:func:`~chaos_flwr.flower.fetch.direct_budget_s`); a manifest
+        request has ``direct_timeout_s`` at most.
     clock:
         Monotonic clock for the direct links' budget and the session's times.
     link:
@@ -229,7 +230,7 @@ class JoinerPull:
         )
         decision = carry_direct(
             n, decision, self.link, clock=self.clock, batch_bytes=self.direct_batch_bytes,
-            timeout_s=budget, phase_s=self.phase_s,
+            timeout_s=budget, manifest_s=self.direct_timeout_s, phase_s=self.phase_s,
         )  # fmt: skip
         requests = {d: ConfigRecord(r.to_value()) for d, r in decision.relay.items()}  # type: ignore[arg-type]
         return decision.status.value, requests if decision.status == Status.WANT else {}

@@ -321,8 +321,10 @@ class Courier:
         *,
         inner: Message | None = None,
         strategy_state: bytes | None = None,
+        extra_s: float = 0.0,
     ) -> tuple[Message, list[bytes]]:
-        """A message for ``node`` with its relay envelopes attached (and which were taken)."""
+        """A message for ``node`` with its relay envelopes attached (and which were taken);
+        ``extra_s``: as :meth:`exchange`'s (the message lives that much longer)."""
         envs = self.relay.take(node)
         record = server_record(
             envs,
@@ -366,7 +368,7 @@ class Courier:
         if audit is not None:
             pack_updates(audit.updates, content)
         # it outlives its phase only briefly (the node's deadline): no stale backlog for a dead node
-        wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node)
+        wait = self.times.deadline(f"{spec.phase}:{CHAOS_MESSAGE_TYPE}", node) + extra_s
         msg = Message(
             content,
             dst_node_id=node,
@@ -391,14 +393,14 @@ class Courier:
         log_: RoundLog,
         more: MoreMessages | None = None,
         stop_on_config: bool = True,
-        at_least: float = 0.0,
+        extra_s: float = 0.0,
     ) -> ExchangeResult:
         """Run one deadline-bounded exchange; absorb the parties' Chaos records. ``more``
         adds messages while it waits (``relay.exchange``): it is given ``taken`` to file the
         envelopes they carry. ``stop_on_config``: raise :class:`PartyConfigError` when every
         node addressed answered that its settings are wrong (not for an exchange with
-        newcomers only: a stray misconfigured node must not stop the run). ``at_least``: the
-        least it waits (a step's own bound, longer than the nodes' reply times may show)."""
+        newcomers only: a stray misconfigured node must not stop the run). ``extra_s``: added
+        to the nodes' deadlines (a step's own bound, beyond what their reply times show)."""
         dst = [m.metadata.dst_node_id for m in msgs]
         addressed = set(dst)
         # suspects are not waited for, unless every addressed node is one: then nothing would
@@ -408,7 +410,7 @@ class Courier:
         kinds: dict[int, str] = {}
         for m in msgs:
             kinds.setdefault(m.metadata.dst_node_id, message_kind(m))
-        deadline = min(timeout, max(at_least, self.times.exchange_deadline(kinds, wait_for)))
+        deadline = min(timeout, self.times.exchange_deadline(kinds, wait_for) + extra_s)
         timed = TimedGrid(grid, self.clock)
         pushed_at = self.clock()
         poll_s = self.phases.poll_interval_s

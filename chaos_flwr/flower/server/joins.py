@@ -92,9 +92,8 @@ class _Run:
     ctl: dict[int, ConfigRecord]
     replies: dict[int, dict[str, ConfigRecord]]
     t0: float
-    #: The least a step of these pulls is waited for: the joiners' own direct-link bound
-    #: when the donors announced endpoints (so a step that fetches directly is in time).
-    wait_s: float = 0.0
+    #: Whether the start carried the donors' signed endpoint records (a joiner may dial them).
+    announced: bool = False
 
 
 @dataclass
@@ -508,9 +507,6 @@ class JoinRelay:
         start = self._start(donors, spec)
         if skip:
             start["skip"] = sorted(skip)
-        direct = "records" in start or any(
-            self.courier.holders[d][0] in self.direct_parties for d in donors
-        )
         return _Run(
             spec=spec,
             node_of={self.courier.holders[d][0]: d for d in donors},
@@ -521,7 +517,7 @@ class JoinRelay:
             ctl={n: start for n, _ in joiners},
             replies={n: {} for n, _ in joiners},
             t0=self.clock(),
-            wait_s=direct_step_wait_s(self._total) if direct else 0.0,
+            announced="records" in start,
         )
 
     def _ask_joiners(
@@ -531,17 +527,22 @@ class JoinRelay:
         """One exchange with every joiner still pulling; their requests become donor messages.
         ``newcomers``: they are nodes not yet heard from (a misconfigured one stops nothing)."""
         courier = self.courier
+        # a joiner that may fetch over direct links in this step is waited for (and its message
+        # lives) that much longer than its reply history says: the donors announced endpoints,
+        # or one named a direct address in a reply
+        direct = run.announced or any(p in self.direct_parties for p in run.node_of)
+        extra = direct_step_wait_s(self._total) if direct else 0.0
         msgs: list[Message] = []
         taken: dict[int, list[bytes]] = {}
         for node in pulling:
             content = RecordDict({PULL_DATA_KEY: run.ctl[node]})
             for dparty, rec in run.replies[node].items():
                 content[donor_key(dparty)] = rec
-            msg, taken[node] = courier.message(node, run.spec, content)
+            msg, taken[node] = courier.message(node, run.spec, content, extra_s=extra)
             msgs.append(msg)
         res = courier.exchange(
             grid, msgs, taken, timeout=timeout, log_=rlog, stop_on_config=not newcomers,
-            at_least=run.wait_s,
+            extra_s=extra,
         )  # fmt: skip
         step = _Step()
         for node in pulling:

@@ -30,7 +30,8 @@ joiner that comes near the end of training lengthens that round by about its own
 asking a node that never answers holds the exchange's next pull up for
 :data:`FLOWER_LATE_JOIN_ASK_S` once (more when the question carries the join's start: the
 countersign and direct-link bounds, and the state's bytes at :data:`FLOWER_LATE_JOIN_HOLD_BPS`;
-a node's first deadline, :attr:`PhaseSettings.first_deadline_s`, caps either wait).
+a node's first deadline, :attr:`PhaseSettings.first_deadline_s`, caps either wait, with the
+direct-link bound added when the question carries the start).
 Nothing is added once the run's timeout has passed since the exchange began, and each added
 wait ends by then. A newcomer whose party
 already has the round's train message (its SuperNode restarted) takes nothing (the start
