@@ -105,7 +105,7 @@ FLOWER_CHAOS_TTL_PHASES: float = 2.0
 #: the fixed part of the bound of the manifest and all direct fetches of one pull step (the
 #: largest request/reply: LINK_* below). The whole bound adds the state's bytes at
 #: FLOWER_DIRECT_MIN_BPS (``chaos_flwr.flower.fetch.direct_budget_s``), and the ServerApp
-#: waits for a step that pulls directly at least that long.
+#: waits for a step that may pull directly that much longer than the joiner's deadline.
 FLOWER_DIRECT_TIMEOUT_S: float = 10.0
 #: The slowest total rate of a pull's direct links (bytes/s) that the direct-link bound still
 #: waits for: a state of ``n`` bytes is given FLOWER_DIRECT_TIMEOUT_S + n / this (23.4 s at
@@ -327,7 +327,7 @@ MONITOR_MIN_STD_S: float = 0.1
 MONITOR_MIN_MISSED_CHECKS: int = 2
 #: Least a Chaos exchange waits for a node that has a reply history (its adaptive deadline is
 #: never shorter), in seconds (a joiner's step that may fetch over direct links is waited for
-#: at least its own direct-link bound: ``chaos_flwr.flower.fetch.direct_step_wait_s``).
+#: its own direct-link bound longer: ``chaos_flwr.flower.fetch.direct_step_wait_s``).
 FLOWER_DEADLINE_FLOOR_S: float = 15.0
 #: Most a Chaos exchange waits for any node, in seconds (also capped by ``start(timeout=)``);
 #: a node with no reply history yet (the first round) is waited for this long unless a phase

@@ -567,9 +567,9 @@ def direct_budget_s(
 
 
 def direct_step_wait_s(total: int | None) -> float:
-    """How long the ServerApp waits at least for a joiner's step that may pull ``total`` bytes
-    over direct links: :func:`direct_budget_s` and the grace of its two link workers (the
-    manifest's and the fetch's)."""
+    """How much longer than a joiner's deadline the ServerApp waits for its step that may pull
+    ``total`` bytes over direct links: :func:`direct_budget_s` and the grace of its two link
+    workers (the manifest's and the fetch's)."""
     return direct_budget_s(total) + 2 * FLOWER_LINK_WORKER_GRACE_S
 
 
