@@ -64,7 +64,7 @@ from flwr.serverapp.strategy import (
 from flwr.supercore import log
 
 from chaos_flwr.flower.client.sponsors import FLOWER_COUNTERSIGN_S
-from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S, direct_budget_s
+from chaos_flwr.flower.fetch import FLOWER_LINK_WORKER_GRACE_S, direct_step_wait_s
 from chaos_flwr.flower.held import elide_held
 from chaos_flwr.flower.schema import CHAOS_RECORD_KEY
 from chaos_flwr.flower.server.courier import Courier, PhaseSpec, message_kind
@@ -95,10 +95,9 @@ FLOWER_LATE_JOIN_ASK_S: float = 60.0
 #: Bytes per second at which a late joiner verifies and writes the state it fetched: the question
 #: that carries the join's start waits :data:`FLOWER_LATE_JOIN_ASK_S`, the countersign and
 #: direct-link bounds (:data:`~chaos_flwr.flower.client.sponsors.FLOWER_COUNTERSIGN_S`,
-#: :func:`~chaos_flwr.flower.fetch.direct_budget_s` of the state, with the link workers'
-#: grace) and
-#: the state's bytes at this rate; a joiner whose reply comes later holds the state and trains
-#: in the next round.
+#: :func:`~chaos_flwr.flower.fetch.direct_step_wait_s` of the state, with the link workers'
+#: grace) and the state's bytes at this rate; a joiner whose reply comes later holds the
+#: state and trains in the next round.
 FLOWER_LATE_JOIN_HOLD_BPS: float = 50e6
 #: Inner strategies whose aggregation is for exactly the nodes sampled (Flower's
 #: differential-privacy wrappers: noise and accounting for that count; they refuse more
@@ -306,7 +305,7 @@ def _pulling_wait(size: int) -> float:
     """How long the question that carries the join's start waits (module docstring)."""
     # the countersign calls, then the manifest and the fetch within one direct-link budget:
     # each of the three runs in a worker waited for up to its grace past its bound
-    links = FLOWER_COUNTERSIGN_S + direct_budget_s(size) + 3 * FLOWER_LINK_WORKER_GRACE_S
+    links = FLOWER_COUNTERSIGN_S + FLOWER_LINK_WORKER_GRACE_S + direct_step_wait_s(size)
     return FLOWER_LATE_JOIN_ASK_S + links + size / FLOWER_LATE_JOIN_HOLD_BPS
 
 
